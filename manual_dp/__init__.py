@@ -1,0 +1,27 @@
+"""manual_dp: data-parallel LeNet training on MXNet, written by hand.
+
+Names are imported lazily, so `import manual_dp` does no work and `python -m manual_dp.train`
+runs its module once.
+"""
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "load_fashion_mnist": "data", "batches": "data",
+    "init_lenet_params": "model", "lenet": "model", "cross_entropy": "model",
+    "get_params": "parallel", "split_and_load": "parallel", "allreduce": "parallel",
+    "train_batch": "step", "DataParallel": "step",
+    "train": "train", "evaluate": "train",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'manual_dp' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+
+
+def __dir__():
+    return __all__ + ["__version__"]

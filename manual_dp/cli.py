@@ -1,0 +1,118 @@
+"""Command-line plumbing: flags, contexts, progress bar, JSON log and checkpoints around train()."""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line and exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def build_parser():
+    p = OneLineParser(prog="python -m manual_dp.train",
+                      description="Train LeNet on Fashion-MNIST with hand-written data parallelism.",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    dev = p.add_mutually_exclusive_group()
+    dev.add_argument("--gpus", type=int, help="train on gpu(0..N-1) (default: all GPUs, else 2 CPU contexts)")
+    dev.add_argument("--cpus", type=int, help="train on cpu(0..N-1)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=256, help="global batch, split over the contexts")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="momentum")
+    p.add_argument("--init-scale", type=float, default=None,
+                   help="std of normal(0, s) weights; default He init; 0.01 is the lesson's")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", help="directory with the four Fashion-MNIST IDX .gz files "
+                   "(default: $MANUAL_DP_DATA, then Debian's package, then MXNet's cache)")
+    p.add_argument("--train-size", type=int, help="use only the first N training examples")
+    p.add_argument("--test-size", type=int, help="use only the first N test examples")
+    p.add_argument("--log-json", help="write one JSON object per epoch to this file")
+    p.add_argument("--checkpoint-dir", help="save a checkpoint here at the end of every epoch")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+    return p
+
+
+def check_args(args):
+    """Raise UsageError for values no run can use."""
+    for name in ("epochs", "batch_size", "gpus", "cpus", "train_size", "test_size"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "epochs" else 1):
+            raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'epochs' else 'positive'}, got {value}")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be positive, got {args.lr}")
+    if args.init_scale is not None and not args.init_scale > 0:
+        raise UsageError(f"--init-scale must be positive, got {args.init_scale}")
+    if args.resume and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir")
+
+
+def contexts(args):
+    """The contexts named by --gpus/--cpus; by default every GPU, else two CPU contexts."""
+    import mxnet as mx
+    from .parallel import cpus, try_gpus
+    if args.gpus is not None:
+        return try_gpus(args.gpus)
+    if args.cpus is not None:
+        return cpus(args.cpus)
+    n = mx.context.num_gpus()
+    return try_gpus(n) if n else cpus(2)
+
+
+# Settings that must match for --resume to continue the same run.
+RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "train_size", "test_size")
+
+
+def write_atomic(path, text):
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_log(path, history):
+    """The whole history as JSON lines, replaced atomically so it always matches a checkpoint."""
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in history))
+
+
+class Progress:
+    """A one-line progress bar on a terminal's stderr; silent elsewhere."""
+
+    def __init__(self, epoch, epochs, enabled):
+        self.prefix, self.enabled = f"epoch {epoch}/{epochs}", enabled
+
+    def __call__(self, done, total):
+        if self.enabled and (done == total or done % 5 == 0):
+            filled = 30 * done // total
+            sys.stderr.write(f"\r{self.prefix} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
+            sys.stderr.flush()
+
+    def close(self):
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 60 + "\r")
+
+
+def format_record(r, epochs):
+    return (f"epoch {r['epoch']}/{epochs}  loss {r['train_loss']:.4f}  train acc {r['train_acc']:.3f}  "
+            f"test acc {r['test_acc']:.3f}  {r['epoch_sec']:.1f} s  {r['images_per_sec']:.0f} img/s")
+
+
+def fail(message, code):
+    print(f"manual_dp.train: error: {message}", file=sys.stderr)
+    return code
+
+
+def rng_from(seed, state=None):
+    rng = np.random.default_rng(seed)
+    if state is not None:
+        rng.bit_generator.state = state
+    return rng

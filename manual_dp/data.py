@@ -1,0 +1,121 @@
+"""Fashion-MNIST: find the IDX files, verify and load them, and iterate in memory."""
+import gzip
+import os
+import struct
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", 60000),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", 10000),
+}
+DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
+MXNET_CACHE = "~/.mxnet/datasets/fashion-mnist"
+DOWNLOAD_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+HOW_TO_GET = ("install Debian's package (apt-get install -y dataset-fashion-mnist) "
+              "or pass --data-dir DIR holding the four IDX .gz files")
+
+
+class DataError(Exception):
+    """The data set is missing, truncated or corrupt; the message says which file."""
+
+
+def _has_all(d):
+    return all((d / name).is_file() for imgs, lbls, _ in FILES.values() for name in (imgs, lbls))
+
+
+def candidate_dirs(data_dir=None):
+    """Where to look, in order: --data-dir, $MANUAL_DP_DATA, Debian's package, MXNet's cache."""
+    if data_dir is not None:
+        return [Path(data_dir)]
+    dirs = [Path(os.environ["MANUAL_DP_DATA"])] if os.environ.get("MANUAL_DP_DATA") else []
+    return dirs + [Path(DEBIAN_DIR), Path(MXNET_CACHE).expanduser()]
+
+
+def download(dest, url=DOWNLOAD_URL, timeout=20):
+    """Fetch the four files into `dest` (atomically, one file at a time)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for imgs, lbls, _ in FILES.values():
+        for name in (imgs, lbls):
+            if (dest / name).is_file():
+                continue
+            tmp = dest / (name + ".part")
+            try:
+                with urllib.request.urlopen(url + name, timeout=timeout) as r, open(tmp, "wb") as f:
+                    f.write(r.read())
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise DataError(f"Fashion-MNIST not found locally and the download of {name} "
+                                f"failed ({e}); {HOW_TO_GET}") from None
+            os.replace(tmp, dest / name)
+
+
+def find_data_dir(data_dir=None, allow_download=True):
+    """The first directory holding all four files; an explicit --data-dir must hold them."""
+    dirs = candidate_dirs(data_dir)
+    for d in dirs:
+        if _has_all(d):
+            return d
+    if data_dir is not None:
+        if not Path(data_dir).is_dir():
+            raise DataError(f"--data-dir {data_dir} does not exist; {HOW_TO_GET}")
+        missing = [n for i, l, _ in FILES.values() for n in (i, l) if not (Path(data_dir) / n).is_file()]
+        raise DataError(f"--data-dir {data_dir} lacks {', '.join(missing)}; {HOW_TO_GET}")
+    if not allow_download:
+        raise DataError(f"Fashion-MNIST not found in {', '.join(map(str, dirs))}; {HOW_TO_GET}")
+    download(dirs[-1])
+    return dirs[-1]
+
+
+def read_idx(path, magic, expected_shape):
+    """The array stored in a gzipped IDX file, after checking magic number and shape."""
+    header_len = 8 if magic == 2049 else 16
+    try:
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: not a readable gzip file ({e})") from None
+    if len(raw) < header_len:
+        raise DataError(f"{path}: truncated header ({len(raw)} bytes)")
+    got_magic, *dims = struct.unpack(">" + "I" * (header_len // 4), raw[:header_len])
+    if got_magic != magic:
+        raise DataError(f"{path}: bad magic number {got_magic}, expected {magic}")
+    if tuple(dims[1:]) != tuple(expected_shape[1:]) or dims[0] < 1:
+        raise DataError(f"{path}: shape {tuple(dims)} does not match {expected_shape}")
+    expected_bytes = int(np.prod(dims))
+    if len(raw) - header_len != expected_bytes:
+        raise DataError(f"{path}: {len(raw) - header_len} data bytes, header promises {expected_bytes}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header_len).reshape(dims)
+
+
+def load_split(directory, split):
+    """(images float32 (N, 1, 28, 28) in [0, 1], labels int32 (N,)) of one split."""
+    imgs_name, lbls_name, _ = FILES[split]
+    images = read_idx(Path(directory) / imgs_name, 2051, (None, 28, 28))
+    labels = read_idx(Path(directory) / lbls_name, 2049, (None,))
+    if len(images) != len(labels):
+        raise DataError(f"{Path(directory) / imgs_name}: {len(images)} images "
+                        f"but {len(labels)} labels in {lbls_name}")
+    if labels.max() > 9:
+        raise DataError(f"{Path(directory) / lbls_name}: label {labels.max()} outside 0..9")
+    return (images.astype(np.float32) / 255.0)[:, None], labels.astype(np.int32)
+
+
+def load_fashion_mnist(data_dir=None, train_size=None, test_size=None, allow_download=True):
+    """((X_train, y_train), (X_test, y_test)) as numpy arrays, optionally cut to the first N."""
+    directory = find_data_dir(data_dir, allow_download)
+    (Xtr, ytr), (Xte, yte) = load_split(directory, "train"), load_split(directory, "test")
+    return (Xtr[:train_size], ytr[:train_size]), (Xte[:test_size], yte[:test_size])
+
+
+def batches(X, y, batch_size, rng=None):
+    """Yield (X_batch, y_batch) numpy slices; shuffled by `rng` when given; keeps the last short batch."""
+    order = rng.permutation(len(X)) if rng is not None else None
+    for start in range(0, len(X), batch_size):
+        if order is None:
+            yield X[start:start + batch_size], y[start:start + batch_size]
+        else:
+            idx = order[start:start + batch_size]
+            yield X[idx], y[idx]

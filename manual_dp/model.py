@@ -1,0 +1,52 @@
+"""LeNet as a pure function over a flat list of parameters (the lesson's network)."""
+import mxnet as mx
+import numpy as np
+from mxnet import nd
+
+# (name, shape) of the 8 parameters, in order: W1, b1, W2, b2, W3, b3, W4, b4.
+LENET_SHAPES = [
+    ("W1", (20, 1, 3, 3)), ("b1", (20,)),
+    ("W2", (50, 20, 5, 5)), ("b2", (50,)),
+    ("W3", (800, 128)), ("b3", (128,)),
+    ("W4", (128, 10)), ("b4", (10,)),
+]
+
+
+def init_lenet_params(seed=0, scale=None, ctx=None):
+    """Fresh LeNet parameters on `ctx` (default cpu(0)), reproducible from `seed`.
+
+    scale=None draws He-normal weights (std sqrt(2 / fan_in)), which trains fast;
+    scale=0.01 reproduces the lesson's normal(0, 0.01) initialisation. Biases are zero.
+    """
+    ctx = ctx or mx.cpu(0)
+    rng = np.random.RandomState(seed)
+    params = []
+    for name, shape in LENET_SHAPES:
+        if name.startswith("b"):
+            value = np.zeros(shape, dtype=np.float32)
+        else:
+            fan_in = shape[0] if len(shape) == 2 else int(np.prod(shape[1:]))
+            std = scale if scale is not None else np.sqrt(2.0 / fan_in)
+            value = rng.normal(0.0, std, size=shape).astype(np.float32)
+        params.append(nd.array(value, ctx=ctx))
+    return params
+
+
+def conv_block(X, W, b):
+    """Convolution, ReLU, 2x2 average pooling."""
+    h = nd.Convolution(data=X, weight=W, bias=b, kernel=W.shape[2:], num_filter=W.shape[0])
+    return nd.Pooling(data=nd.relu(h), pool_type="avg", kernel=(2, 2), stride=(2, 2))
+
+
+def lenet(X, params):
+    """Class scores (B, 10) for images X (B, 1, 28, 28); params live on X's context."""
+    W1, b1, W2, b2, W3, b3, W4, b4 = params
+    h = conv_block(X, W1, b1)                      # (B, 20, 13, 13)
+    h = conv_block(h, W2, b2)                      # (B, 50, 4, 4)
+    h = nd.relu(nd.dot(h.reshape((0, -1)), W3) + b3)  # (B, 128)
+    return nd.dot(h, W4) + b4                      # (B, 10)
+
+
+def cross_entropy(y_hat, y):
+    """Per-example softmax cross-entropy (B,) of scores y_hat (B, C) and labels y (B,)."""
+    return -nd.pick(nd.log_softmax(y_hat), y)

@@ -1,0 +1,73 @@
+"""One synchronous data-parallel step: the lesson's train_batch, and the replicas that take it."""
+from mxnet import autograd, nd
+
+from .model import cross_entropy, lenet
+from .optim import apply_update, init_states
+from .parallel import allreduce, get_params, split_and_load
+
+
+def n_correct(scores, y):
+    """Number of rows of `scores` whose argmax equals `y`, as a 1-element NDArray."""
+    return (scores.argmax(axis=1) == y.astype(scores.dtype)).sum()
+
+
+def forward_backward(X_shards, y_shards, device_params):
+    """Record every context's forward pass, then run each backward; the gradients are of loss sums."""
+    with autograd.record():
+        scores = [lenet(X, W) for X, W in zip(X_shards, device_params)]
+        losses = [cross_entropy(s, y) for s, y in zip(scores, y_shards)]
+    for l in losses:
+        l.backward()
+    return [(l.sum(), n_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)]
+
+
+def train_batch(X, y, device_params, ctx, lr, allreduce_fn=allreduce,
+                optimizer="sgd", states=None, t=1):
+    """One synchronous step: afterwards every replica equals one optimiser step on the whole batch.
+
+    Returns per-context (loss sum, number correct) NDArrays, left on their devices.
+    """
+    X_shards, y_shards = split_and_load(X, ctx), split_and_load(y, ctx)
+    metrics = forward_backward(X_shards, y_shards, device_params)
+    for i in range(len(device_params[0])):
+        allreduce_fn([W[i].grad for W in device_params])
+    states = states or [init_states(W, optimizer) for W in device_params]
+    for W, s in zip(device_params, states):
+        apply_update(W, s, optimizer, lr, t, X.shape[0])
+    return metrics
+
+
+class DataParallel:
+    """A replica of the parameters on every context, updated in lock-step."""
+
+    def __init__(self, params, ctx, optimizer="sgd", allreduce_fn=allreduce):
+        self.ctx, self.optimizer, self.allreduce_fn = list(ctx), optimizer, allreduce_fn
+        self.replicas = [get_params(params, c) for c in self.ctx]
+        self.states = [init_states(W, optimizer) for W in self.replicas]
+        self.t = 0
+
+    def step(self, X, y, lr):
+        self.t += 1
+        return train_batch(X, y, self.replicas, self.ctx, lr, self.allreduce_fn,
+                           self.optimizer, self.states, self.t)
+
+    def correct(self, X, y):
+        """Correct predictions on (X, y), sharded over every context (idle ones if X is tiny)."""
+        ctx = self.ctx[:min(len(self.ctx), len(X))]
+        counts = [n_correct(lenet(Xs, W), ys).copyto(ctx[0]) for Xs, ys, W in
+                  zip(split_and_load(X, ctx), split_and_load(y, ctx), self.replicas)]
+        return nd.add_n(*counts) if len(counts) > 1 else counts[0]
+
+    def state_dict(self):
+        """Host copies of the parameters and optimiser state (all replicas are identical)."""
+        return {"params": [p.asnumpy() for p in self.replicas[0]],
+                "opt_state": [[s.asnumpy() for s in st] for st in self.states[0]], "t": self.t}
+
+    def load_state_dict(self, state):
+        for W, S in zip(self.replicas, self.states):
+            for p, value in zip(W, state["params"]):
+                p[:] = nd.array(value, ctx=p.context)
+            for st, values in zip(S, state["opt_state"]):
+                for s, value in zip(st, values):
+                    s[:] = nd.array(value, ctx=s.context)
+        self.t = state["t"]

@@ -1,0 +1,126 @@
+"""The epoch loop, evaluation on every device, and the command line (`python -m manual_dp.train`)."""
+import collections
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from mxnet import nd
+
+from .data import batches
+from .step import DataParallel
+
+
+def evaluate(model, X, y, batch_size):
+    """Accuracy of `model` on (X, y), every batch sharded over all its contexts."""
+    total = sum(model.correct(nd.array(Xb), nd.array(yb))
+                for Xb, yb in batches(X, y, batch_size))
+    return float(total.asscalar()) / len(X)
+
+
+def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2):
+    """One pass over (X, y) in `rng`'s order; returns (mean loss, accuracy).
+
+    Metrics stay on the devices until the end of the epoch; the host waits only on the batch
+    `lookahead` steps back, so that MXNet's queue stays full but bounded.
+    """
+    min_batch = len(model.ctx)
+    loss_sum, correct, seen, pending = 0, 0, 0, collections.deque()
+    n_batches = -(-len(X) // batch_size)
+    for i, (Xb, yb) in enumerate(batches(X, y, batch_size, rng)):
+        if len(Xb) < min_batch:
+            break  # a tail smaller than the device count is dropped, never crashes
+        metrics = model.step(Xb, yb, lr)
+        home = metrics[0][0].context
+        loss_sum = loss_sum + nd.add_n(*[l.copyto(home) for l, _ in metrics])
+        correct = correct + nd.add_n(*[c.copyto(home) for _, c in metrics])
+        seen += len(Xb)
+        pending.append(loss_sum)
+        if len(pending) > lookahead:
+            pending.popleft().wait_to_read()
+        if on_batch:
+            on_batch(i + 1, n_batches)
+    return float(loss_sum.asscalar()) / seen, float(correct.asscalar()) / seen
+
+
+def train(model, train_data, test_data, epochs, batch_size, lr, rng,
+          start_epoch=0, on_batch=None):
+    """Train for epochs start_epoch+1..epochs, yielding one record per epoch (no printing)."""
+    (Xtr, ytr), (Xte, yte) = train_data, test_data
+    for epoch in range(start_epoch + 1, epochs + 1):
+        start = time.perf_counter()
+        train_loss, train_acc = run_epoch(model, Xtr, ytr, batch_size, lr, rng, on_batch)
+        epoch_sec = time.perf_counter() - start
+        test_acc = evaluate(model, Xte, yte, batch_size)
+        yield {"epoch": epoch, "train_loss": train_loss, "train_acc": train_acc,
+               "test_acc": test_acc, "epoch_sec": epoch_sec,
+               "images_per_sec": len(Xtr) / epoch_sec, "devices": [str(c) for c in model.ctx]}
+
+
+def run(args):
+    """Train as the parsed command line says, printing one line per epoch; returns the history."""
+    from . import checkpoint, cli
+    from .data import load_fashion_mnist
+    from .model import init_lenet_params
+
+    ctx = cli.contexts(args)
+    if args.batch_size < len(ctx):
+        raise cli.UsageError(f"--batch-size {args.batch_size} is smaller than the {len(ctx)} "
+                             f"devices it is split over")
+    train_data, test_data = load_fashion_mnist(args.data_dir, args.train_size, args.test_size)
+    model = DataParallel(init_lenet_params(args.seed, args.init_scale), ctx, args.optimizer)
+    config = {k: getattr(args, k) for k in cli.RUN_KEYS}
+    start_epoch, history, rng_state = 0, [], None
+    if args.resume and (Path(args.checkpoint_dir) / checkpoint.NAME).is_file():
+        state, meta = checkpoint.load(args.checkpoint_dir)
+        if meta["config"] != config:
+            raise checkpoint.CheckpointError(f"{args.checkpoint_dir} holds a run with {meta['config']}, "
+                                             f"not {config}")
+        model.load_state_dict(state)
+        start_epoch, history, rng_state = meta["epoch"], meta["history"], meta["rng_state"]
+        print(f"resumed from {args.checkpoint_dir} after epoch {start_epoch}")
+    elif args.resume:
+        print(f"no checkpoint in {args.checkpoint_dir} yet: starting from epoch 1")
+    rng = cli.rng_from(args.seed, rng_state)
+    print(f"training on {', '.join(map(str, ctx))}: {len(train_data[0])} train / "
+          f"{len(test_data[0])} test images, batch {args.batch_size}, {args.optimizer} lr {args.lr}")
+    show = sys.stderr.isatty() and not args.no_progress
+    for epoch in range(start_epoch + 1, args.epochs + 1):
+        bar = cli.Progress(epoch, args.epochs, show)
+        record, = train(model, train_data, test_data, epoch, args.batch_size, args.lr, rng,
+                        start_epoch=epoch - 1, on_batch=bar)
+        bar.close()
+        history.append(record)
+        if args.checkpoint_dir:
+            checkpoint.save(args.checkpoint_dir, model.state_dict(),
+                            {"epoch": epoch, "history": history, "config": config,
+                             "rng_state": rng.bit_generator.state})
+        if args.log_json:
+            cli.write_log(args.log_json, history)
+        print(cli.format_record(record, args.epochs), flush=True)
+    if history:
+        total = sum(r["epoch_sec"] for r in history)
+        print(f"done: test acc {history[-1]['test_acc']:.4f} after {len(history)} epochs, "
+              f"{total:.0f} s training, {np.mean([r['images_per_sec'] for r in history]):.0f} img/s")
+    return history
+
+
+def main(argv=None):
+    """`python -m manual_dp.train [flags]`: exits 0, or 2 with one line for bad input."""
+    from . import cli
+    from .checkpoint import CheckpointError
+    from .data import DataError
+    try:
+        args = cli.build_parser().parse_args(argv)
+        cli.check_args(args)
+        run(args)
+    except cli.UsageError as e:
+        sys.exit(cli.fail(e, 2))
+    except (DataError, CheckpointError) as e:
+        sys.exit(cli.fail(e, 1))
+    except KeyboardInterrupt:
+        sys.exit(cli.fail("interrupted", 130))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+import gzip
+import struct
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from manual_dp.data import FILES
+
+
+def write_idx(path, array, magic):
+    """Write `array` (uint8) as a gzipped IDX file with the given magic number."""
+    header = struct.pack(">I", magic) + b"".join(struct.pack(">I", d) for d in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def synthetic(n, seed):
+    """n learnable 28x28 images: class c lights up row band c, plus noise."""
+    rng = np.random.RandomState(seed)
+    labels = rng.randint(0, 10, size=n).astype(np.uint8)
+    images = rng.randint(0, 60, size=(n, 28, 28)).astype(np.uint8)
+    for i, c in enumerate(labels):
+        images[i, 2 + 2 * c:4 + 2 * c, 4:24] = 250
+    return images, labels
+
+
+def write_dataset(directory, n_train=600, n_test=200, seed=0):
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        imgs_name, lbls_name, _ = FILES[split]
+        images, labels = synthetic(n, seed + (split == "test"))
+        write_idx(directory / imgs_name, images, 2051)
+        write_idx(directory / lbls_name, labels, 2049)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """A small synthetic Fashion-MNIST-shaped data set on disk."""
+    return write_dataset(tmp_path_factory.mktemp("fashion"))
+
+
+@pytest.fixture(params=[1, 2, 3, 4], ids=lambda k: f"{k}ctx")
+def ctx(request):
+    return [mx.cpu(i) for i in range(request.param)]
+
+
+def assert_on(arrays, c):
+    """Every array lives on context c (MXNet mixes cpu(0) and cpu(1) silently, so check)."""
+    for a in arrays:
+        assert a.context == c, f"{a.context} != {c}"
