@@ -60,12 +60,15 @@ def contexts(args):
     """The contexts named by --gpus/--cpus; by default every GPU, else two CPU contexts."""
     import mxnet as mx
     from .parallel import cpus, try_gpus
-    if args.gpus is not None:
-        return try_gpus(args.gpus)
-    if args.cpus is not None:
-        return cpus(args.cpus)
-    n = mx.context.num_gpus()
-    return try_gpus(n) if n else cpus(2)
+    try:
+        if args.gpus is not None:
+            return try_gpus(args.gpus)
+        if args.cpus is not None:
+            return cpus(args.cpus)
+        n = mx.context.num_gpus()
+        return try_gpus(n) if n else cpus(2)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 # Settings that must match for --resume to continue the same run.
