@@ -4,6 +4,8 @@ Names are imported lazily, so `import manual_dp` does no work and `python -m man
 runs its module once.
 """
 import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -25,3 +27,16 @@ def __getattr__(name):
 
 def __dir__():
     return __all__ + ["__version__"]
+
+
+class _Package(types.ModuleType):
+    """Keeps `manual_dp.train` the function: importing the submodule `manual_dp.train` (the CLI)
+    would otherwise rebind the package attribute to the module."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and name in _EXPORTS and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
