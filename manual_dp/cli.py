@@ -39,7 +39,25 @@ def build_parser():
     p.add_argument("--checkpoint-dir", help="save a checkpoint here at the end of every epoch")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
+    add_mode_arguments(p)
     return p
+
+
+def add_mode_arguments(p):
+    """Flags of the parallelism modes (checked against the contexts by manual_dp.modes.check)."""
+    g = p.add_argument_group("parallelism modes")
+    g.add_argument("--mode", choices=["sync", "async", "model", "pipeline", "hybrid"], default="sync",
+                   help="sync: data parallel; async: parameter server with stale replicas; model: convs "
+                        "on one context, dense layers on the next; pipeline: model + GPipe micro-batches; "
+                        "hybrid: data parallel over 2-context pipelines")
+    g.add_argument("--staleness", type=int, help="async only: replicas refreshed every S+1 updates (default 0)")
+    g.add_argument("--micro-batches", type=int,
+                   help="pipeline and hybrid only: micro-batches per batch and pipeline (default 4)")
+    g.add_argument("--grad-accum", type=int, default=1, help="batches per update")
+    g.add_argument("--scale-lr", choices=["none", "linear"], default="none",
+                   help="linear: lr x batch-size x grad-accum / 256 (Goyal et al.)")
+    g.add_argument("--warmup-epochs", type=float, default=0.0,
+                   help="ramp the lr up linearly over this many epochs, per update")
 
 
 def check_args(args):
@@ -72,7 +90,8 @@ def contexts(args):
 
 
 # Settings that must match for --resume to continue the same run.
-RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "train_size", "test_size")
+RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "train_size", "test_size",
+            "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs")
 
 
 def write_atomic(path, text):

@@ -8,6 +8,7 @@ import numpy as np
 from mxnet import nd
 
 from .data import batches
+from .schedule import lr_at
 from .step import DataParallel
 
 
@@ -30,7 +31,7 @@ def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2):
     for i, (Xb, yb) in enumerate(batches(X, y, batch_size, rng)):
         if len(Xb) < min_batch:
             break  # a tail smaller than the device count is dropped, never crashes
-        metrics = model.step(Xb, yb, lr)
+        metrics = model.step(Xb, yb, lr_at(lr, model.t))
         home = metrics[0][0].context
         loss_sum = loss_sum + nd.add_n(*[l.copyto(home) for l, _ in metrics])
         correct = correct + nd.add_n(*[c.copyto(home) for _, c in metrics])
@@ -50,16 +51,19 @@ def train(model, train_data, test_data, epochs, batch_size, lr, rng,
     for epoch in range(start_epoch + 1, epochs + 1):
         start = time.perf_counter()
         train_loss, train_acc = run_epoch(model, Xtr, ytr, batch_size, lr, rng, on_batch)
+        # Optional hook: apply a pending accumulation window, return what the mode measured.
+        extras = model.end_epoch(lr_at(lr, model.t)) if hasattr(model, "end_epoch") else {}
         epoch_sec = time.perf_counter() - start
         test_acc = evaluate(model, Xte, yte, batch_size)
         yield {"epoch": epoch, "train_loss": train_loss, "train_acc": train_acc,
                "test_acc": test_acc, "epoch_sec": epoch_sec,
-               "images_per_sec": len(Xtr) / epoch_sec, "devices": [str(c) for c in model.ctx]}
+               "images_per_sec": len(Xtr) / epoch_sec, "devices": [str(c) for c in model.ctx],
+               **extras}
 
 
 def run(args):
     """Train as the parsed command line says, printing one line per epoch; returns the history."""
-    from . import checkpoint, cli
+    from . import checkpoint, cli, memory, modes
     from .data import load_fashion_mnist
     from .model import init_lenet_params
 
@@ -67,8 +71,11 @@ def run(args):
     if args.batch_size < len(ctx):
         raise cli.UsageError(f"--batch-size {args.batch_size} is smaller than the {len(ctx)} "
                              f"devices it is split over")
+    modes.check(args, ctx)
     train_data, test_data = load_fashion_mnist(args.data_dir, args.train_size, args.test_size)
-    model = DataParallel(init_lenet_params(args.seed, args.init_scale), ctx, args.optimizer)
+    model = modes.build(args, init_lenet_params(args.seed, args.init_scale), ctx)
+    lr = modes.learning_rate(args, len(train_data[0]))
+    mem = memory.per_context(model, args.batch_size)
     config = {k: getattr(args, k) for k in cli.RUN_KEYS}
     start_epoch, history, rng_state = 0, [], None
     if args.resume and (Path(args.checkpoint_dir) / checkpoint.NAME).is_file():
@@ -84,20 +91,21 @@ def run(args):
     rng = cli.rng_from(args.seed, rng_state)
     print(f"training on {', '.join(map(str, ctx))}: {len(train_data[0])} train / "
           f"{len(test_data[0])} test images, batch {args.batch_size}, {args.optimizer} lr {args.lr}")
+    print(f"mode {modes.describe(args)}; lr {lr}\nmemory per context: {memory.format_report(mem)}")
     show = sys.stderr.isatty() and not args.no_progress
     for epoch in range(start_epoch + 1, args.epochs + 1):
         bar = cli.Progress(epoch, args.epochs, show)
-        record, = train(model, train_data, test_data, epoch, args.batch_size, args.lr, rng,
+        record, = train(model, train_data, test_data, epoch, args.batch_size, lr, rng,
                         start_epoch=epoch - 1, on_batch=bar)
         bar.close()
-        history.append(record)
+        history.append(dict(record, mode=args.mode, memory=mem))
         if args.checkpoint_dir:
             checkpoint.save(args.checkpoint_dir, model.state_dict(),
                             {"epoch": epoch, "history": history, "config": config,
                              "rng_state": rng.bit_generator.state})
         if args.log_json:
             cli.write_log(args.log_json, history)
-        print(cli.format_record(record, args.epochs), flush=True)
+        print(cli.format_record(record, args.epochs) + modes.format_extras(record), flush=True)
     if history:
         total = sum(r["epoch_sec"] for r in history)
         print(f"done: test acc {history[-1]['test_acc']:.4f} after {len(history)} epochs, "

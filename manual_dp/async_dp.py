@@ -1,0 +1,118 @@
+"""Asynchronous data parallelism, parameter-server style, simulated deterministically on one machine.
+
+A master copy of the parameters and the optimiser state lives on ctx[0]. Every device k keeps its
+own replica, which it refreshes from the master only when `refresh_due(k, t, staleness)`: every
+staleness + 1 updates, staggered by device (a fixed round-robin). Each batch is sharded over the
+devices as in sync; device k's gradient is computed against its replica, however old, and pushed
+to the master unchanged (no averaging, no staleness correction). The master applies what arrives
+for one batch as one optimiser step on the summed gradients / the global batch. With staleness 0
+every replica is refreshed after every update, so this is exactly the synchronous step.
+"""
+from mxnet import nd
+
+from .checkpoint import CheckpointError
+from .optim import apply_update, init_states
+from .model import lenet
+from .parallel import get_params, shard_sizes, split_and_load
+from .step import forward_backward, n_correct
+
+
+def refresh_due(k, t, staleness):
+    """Whether device k pulls the master's parameters once the master has taken t updates."""
+    return (t + k) % (staleness + 1) == 0
+
+
+def last_refresh(k, t, staleness):
+    """The master version (number of updates) that device k's replica holds after t updates."""
+    return max(t - (t + k) % (staleness + 1), 0)
+
+
+class AsyncDataParallel:
+    """A master copy on ctx[0]; a replica per context, up to `staleness` updates behind it."""
+
+    def __init__(self, params, ctx, optimizer="sgd", staleness=0):
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.ctx, self.optimizer, self.staleness = list(ctx), optimizer, staleness
+        self.master = get_params(params, self.ctx[0])          # .grad: where pushes arrive
+        self.master_states = init_states(self.master, optimizer)
+        self.replicas = [get_params(params, c) for c in self.ctx]
+        self.versions = [0] * len(self.ctx)                    # master version each replica holds
+        self.t, self.seen = 0, []
+        for p in self.master:
+            p.grad[:] = 0
+
+    def backward(self, X, y):
+        """Every device computes its shard's gradient on its replica and pushes it to the master."""
+        metrics = forward_backward(split_and_load(X, self.ctx), split_and_load(y, self.ctx),
+                                   self.replicas)
+        for W, version in zip(self.replicas, self.versions):
+            for p, q in zip(self.master, W):
+                p.grad[:] += q.grad.copyto(p.context)
+            self.seen.append(self.t - version)
+        return metrics
+
+    def update(self, lr, n_examples):
+        """The master applies the pushed gradients; the devices whose turn it is pull the result."""
+        self.t += 1
+        apply_update(self.master, self.master_states, self.optimizer, lr, self.t, n_examples)
+        for p in self.master:
+            p.grad[:] = 0
+        for k, W in enumerate(self.replicas):
+            if refresh_due(k, self.t, self.staleness):
+                self.pull(k)
+
+    def pull(self, k):
+        for p, q in zip(self.master, self.replicas[k]):
+            p.copyto(q)
+        self.versions[k] = self.t
+
+    def step(self, X, y, lr):
+        metrics = self.backward(X, y)
+        self.update(lr, X.shape[0])
+        return metrics
+
+    def end_epoch(self, lr):
+        """The staleness the epoch's gradients actually had (in updates), then forget it."""
+        seen, self.seen = self.seen, []
+        if not seen:
+            return {}
+        return {"staleness_mean": sum(seen) / len(seen), "staleness_max": max(seen)}
+
+    def correct(self, X, y):
+        """Correct predictions of the master's parameters, on the master's context."""
+        home = self.ctx[0]
+        return n_correct(lenet(X.as_in_context(home), self.master), y.as_in_context(home))
+
+    def layout(self, batch_size):
+        """Every device runs both stages on its shard of the batch."""
+        sizes = shard_sizes(batch_size, len(self.ctx))
+        return [(c, s, n) for c, n in zip(self.ctx, sizes) for s in (0, 1)]
+
+    def arrays(self):
+        params = self.master + [q for W in self.replicas for q in W]
+        states = [s for st in self.master_states for s in st]
+        return {"param": params, "state": [p.grad for p in params] + states}
+
+    def state_dict(self):
+        """The master's parameters; each one's optimiser state followed by every replica's copy of it
+        (the stale copies are part of the algorithm's state: resuming without them changes the run)."""
+        opt = [[s.asnumpy() for s in st] + [W[i].asnumpy() for W in self.replicas]
+               for i, st in enumerate(self.master_states)]
+        return {"params": [p.asnumpy() for p in self.master], "opt_state": opt, "t": self.t}
+
+    def load_state_dict(self, state):
+        n_opt = len(self.master_states[0])
+        if len(state["opt_state"][0]) != n_opt + len(self.replicas):
+            raise CheckpointError(f"the checkpoint holds async state for "
+                                  f"{len(state['opt_state'][0]) - n_opt} devices, this run has "
+                                  f"{len(self.replicas)}")
+        for i, (p, value) in enumerate(zip(self.master, state["params"])):
+            p[:] = nd.array(value, ctx=p.context)
+            values = state["opt_state"][i]
+            for s, v in zip(self.master_states[i], values[:n_opt]):
+                s[:] = nd.array(v, ctx=s.context)
+            for W, v in zip(self.replicas, values[n_opt:]):
+                W[i][:] = nd.array(v, ctx=W[i].context)
+        self.t = state["t"]
+        self.versions = [last_refresh(k, self.t, self.staleness) for k in range(len(self.ctx))]

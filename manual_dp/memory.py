@@ -1,0 +1,66 @@
+"""Bytes per context: the arrays a strategy keeps, and the activations one step holds until backward.
+
+Parameter and state bytes are measured: the sizes of the NDArrays the strategy holds, grouped by
+their `.context`. Activation bytes are computed from the layer shapes (see `stage_activation_elems`):
+MXNet exposes no per-context memory counter on CPU.
+"""
+import numpy as np
+
+from .model import LENET_SHAPES
+from .parallel import shard_sizes
+
+FLOAT_BYTES = 4
+
+
+def stage_activation_elems(image=(1, 28, 28)):
+    """Per-example element counts that each stage keeps for its backward: [convs, dense].
+
+    Counted: the stage's input and every op's output (convolution, ReLU, pooling; dot, bias add,
+    ReLU, log-softmax, the picked loss), which autograd holds until the backward pass.
+    """
+    c, h, w = image
+    convs = [c * h * w]                                        # the input images
+    for _, (out_c, _, k, _) in (LENET_SHAPES[0], LENET_SHAPES[2]):
+        h, w = h - k + 1, w - k + 1
+        convs += [out_c * h * w] * 2                           # convolution, ReLU
+        h, w = h // 2, w // 2
+        convs.append(out_c * h * w)                            # 2x2 average pooling
+    (_, (d_in, hidden)), (_, (_, classes)) = LENET_SHAPES[4], LENET_SHAPES[6]
+    dense = [d_in] + [hidden] * 3 + [classes] * 3 + [1]        # input, dot, +b, ReLU, dot, +b, log-softmax, loss
+    return [sum(convs), sum(dense)]
+
+
+def layout(model, batch_size):
+    """(context, stage, examples it holds activations for) per stage placement of one step."""
+    if hasattr(model, "layout"):
+        return model.layout(batch_size)
+    sizes = shard_sizes(batch_size, len(model.ctx))            # DataParallel: whole net per shard
+    return [(c, s, n) for c, n in zip(model.ctx, sizes) for s in (0, 1)]
+
+
+def held_arrays(model):
+    """{"param": parameter arrays, "state": gradients and optimiser state} that the strategy keeps."""
+    if hasattr(model, "arrays"):
+        return model.arrays()
+    params = [p for W in model.replicas for p in W]            # DataParallel: a replica per context
+    states = [s for S in model.states for st in S for s in st]
+    return {"param": params, "state": [p.grad for p in params] + states}
+
+
+def per_context(model, batch_size):
+    """{context name: {"param_bytes", "state_bytes", "activation_bytes"}} for a step on `batch_size`."""
+    report = {str(c): {"param_bytes": 0, "state_bytes": 0, "activation_bytes": 0} for c in model.ctx}
+    for kind, arrays in held_arrays(model).items():
+        for a in arrays:
+            report[str(a.context)][f"{kind}_bytes"] += a.size * np.dtype(a.dtype).itemsize
+    elems = stage_activation_elems()
+    for c, s, n in layout(model, batch_size):
+        report[str(c)]["activation_bytes"] += n * elems[s] * FLOAT_BYTES
+    return report
+
+
+def format_report(report):
+    """One line: parameters + state, and activations, per context, in KiB."""
+    return "; ".join(f"{c}: {r['param_bytes'] / 1024:.0f} KiB params + {r['state_bytes'] / 1024:.0f} KiB "
+                     f"grads/state, {r['activation_bytes'] / 1024:.0f} KiB activations"
+                     for c, r in report.items())
