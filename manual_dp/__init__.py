@@ -14,6 +14,7 @@ _EXPORTS = {
     "init_lenet_params": "model", "lenet": "model", "cross_entropy": "model",
     "get_params": "parallel", "split_and_load": "parallel", "allreduce": "parallel",
     "train_batch": "step", "DataParallel": "step",
+    "ALLREDUCE_ALGORITHMS": "collectives", "make_allreduce": "collectives",
     "train": "train", "evaluate": "train",
 }
 __all__ = sorted(_EXPORTS)
