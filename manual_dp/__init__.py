@@ -16,6 +16,12 @@ _EXPORTS = {
     "train_batch": "step", "DataParallel": "step",
     "ALLREDUCE_ALGORITHMS": "collectives", "make_allreduce": "collectives",
     "train": "train", "evaluate": "train",
+    "AsyncDataParallel": "async_dp", "last_refresh": "async_dp", "PipelineParallel": "pipeline",
+    "GradAccum": "accum", "SyncPhases": "accum",
+    "conv_stage": "stages", "dense_stage": "stages", "split_params": "stages", "send": "stages",
+    "gpipe_schedule": "stages", "bubble_fraction": "stages",
+    "make_lr": "schedule", "scaled_lr": "schedule", "Warmup": "schedule", "lr_at": "schedule",
+    "updates_per_epoch": "schedule", "per_context": "memory",
 }
 __all__ = sorted(_EXPORTS)
 
