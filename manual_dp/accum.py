@@ -6,15 +6,15 @@ zeroes it. `step` is then backward + update; `GradAccum` calls update every N ba
 """
 from .memory import held_arrays, layout
 from .optim import apply_update
-from .parallel import split_and_load
+from .parallel import allreduce, split_and_load
 from .step import DataParallel, forward_backward
 
 
 class SyncPhases(DataParallel):
     """DataParallel split into backward (gradients add up on each device) and update (allreduce, step)."""
 
-    def __init__(self, params, ctx, optimizer="sgd", **kwargs):
-        super().__init__(params, ctx, optimizer, **kwargs)
+    def __init__(self, params, ctx, optimizer="sgd", allreduce_fn=allreduce):
+        super().__init__(params, ctx, optimizer, allreduce_fn)
         for W in self.replicas:
             for p in W:
                 p.attach_grad(grad_req="add")

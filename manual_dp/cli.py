@@ -50,9 +50,9 @@ def add_mode_arguments(p):
                    help="sync: data parallel; async: parameter server with stale replicas; model: convs "
                         "on one context, dense layers on the next; pipeline: model + GPipe micro-batches; "
                         "hybrid: data parallel over 2-context pipelines")
-    g.add_argument("--staleness", type=int, help="async only: replicas refreshed every S+1 updates (default 0)")
+    g.add_argument("--staleness", type=int, default=0, help="async only: replicas refreshed every S+1 updates")
     g.add_argument("--micro-batches", type=int,
-                   help="pipeline and hybrid only: micro-batches per batch and pipeline (default 4)")
+                   help="pipeline and hybrid only: micro-batches per batch and pipeline; unset means 4")
     g.add_argument("--grad-accum", type=int, default=1, help="batches per update")
     g.add_argument("--scale-lr", choices=["none", "linear"], default="none",
                    help="linear: lr x batch-size x grad-accum / 256 (Goyal et al.)")

@@ -19,7 +19,7 @@ def micro_batches(args):
 def check(args, ctx):
     """Raise UsageError for mode settings this run cannot use on these contexts."""
     n, stages = len(ctx), len(STAGES)
-    if args.staleness is not None and args.mode != "async":
+    if args.staleness and args.mode != "async":
         raise UsageError(f"--staleness applies only to --mode async, not --mode {args.mode}")
     if args.micro_batches is not None and args.mode not in ("pipeline", "hybrid"):
         raise UsageError(f"--micro-batches applies only to --mode pipeline or hybrid, not {args.mode}")
@@ -46,7 +46,7 @@ def build(args, params, ctx):
         model = DataParallel(params, ctx, args.optimizer) if args.grad_accum == 1 else \
             SyncPhases(params, ctx, args.optimizer)
     elif args.mode == "async":
-        model = AsyncDataParallel(params, ctx, args.optimizer, args.staleness or 0)
+        model = AsyncDataParallel(params, ctx, args.optimizer, args.staleness)
     else:
         model = PipelineParallel(params, ctx, args.optimizer, micro_batches(args))
     return GradAccum(model, args.grad_accum) if args.grad_accum > 1 else model
@@ -61,7 +61,7 @@ def learning_rate(args, n_train):
 def describe(args):
     """One line on what the mode does with these settings."""
     return {"sync": "sync: replicas in lock-step, gradients all-reduced",
-            "async": f"async: master on the first context, replicas up to {args.staleness or 0} updates stale",
+            "async": f"async: master on the first context, replicas up to {args.staleness} updates stale",
             "model": "model: convs on the first context, dense layers on the second",
             "pipeline": f"pipeline: model split, {micro_batches(args)} GPipe micro-batches",
             "hybrid": f"hybrid: data parallel over 2-stage pipelines, {micro_batches(args)} micro-batches each",
