@@ -40,6 +40,7 @@ def build_parser():
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
     add_mode_arguments(p)
+    add_backend_arguments(p)
     return p
 
 
@@ -60,6 +61,16 @@ def add_mode_arguments(p):
                    help="ramp the lr up linearly over this many epochs, per update")
 
 
+
+def add_backend_arguments(p):
+    """Flags of the multi-process backends (manual_dp.distributed)."""
+    g = p.add_argument_group("more than one process (see the README)")
+    g.add_argument("--backend", choices=["local", "horovod", "dist_sync", "dist_async"], default="local",
+                   help="local: this process alone; horovod: under horovodrun; dist_sync, dist_async: "
+                        "MXNet's parameter-server KVStore under python -m manual_dp.launch")
+    g.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds without progress after which a process of a multi-process job gives up")
+
 def check_args(args):
     """Raise UsageError for values no run can use."""
     for name in ("epochs", "batch_size", "gpus", "cpus", "train_size", "test_size"):
@@ -72,6 +83,8 @@ def check_args(args):
         raise UsageError(f"--init-scale must be positive, got {args.init_scale}")
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout}")
 
 
 def contexts(args):

@@ -25,7 +25,7 @@ def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2):
     Metrics stay on the devices until the end of the epoch; the host waits only on the batch
     `lookahead` steps back, so that MXNet's queue stays full but bounded.
     """
-    min_batch = len(model.ctx)
+    min_batch = getattr(model, "min_batch", len(model.ctx))  # multi-process: all contexts
     loss_sum, correct, seen, pending = 0, 0, 0, collections.deque()
     n_batches = -(-len(X) // batch_size)
     for i, (Xb, yb) in enumerate(batches(X, y, batch_size, rng)):
@@ -62,24 +62,36 @@ def train(model, train_data, test_data, epochs, batch_size, lr, rng,
 
 
 def run(args):
-    """Train as the parsed command line says, printing one line per epoch; returns the history."""
+    """Train as the parsed command line says, printing one line per epoch; returns the history.
+
+    With --backend other than local this is one process of a job: rank 0 prints, logs and saves.
+    """
+    from .distributed import connect
+    with connect(args) as world:
+        return run_in(args, world)
+
+
+def run_in(args, world):
+    """run() as one process of `world` (manual_dp.distributed)."""
     from . import checkpoint, cli, memory, modes
     from .data import load_fashion_mnist
     from .model import init_lenet_params
 
-    ctx = cli.contexts(args)
-    if args.batch_size < len(ctx):
-        raise cli.UsageError(f"--batch-size {args.batch_size} is smaller than the {len(ctx)} "
-                             f"devices it is split over")
+    ctx = world.contexts(args)
+    if args.batch_size < len(ctx) * world.size:
+        raise cli.UsageError(f"--batch-size {args.batch_size} is smaller than the "
+                             f"{len(ctx) * world.size} devices it is split over")
     modes.check(args, ctx)
     train_data, test_data = load_fashion_mnist(args.data_dir, args.train_size, args.test_size)
-    model = modes.build(args, init_lenet_params(args.seed, args.init_scale), ctx)
+    model = world.wrap(modes.build(args, init_lenet_params(args.seed, args.init_scale), ctx))
     lr = modes.learning_rate(args, len(train_data[0]))
     mem = memory.per_context(model, args.batch_size)
     config = {k: getattr(args, k) for k in cli.RUN_KEYS}
     start_epoch, history, rng_state = 0, [], None
-    if args.resume and (Path(args.checkpoint_dir) / checkpoint.NAME).is_file():
-        state, meta = checkpoint.load(args.checkpoint_dir)
+    saved = world.share(lambda: checkpoint.load(args.checkpoint_dir) if args.resume and
+                        (Path(args.checkpoint_dir) / checkpoint.NAME).is_file() else None)
+    if saved:  # rank 0 reads the checkpoint, every rank gets it
+        state, meta = saved
         if meta["config"] != config:
             raise checkpoint.CheckpointError(f"{args.checkpoint_dir} holds a run with {meta['config']}, "
                                              f"not {config}")
@@ -92,18 +104,18 @@ def run(args):
     print(f"training on {', '.join(map(str, ctx))}: {len(train_data[0])} train / "
           f"{len(test_data[0])} test images, batch {args.batch_size}, {args.optimizer} lr {args.lr}")
     print(f"mode {modes.describe(args)}; lr {lr}\nmemory per context: {memory.format_report(mem)}")
-    show = sys.stderr.isatty() and not args.no_progress
+    show = sys.stderr.isatty() and not args.no_progress and world.is_root
     for epoch in range(start_epoch + 1, args.epochs + 1):
         bar = cli.Progress(epoch, args.epochs, show)
         record, = train(model, train_data, test_data, epoch, args.batch_size, lr, rng,
                         start_epoch=epoch - 1, on_batch=bar)
         bar.close()
         history.append(dict(record, mode=args.mode, memory=mem))
-        if args.checkpoint_dir:
+        if args.checkpoint_dir and world.is_root:
             checkpoint.save(args.checkpoint_dir, model.state_dict(),
                             {"epoch": epoch, "history": history, "config": config,
                              "rng_state": rng.bit_generator.state})
-        if args.log_json:
+        if args.log_json and world.is_root:
             cli.write_log(args.log_json, history)
         print(cli.format_record(record, args.epochs) + modes.format_extras(record), flush=True)
     if history:
@@ -118,13 +130,14 @@ def main(argv=None):
     from . import cli
     from .checkpoint import CheckpointError
     from .data import DataError
+    from .distributed import DistributedError
     try:
         args = cli.build_parser().parse_args(argv)
         cli.check_args(args)
         run(args)
     except cli.UsageError as e:
         sys.exit(cli.fail(e, 2))
-    except (DataError, CheckpointError) as e:
+    except (DataError, CheckpointError, DistributedError) as e:
         sys.exit(cli.fail(e, 1))
     except KeyboardInterrupt:
         sys.exit(cli.fail("interrupted", 130))

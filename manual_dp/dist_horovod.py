@@ -1,0 +1,59 @@
+"""--backend horovod: the cross-process allreduce from Horovod (Gloo on CPU, NCCL on GPUs).
+
+Run under horovodrun, which starts the processes and ends the job when one of them fails:
+    horovodrun -np 2 -H localhost:2 --gloo python -m manual_dp.train --backend horovod --cpus 1
+"""
+import itertools
+
+from .cli import UsageError
+from .distributed import Cluster, TwoLevelDataParallel
+
+INSTALL = ("HOROVOD_WITH_MXNET=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
+           "HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 "
+           "pip install --no-build-isolation horovod==0.28.1")
+
+
+def import_horovod():
+    """horovod.mxnet, or a UsageError that says how to install it."""
+    try:
+        import horovod.mxnet as hvd
+    except ImportError as e:
+        raise UsageError(f"--backend horovod needs horovod.mxnet ({e}); `bash setup.sh --test` "
+                         f"installs it, or: {INSTALL}") from None
+    return hvd
+
+
+class HorovodWorld(Cluster):
+    backend, strategy = "horovod", TwoLevelDataParallel
+    how = ("gradients summed by hand over each process's contexts, then by Horovod across "
+           "processes (one fused allreduce per step)")
+
+    def __init__(self, timeout):
+        super().__init__(timeout)
+        self.hvd = import_horovod()
+        self.hvd.init()
+        self.rank, self.size = self.hvd.rank(), self.hvd.size()
+        self.local_rank = self.hvd.local_rank()
+        # Names key Horovod's collectives; a fresh one per call, since evaluation may have
+        # several counts in flight at once and Horovod refuses two live tensors of one name.
+        self.calls = itertools.count()
+        self.progress()
+
+    def name(self, what):
+        return f"manual_dp.{what}.{next(self.calls)}"
+
+    def allreduce(self, array, key):
+        self.hvd.allreduce_(array, op=self.hvd.Sum, name=self.name(key))
+
+    def broadcast(self, array):
+        self.hvd.broadcast_(array, root_rank=0, name=self.name("broadcast"))
+
+    def broadcast_object(self, obj):
+        return self.hvd.broadcast_object(obj, root_rank=0, name=self.name("object"))
+
+    def close(self, failed=False):
+        try:
+            if not failed:
+                self.hvd.shutdown()
+        finally:
+            super().close(failed)

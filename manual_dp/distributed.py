@@ -1,0 +1,285 @@
+"""More than one process: the same trainer, with a second allreduce across processes.
+
+Inside a process the lesson's hand-written allreduce sums the gradients of its own contexts;
+across processes an existing engine sums them again (Horovod, or MXNet's parameter-server
+KVStore), in one fused call per step. Every process draws the same shuffled global batches and
+takes the rows its contexts would take if one process split each batch over all of them, so
+N processes x k contexts compute what one process with N*k contexts computes.
+"""
+import contextlib
+import os
+import sys
+import threading
+import time
+
+from mxnet import nd
+from mxnet.base import MXNetError
+
+from .cli import UsageError
+from .optim import apply_update
+from .parallel import allreduce, shard_sizes, split_and_load
+from .step import DataParallel, forward_backward
+
+BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
+
+
+class DistributedError(Exception):
+    """Another process of the job failed or vanished; reported as one line and exit status 1."""
+
+
+def rank_rows(n, rank, size, k):
+    """Rows [start, stop) of a batch of n that contexts rank*k .. rank*k+k-1 take when one
+    process splits it over size*k contexts with shard_sizes."""
+    sizes = shard_sizes(n, size * k)
+    return sum(sizes[:rank * k]), sum(sizes[:(rank + 1) * k])
+
+
+def flatten(arrays, extra=()):
+    """One 1-D array on arrays[0]'s context: every array raveled, end to end, then `extra`."""
+    home = arrays[0].context
+    return nd.concat(*[a.reshape((-1,)) for a in arrays], *[e.as_in_context(home) for e in extra],
+                     dim=0)
+
+
+def unflatten(flat, arrays):
+    """Afterwards each arrays[i] holds its slice of `flat` (the inverse of flatten, any context)."""
+    offset = 0
+    for a in arrays:
+        a[:] = flat[offset:offset + a.size].reshape(a.shape).as_in_context(a.context)
+        offset += a.size
+
+
+class Watchdog:
+    """Ends the process with one clear line when no progress is reported for `timeout` seconds.
+
+    A collective whose peer died blocks inside MXNet's engine, where no Python exception can
+    reach it; this thread is what turns such a hang into a bounded, non-zero exit.
+    """
+
+    def __init__(self, timeout, who):
+        self.timeout, self.who, self.last = timeout, who, time.monotonic()
+        self.stopped = threading.Event()
+        threading.Thread(target=self._watch, name="manual_dp-watchdog", daemon=True).start()
+
+    def progress(self):
+        self.last = time.monotonic()
+
+    def stop(self):
+        self.stopped.set()
+
+    def _watch(self):
+        while not self.stopped.wait(min(1.0, self.timeout / 4)):
+            if time.monotonic() - self.last > self.timeout:
+                sys.stderr.write(f"manual_dp.train: error: {self.who()}: no progress for "
+                                 f"{self.timeout:g} s (another process died or hangs); giving up; "
+                                 f"rank 0's last checkpoint resumes with --resume\n")
+                sys.stderr.flush()
+                os._exit(1)
+
+
+class World:
+    """This process's place in the job; by itself, the single-process job (rank 0 of 1)."""
+    backend, rank, size, local_rank = "local", 0, 1, 0
+
+    @property
+    def is_root(self):
+        return self.rank == 0
+
+    how = "one process"
+
+    def describe(self):
+        return f"rank {self.rank} of {self.size} ({self.backend})"
+
+    def summary(self):
+        return f"backend {self.backend}: {self.size} process(es); {self.how}"
+
+    def contexts(self, args):
+        from .cli import contexts
+        return contexts(args)
+
+    def wrap(self, model):
+        return model
+
+    def share(self, fn):
+        """fn() computed on rank 0, its value (or its exception) on every rank."""
+        return fn()
+
+    def close(self, failed=False):
+        pass
+
+
+class Cluster(World):
+    """A process of a multi-process job: collectives from the engine, a watchdog on every one."""
+    strategy = None  # the DataParallel subclass that runs the steps
+
+    def __init__(self, timeout):
+        self.watchdog = Watchdog(timeout, self.describe)
+
+    def contexts(self, args):
+        return local_contexts(args, self.local_rank)
+
+    def wrap(self, model):
+        """The synchronous trainer `model`, turned into one that also reduces across processes."""
+        if type(model) is not DataParallel:
+            raise UsageError(f"--backend {self.backend} runs the synchronous data-parallel trainer "
+                             f"only (--mode sync)")
+        twin = self.strategy(model.replicas[0], model.ctx, model.optimizer, self,
+                             getattr(model, "allreduce_fn", allreduce))
+        twin.load_state_dict(model.state_dict())
+        return twin
+
+    def share(self, fn):
+        result = None
+        if self.is_root:
+            try:
+                result = ("ok", fn())
+            except Exception as e:  # handed to every rank, raised there
+                result = ("error", e)
+        self.progress()
+        kind, value = self.broadcast_object(result)
+        self.progress()
+        if kind == "error":
+            raise value
+        return value
+
+    def progress(self):
+        self.watchdog.progress()
+
+    def close(self, failed=False):
+        self.watchdog.stop()
+
+    # Collectives each engine provides.
+    def allreduce(self, array, key):
+        """Afterwards `array` holds the elementwise sum of every process's `array` (same key)."""
+        raise NotImplementedError
+
+    def broadcast(self, array):
+        """Afterwards `array` holds rank 0's values on every process."""
+        raise NotImplementedError
+
+    def broadcast_object(self, obj):
+        raise NotImplementedError
+
+
+def local_contexts(args, local_rank):
+    """This process's contexts: --cpus N as given; --gpus N the local_rank-th group of N GPUs
+    of this machine; by default one GPU per process, else two CPU contexts."""
+    import mxnet as mx
+    from .cli import contexts
+    found = mx.context.num_gpus()
+    if args.cpus is not None or (args.gpus is None and not found):
+        return contexts(args)
+    k = args.gpus or 1
+    first = local_rank * k
+    if first + k > found:
+        raise UsageError(f"process {local_rank} of this machine needs gpu({first})..gpu({first + k - 1}) "
+                         f"but found {found} GPU(s); start fewer processes per machine or lower --gpus")
+    return [mx.gpu(first + i) for i in range(k)]
+
+
+class TwoLevelDataParallel(DataParallel):
+    """DataParallel over several processes: gradients summed by hand over this process's
+    contexts, then across processes in one call; then every replica takes the same update."""
+
+    def __init__(self, params, ctx, optimizer, world, allreduce_fn=allreduce):
+        super().__init__(params, ctx, optimizer, allreduce_fn)
+        self.world, self.in_sync = world, False
+        self.min_batch = world.size * len(self.ctx)  # what one process with all contexts needs
+
+    def rows(self, n):
+        return rank_rows(n, self.world.rank, self.world.size, len(self.ctx))
+
+    def tensors(self, i):
+        """Parameters, then optimiser state, of replica i: what rank 0 hands to everyone."""
+        return self.replicas[i] + [s for st in self.states[i] for s in st]
+
+    def sync(self):
+        """Every process takes rank 0's parameters and optimiser state (at start, after resume)."""
+        flat = flatten(self.tensors(0))
+        self.world.broadcast(flat)
+        for i in range(len(self.ctx)):
+            unflatten(flat, self.tensors(i))
+        self.in_sync = True
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.in_sync = False  # broadcast from rank 0 before the next step
+
+    def local_step(self, X, y):
+        """Forward and backward on this process's rows; returns one flat buffer per context:
+        its gradients, then its loss sum and correct count, summed over the contexts by hand."""
+        self.world.progress()
+        if not self.in_sync:
+            self.sync()
+        start, stop = self.rows(len(X))
+        metrics = forward_backward(split_and_load(X[start:stop], self.ctx),
+                                   split_and_load(y[start:stop], self.ctx), self.replicas)
+        flats = [flatten([p.grad for p in W], m) for W, m in zip(self.replicas, metrics)]
+        self.allreduce_fn(flats)                       # inside the process: the lesson's allreduce
+        return flats
+
+    def step(self, X, y, lr):
+        self.t += 1
+        flats = self.local_step(X, y)
+        total = flats[0]                               # (P + 2,)
+        self.world.allreduce(total, "grads")           # across processes: one call per step
+        for W, S in zip(self.replicas, self.states):
+            unflatten(total, [p.grad for p in W])
+            apply_update(W, S, self.optimizer, lr, self.t, len(X))
+        n = total.size
+        return [(total[n - 2:n - 1], total[n - 1:n])]
+
+    def correct(self, X, y):
+        """Correct predictions on (X, y): each process counts its share, the counts are summed."""
+        self.world.progress()
+        if not self.in_sync:
+            self.sync()
+        if len(X) >= self.world.size:
+            start, stop = rank_rows(len(X), self.world.rank, self.world.size, 1)
+        else:
+            start, stop = (0, len(X)) if self.world.is_root else (0, 0)
+        if stop > start:
+            count = super().correct(X[start:stop], y[start:stop]).as_in_context(self.ctx[0])
+        else:
+            count = nd.zeros((1,), ctx=self.ctx[0])
+        self.world.allreduce(count, "correct")
+        return count
+
+
+def make_world(backend, timeout):
+    if backend == "local":
+        return World()
+    if backend == "horovod":
+        from .dist_horovod import HorovodWorld
+        return HorovodWorld(timeout)
+    if backend in ("dist_sync", "dist_async"):
+        from .dist_kvstore import KVStoreWorld
+        return KVStoreWorld(backend, timeout)
+    raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend}")
+
+
+@contextlib.contextmanager
+def connect(args):
+    """The World of this process for the run; only rank 0 writes to stdout.
+
+    A failed collective (a peer died) becomes a DistributedError; the world is closed on exit.
+    """
+    world = make_world(getattr(args, "backend", "local"), getattr(args, "timeout", None) or 120)
+    failed = True
+    try:
+        with contextlib.ExitStack() as stack:
+            if not world.is_root:
+                stack.enter_context(contextlib.redirect_stdout(stack.enter_context(
+                    open(os.devnull, "w"))))
+            if world.backend != "local":
+                print(world.summary(), flush=True)
+            yield world
+        failed = False
+    except MXNetError as e:
+        if world.size == 1 and world.backend == "local":
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+        raise DistributedError(f"{world.describe()}: a collective failed, another process probably "
+                               f"died ({first})") from None
+    finally:
+        world.close(failed)
