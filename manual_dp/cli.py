@@ -41,6 +41,7 @@ def build_parser():
     p.add_argument("--no-progress", action="store_true", help="no progress bar, even on a terminal")
     add_mode_arguments(p)
     add_backend_arguments(p)
+    add_speed_arguments(p)
     return p
 
 
@@ -61,7 +62,6 @@ def add_mode_arguments(p):
                    help="ramp the lr up linearly over this many epochs, per update")
 
 
-
 def add_backend_arguments(p):
     """Flags of the multi-process backends (manual_dp.distributed)."""
     g = p.add_argument_group("more than one process (see the README)")
@@ -71,8 +71,27 @@ def add_backend_arguments(p):
     g.add_argument("--timeout", type=float, default=120.0,
                    help="seconds without progress after which a process of a multi-process job gives up")
 
+
+# The names of manual_dp.collectives.ALLREDUCE_ALGORITHMS (listed here so --help needs no mxnet).
+ALLREDUCE_NAMES = ("lesson", "reduce_bcast", "ring", "tree", "kvstore")
+
+
+def add_speed_arguments(p):
+    """Flags of the fast synchronous step (see the README's Performance section)."""
+    g = p.add_argument_group("speed (--mode sync)")
+    g.add_argument("--allreduce", choices=ALLREDUCE_NAMES, default="lesson",
+                   help="how gradients are summed over the contexts (manual_dp.collectives)")
+    g.add_argument("--fuse-grads", action="store_true",
+                   help="one flat gradient buffer per device: one allreduce and one optimiser update a step")
+    g.add_argument("--graph", action="store_true",
+                   help="run LeNet as a cached symbolic graph instead of layer by layer")
+
+
 def check_args(args):
     """Raise UsageError for values no run can use."""
+    fast = getattr(args, "fuse_grads", False) or getattr(args, "graph", False)
+    if fast and (getattr(args, "mode", "sync") != "sync" or getattr(args, "grad_accum", 1) != 1):
+        raise UsageError("--fuse-grads and --graph apply only to --mode sync without --grad-accum")
     for name in ("epochs", "batch_size", "gpus", "cpus", "train_size", "test_size"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "epochs" else 1):

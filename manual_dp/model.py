@@ -32,21 +32,26 @@ def init_lenet_params(seed=0, scale=None, ctx=None):
     return params
 
 
-def conv_block(X, W, b):
-    """Convolution, ReLU, 2x2 average pooling."""
-    h = nd.Convolution(data=X, weight=W, bias=b, kernel=W.shape[2:], num_filter=W.shape[0])
-    return nd.Pooling(data=nd.relu(h), pool_type="avg", kernel=(2, 2), stride=(2, 2))
+def conv_block(X, W, b, F=nd, shape=None):
+    """Convolution, ReLU, 2x2 average pooling; `shape` of W is needed when F is mx.sym."""
+    shape = shape or W.shape
+    h = F.Convolution(data=X, weight=W, bias=b, kernel=shape[2:], num_filter=shape[0])
+    return F.Pooling(data=F.relu(h), pool_type="avg", kernel=(2, 2), stride=(2, 2))
 
 
-def lenet(X, params):
-    """Class scores (B, 10) for images X (B, 1, 28, 28); params live on X's context."""
+def lenet(X, params, F=nd):
+    """Class scores (B, 10) for images X (B, 1, 28, 28); params live on X's context.
+
+    F=mx.sym builds the same network as a symbolic graph (manual_dp.graph caches it).
+    """
     W1, b1, W2, b2, W3, b3, W4, b4 = params
-    h = conv_block(X, W1, b1)                      # (B, 20, 13, 13)
-    h = conv_block(h, W2, b2)                      # (B, 50, 4, 4)
-    h = nd.relu(nd.dot(h.reshape((0, -1)), W3) + b3)  # (B, 128)
-    return nd.dot(h, W4) + b4                      # (B, 10)
+    shapes = [getattr(p, "shape", shape) for p, (_, shape) in zip(params, LENET_SHAPES)]
+    h = conv_block(X, W1, b1, F, shapes[0])          # (B, 20, 13, 13)
+    h = conv_block(h, W2, b2, F, shapes[2])          # (B, 50, 4, 4)
+    h = F.relu(F.broadcast_add(F.dot(h.reshape((0, -1)), W3), b3))  # (B, 128)
+    return F.broadcast_add(F.dot(h, W4), b4)         # (B, 10)
 
 
-def cross_entropy(y_hat, y):
+def cross_entropy(y_hat, y, F=nd):
     """Per-example softmax cross-entropy (B,) of scores y_hat (B, C) and labels y (B,)."""
-    return -nd.pick(nd.log_softmax(y_hat), y)
+    return -F.pick(F.log_softmax(y_hat), y)

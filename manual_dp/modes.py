@@ -2,6 +2,7 @@
 from .accum import GradAccum, SyncPhases
 from .async_dp import AsyncDataParallel
 from .cli import UsageError
+from .collectives import make_allreduce
 from .pipeline import PipelineParallel
 from .schedule import make_lr, updates_per_epoch
 from .stages import STAGES
@@ -43,8 +44,10 @@ def check(args, ctx):
 def build(args, params, ctx):
     """The strategy object for args.mode (see manual_dp.step.DataParallel for the interface)."""
     if args.mode == "sync":
-        model = DataParallel(params, ctx, args.optimizer) if args.grad_accum == 1 else \
-            SyncPhases(params, ctx, args.optimizer)
+        reduce = make_allreduce(getattr(args, "allreduce", "lesson"))
+        model = DataParallel(params, ctx, args.optimizer, reduce, fuse_grads=getattr(args, "fuse_grads", False),
+                             graph=getattr(args, "graph", False)) if args.grad_accum == 1 else \
+            SyncPhases(params, ctx, args.optimizer, allreduce_fn=reduce)
     elif args.mode == "async":
         model = AsyncDataParallel(params, ctx, args.optimizer, args.staleness)
     else:

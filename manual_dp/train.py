@@ -4,10 +4,15 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__":  # the CLI: thread settings must be in the environment before mxnet loads
+    from manual_dp.runtime import configure
+    configure(sys.argv[1:])
+
 import numpy as np
 from mxnet import nd
 
 from .data import batches
+from .prefetch import prefetch
 from .schedule import lr_at
 from .step import DataParallel
 
@@ -26,22 +31,36 @@ def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2):
     `lookahead` steps back, so that MXNet's queue stays full but bounded.
     """
     min_batch = getattr(model, "min_batch", len(model.ctx))  # multi-process: all contexts
-    loss_sum, correct, seen, pending = 0, 0, 0, collections.deque()
+    totals, seen, pending = None, 0, collections.deque()
     n_batches = -(-len(X) // batch_size)
-    for i, (Xb, yb) in enumerate(batches(X, y, batch_size, rng)):
+    for i, (Xb, yb) in enumerate(prefetch(batches(X, y, batch_size, rng))):
         if len(Xb) < min_batch:
             break  # a tail smaller than the device count is dropped, never crashes
         metrics = model.step(Xb, yb, lr_at(lr, model.t))
-        home = metrics[0][0].context
-        loss_sum = loss_sum + nd.add_n(*[l.copyto(home) for l, _ in metrics])
-        correct = correct + nd.add_n(*[c.copyto(home) for _, c in metrics])
+        totals = accumulate(totals, metrics)
         seen += len(Xb)
-        pending.append(loss_sum)
+        pending.append(totals[0][0])
         if len(pending) > lookahead:
             pending.popleft().wait_to_read()
         if on_batch:
             on_batch(i + 1, n_batches)
-    return float(loss_sum.asscalar()) / seen, float(correct.asscalar()) / seen
+    if not seen:
+        return float("nan"), float("nan")
+    return (sum(float(l.asscalar()) for l, _ in totals) / seen,
+            sum(float(c.asscalar()) for _, c in totals) / seen)
+
+
+def accumulate(totals, metrics):
+    """Running per-context (loss sum, correct), each added on its own device: no copies per batch."""
+    if totals is not None and len(totals) != len(metrics):  # a strategy whose context count varies
+        home = totals[0][0].context
+        totals, metrics = fold(totals, home), fold(metrics, home)
+    return list(metrics) if totals is None else [(L + l, C + c) for (L, C), (l, c) in zip(totals, metrics)]
+
+
+def fold(pairs, home):
+    """[(sum of losses, sum of corrects)] of per-context pairs, on `home`."""
+    return [tuple(nd.add_n(*[pair[j].copyto(home) for pair in pairs]) for j in (0, 1))]
 
 
 def train(model, train_data, test_data, epochs, batch_size, lr, rng,

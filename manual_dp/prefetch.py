@@ -1,0 +1,49 @@
+"""Batches prepared ahead of the devices: a background thread gathers the next shuffled batches
+(numpy's fancy indexing releases the GIL) while the main thread feeds MXNet."""
+import queue
+import threading
+
+_DONE = object()
+
+
+class _Failed:
+    def __init__(self, error):
+        self.error = error
+
+
+def prefetch(iterable, depth=2):
+    """Yield the items of `iterable` in order, computed up to `depth` items ahead in a thread.
+
+    An exception in `iterable` is raised here; leaving the loop early stops the thread.
+    """
+    q, stop = queue.Queue(maxsize=depth), threading.Event()
+
+    def put(item):
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def fill():
+        try:
+            for item in iterable:
+                if not put(item):
+                    return
+            put(_DONE)
+        except BaseException as e:  # handed to the consumer
+            put(_Failed(e))
+
+    threading.Thread(target=fill, daemon=True, name="manual_dp-prefetch").start()
+    try:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stop.set()

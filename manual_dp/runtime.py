@@ -1,0 +1,69 @@
+"""Thread and engine settings the program chooses, put in the environment before MXNet loads.
+
+MXNet, its OpenMP runtime and its OpenBLAS read these once, when the library loads, so the command
+line entries (`python -m manual_dp.train`, `python -m manual_dp.bench`) call `configure` first;
+importing manual_dp does not. A value already in the environment always wins.
+
+    OMP_NUM_THREADS       cores / CPU contexts: contexts run side by side, each op uses its share
+                          (MXNet alone would take half the cores, assuming hyper-threading)
+    OPENBLAS_NUM_THREADS  the same for the dense layers' GEMMs
+    OPENBLAS_CORETYPE     the bundled OpenBLAS does not know recent CPUs and falls back to a generic
+                          kernel; name the AVX-512 or AVX2 kernels when the CPU has them
+    MXNET_CPU_TEMP_COPY   all cpu(i) contexts draw scratch space round-robin from this many shared
+                          buffers (default 4); two ops holding the same buffer wait for each other,
+                          which serialises the contexts' convolutions. Many buffers, no waiting.
+"""
+import argparse
+import os
+
+
+def cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def usable_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def thread_env(cpu_contexts, cores=None, flags=None):
+    """Environment for `cpu_contexts` CPU contexts (0 when training on GPUs) on `cores` cores."""
+    cores = cores or usable_cores()
+    flags = cpu_flags() if flags is None else flags
+    per_op = max(1, cores // cpu_contexts) if cpu_contexts else cores
+    env = {"OMP_NUM_THREADS": str(per_op), "OPENBLAS_NUM_THREADS": str(per_op),
+           "MXNET_CPU_TEMP_COPY": str(max(64, 32 * cpu_contexts))}
+    if "avx512f" in flags:
+        env["OPENBLAS_CORETYPE"] = "SKYLAKEX"
+    elif {"avx2", "fma"} <= flags:
+        env["OPENBLAS_CORETYPE"] = "HASWELL"
+    return env
+
+
+def cpu_contexts_in(argv):
+    """How many CPU contexts a training command line asks for (0 for --gpus, 2 when it names none
+    and the machine shows no NVIDIA device: the trainer's own default)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--cpus", type=int)
+    p.add_argument("--gpus", type=int)
+    args, _ = p.parse_known_args(argv)
+    if args.gpus is not None:
+        return 0
+    if args.cpus is not None:
+        return max(1, args.cpus)
+    return 0 if os.path.exists("/dev/nvidia0") else 2
+
+
+def configure(argv, environ=None):
+    """Fill in the settings for the run `argv` describes; returns those that were set here."""
+    environ = os.environ if environ is None else environ
+    chosen = {k: v for k, v in thread_env(cpu_contexts_in(argv)).items() if k not in environ}
+    environ.update(chosen)
+    return chosen
