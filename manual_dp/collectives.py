@@ -25,49 +25,60 @@ def reduce_bcast(arrays):
     """Afterwards every `arrays[i]` holds the sum: gathered and added in one add_n on the first context."""
     home = arrays[0].context
     if len(arrays) > 1:
-        nd.add_n(*[a if a.context == home else a.copyto(home) for a in arrays], out=arrays[0])
+        nd.add_n(*[arrays[0]] + [a.copyto(home) for a in arrays[1:]], out=arrays[0])
     for a in arrays[1:]:
         arrays[0].copyto(a)
 
 
-def ring_allreduce(arrays):
-    """Afterwards every `arrays[i]` holds the sum, passed around the ring 0 -> 1 -> ... -> k-1 -> 0.
+def ring_schedule(k):
+    """The ring's transfers, step by step: lists of (src, dst, chunk, phase), phase "add" or "copy".
 
-    Reduce-scatter: in step s rank i sends chunk (i - s) mod k to rank i+1, which adds it to its own;
-    after k-1 steps rank i holds the full sum of chunk (i + 1) mod k. All-gather: in step s rank i
-    passes chunk (i + 1 - s) mod k on, and rank i+1 overwrites its copy with it.
+    Reduce-scatter: in step s rank i sends chunk (i - s) mod k to rank i+1, which adds it to its
+    own; after k-1 steps rank i holds the full sum of chunk (i + 1) mod k. All-gather: in step s
+    rank i passes chunk (i + 1 - s) mod k on, and rank i+1 overwrites its copy with it.
     """
+    reduce = [[(i, (i + 1) % k, (i - s) % k, "add") for i in range(k)] for s in range(k - 1)]
+    gather = [[(i, (i + 1) % k, (i + 1 - s) % k, "copy") for i in range(k)] for s in range(k - 1)]
+    return reduce + gather
+
+
+def tree_schedule(k):
+    """The tree's transfers, round by round: rank i+step adds into rank i (step 1, 2, 4, ...) until
+    rank 0 holds the sum, then the same edges copy it back down, last round first."""
+    up, step = [], 1
+    while step < k:
+        up.append([(i + step, i, None, "add") for i in range(0, k - step, 2 * step)])
+        step *= 2
+    down = [[(dst, src, None, "copy") for src, dst, _, _ in edges] for edges in reversed(up)]
+    return up + down
+
+
+def send(src, dst, phase):
+    """One transfer: `dst` += `src` ("add") or `dst` = `src` ("copy"), on dst's context."""
+    if phase == "add":
+        nd.elemwise_add(dst, src.copyto(dst.context), out=dst)
+    else:
+        src.copyto(dst)
+
+
+def ring_allreduce(arrays):
+    """Afterwards every `arrays[i]` holds the sum, passed around the ring 0 -> 1 -> ... -> k-1 -> 0
+    in k chunks: each link carries 2(k-1)/k of the array (see ring_schedule)."""
     k = len(arrays)
     flat = [a.reshape((-1,)) for a in arrays]  # views: writing them writes the arrays
     bounds = chunk_bounds(flat[0].size, k)
-
-    def chunk(rank, c):
-        return flat[rank][bounds[c]:bounds[c + 1]] if bounds[c + 1] > bounds[c] else None
-
-    for s in range(k - 1):
-        for i in range(k):
-            src, dst = chunk(i, (i - s) % k), chunk((i + 1) % k, (i - s) % k)
-            if src is not None:
-                nd.elemwise_add(dst, src.copyto(dst.context), out=dst)
-    for s in range(k - 1):
-        for i in range(k):
-            src, dst = chunk(i, (i + 1 - s) % k), chunk((i + 1) % k, (i + 1 - s) % k)
-            if src is not None:
-                src.copyto(dst)
+    for transfers in ring_schedule(k):
+        for src, dst, c, phase in transfers:
+            if bounds[c + 1] > bounds[c]:  # an array smaller than k has empty chunks
+                send(flat[src][bounds[c]:bounds[c + 1]], flat[dst][bounds[c]:bounds[c + 1]], phase)
 
 
 def tree_allreduce(arrays):
-    """Afterwards every `arrays[i]` holds the sum: rank i adds rank i+step (step 1, 2, 4, ...) up a
-    binary tree into rank 0, then the total goes back down the same tree."""
-    k, step = len(arrays), 1
-    while step < k:
-        for i in range(0, k - step, 2 * step):
-            nd.elemwise_add(arrays[i], arrays[i + step].copyto(arrays[i].context), out=arrays[i])
-        step *= 2
-    while step > 1:
-        step //= 2
-        for i in range(0, k - step, 2 * step):
-            arrays[i].copyto(arrays[i + step])
+    """Afterwards every `arrays[i]` holds the sum, added up a binary tree into rank 0 in
+    ceil(log2 k) rounds and copied back down it (see tree_schedule)."""
+    for transfers in tree_schedule(len(arrays)):
+        for src, dst, _, phase in transfers:
+            send(arrays[src], arrays[dst], phase)
 
 
 class KVStoreAllreduce:

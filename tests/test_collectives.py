@@ -86,3 +86,31 @@ def test_chunk_bounds_cover_everything_evenly(n, k):
 def test_unknown_name_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown allreduce 'bogus'.*ring"):
         make_allreduce("bogus")
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8])
+def test_ring_schedule_moves_2_k_minus_1_over_k_of_the_data_per_link(k):
+    from manual_dp.collectives import ring_schedule
+    steps = ring_schedule(k)
+    assert len(steps) == 2 * (k - 1)
+    links = {}
+    for transfers in steps:
+        assert sorted(src for src, _, _, _ in transfers) == list(range(k))  # every rank sends once
+        for src, dst, c, _ in transfers:
+            assert dst == (src + 1) % k
+            links[src] = links.get(src, 0) + 1
+    # each transfer is one of k chunks: 2(k-1) chunks = 2(k-1)/k of the array per link
+    assert all(n == 2 * (k - 1) for n in links.values())
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_tree_schedule_has_log_rounds_and_reaches_everyone(k):
+    from manual_dp.collectives import tree_schedule
+    rounds = tree_schedule(k)
+    assert len(rounds) == 2 * int(np.ceil(np.log2(k)))
+    holders = {0}
+    for transfers in rounds[len(rounds) // 2:]:
+        for src, dst, _, phase in transfers:
+            assert phase == "copy" and src in holders
+            holders.add(dst)
+    assert holders == set(range(k))

@@ -1,0 +1,149 @@
+"""`python -m manual_dp.bench`: all-reduce and training benchmarks side by side in one run, written
+to DIR/results.json (a list of records with bench, impl, devices and the figures) and PNG plots.
+
+    --quick   the default, under 3 minutes on 2 cores    --full   every payload, count and peer
+    --tiny    seconds, synthetic data (for the tests)     --model  the cost model's table and plot
+
+Every measurement runs in a fresh process (manual_dp.bench_worker) whose thread settings are in
+its environment before MXNet or PyTorch loads: "tuned" is manual_dp.runtime's choice for its
+number of contexts, "default" is MXNet's own (the lesson as written). Figures are medians over
+repeats with the first (warm-up) dropped.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .cli import OneLineParser, UsageError
+from .runtime import thread_env, usable_cores
+
+KB, MB = 1024, 1024 * 1024
+PLANS = {
+    "tiny": dict(payloads=[4 * KB, 64 * KB], comm_devices=[2, 3], lenet_devices=[2], comm_repeats=2,
+                 images=256, batch=64, repeats=2, devices=[1, 2], data="synthetic", peers=False, few=True),
+    "quick": dict(payloads=[4 * KB, 64 * KB, 1 * MB, 4 * MB, 16 * MB], comm_devices=[2, 4, 8],
+                  lenet_devices=[2, 4], comm_repeats=3, images=2048, batch=256, repeats=3,
+                  devices=[1, 2, 4], data="fashion", peers=True),
+    "full": dict(payloads=[4 * KB * 4 ** i for i in range(8)], comm_devices=[2, 3, 4, 6, 8],
+                 lenet_devices=[2, 4, 8], comm_repeats=5, images=256 * 40, batch=256, repeats=5,
+                 devices=[1, 2, 4], data="fashion", peers=True),
+}
+FAST = {"allreduce": "ring", "fused": True, "graph": True}
+RUNTIME_KEYS = set(thread_env(1, flags={"avx512f"})) | {"OMP_NUM_THREADS"}
+
+
+def train_specs(plan, full):
+    """(impl, options, env, devices) of every training measurement of the plan."""
+    ks, two = plan["devices"], [k for k in plan["devices"] if k == 2] or plan["devices"][-1:]
+    specs = [("manual_dp", FAST, "tuned", k) for k in ks]
+    specs += [("lesson", {}, "default", k) for k in (two if plan.get("few") else ks)]
+    if plan.get("few"):
+        return specs
+    specs += [("manual_dp", {}, "tuned", k) for k in (ks if full else two)]
+    for name in ("lesson", "reduce_bcast", "tree", "kvstore"):
+        specs += [("manual_dp", dict(FAST, allreduce=name), "tuned", k) for k in (ks if full else two)]
+    specs += [("manual_dp", {"allreduce": "ring", "fused": True}, "tuned", k) for k in two]
+    specs += [("manual_dp", {"graph": True}, "tuned", k) for k in two]
+    if plan["peers"]:
+        specs += [("gluon", {"hybrid": h}, "tuned", k) for h in (False, True) for k in (ks if full else two)]
+        if full:
+            specs += [("lesson", {}, "tuned", k) for k in ks]
+        if importlib.util.find_spec("torch"):
+            specs += [("torch", {}, "tuned", 1)] + [("torch-ddp", {}, "tuned", k) for k in ks if k > 1]
+    return specs
+
+
+def worker_env(env, devices):
+    """The environment of a measurement: MXNet's defaults, or runtime's choice for `devices`."""
+    base = {k: v for k, v in os.environ.items() if k not in RUNTIME_KEYS}
+    return base if env == "default" else dict(base, **thread_env(devices))
+
+
+def run_worker(spec, env, timeout):
+    """Records printed by one manual_dp.bench_worker process, or one record saying why there are none."""
+    cmd = [sys.executable, "-m", "manual_dp.bench_worker", json.dumps(spec)]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [dict(spec, error=f"timed out after {timeout:.0f} s")]
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return [dict(spec, error=f"exit {done.returncode}: {tail}")]
+    return json.loads(lines[-1])
+
+
+def measure(plan, args):
+    """Every record of the plan: machine, all-reduce, training."""
+    records = [{"bench": "meta", "impl": "machine", "devices": usable_cores(), "load_before": os.getloadavg(),
+                "plan": args.plan, "time": time.strftime("%Y-%m-%d %H:%M:%S")}]
+    if args.only in (None, "allreduce"):
+        spec = {"bench": "allreduce", "impl": "all", "devices": plan["comm_devices"],
+                "payloads": plan["payloads"], "lenet_devices": plan["lenet_devices"], "repeats": plan["comm_repeats"]}
+        print(f"allreduce: payloads {plan['payloads'][0]}..{plan['payloads'][-1]} B, "
+              f"{plan['comm_devices']} contexts", flush=True)
+        records += run_worker(spec, worker_env("tuned", 2), args.timeout)
+    if args.only in (None, "train"):
+        for impl, options, env, k in train_specs(plan, args.plan == "full"):
+            spec = {"bench": "train", "impl": impl, "options": options, "env": env, "devices": k,
+                    "batch": plan["batch"], "images": plan["images"], "repeats": plan["repeats"],
+                    "lr": 0.1, "seed": 0, "data": plan["data"], "data_dir": args.data_dir,
+                    "threads": usable_cores(), "timeout": args.timeout}
+            got = run_worker(spec, worker_env(env, 1 if impl.startswith("torch") else k), args.timeout)
+            records += got
+            print(format_train(got[0]), flush=True)
+    records[0]["load_after"] = os.getloadavg()
+    return records
+
+
+def format_train(r):
+    from .bench_plots import label
+    if "error" in r:
+        return f"  {label(r):40} {r['devices']} dev: {r['error']}"
+    return (f"  {label(r):40} {r['devices']} dev: {r['images_per_sec']:7.0f} img/s  "
+            f"{r['sec_per_epoch']:6.1f} s/epoch  loss {r['final_loss']:.4f}")
+
+
+def main(argv=None):
+    from .bench_report import report, write
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(f"manual_dp.bench: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.model:
+        print(report_model(out))
+        return
+    records = measure(PLANS[args.plan], args)
+    records += report(records)
+    write(records, out)
+    print(report_model(out, records))
+
+
+def report_model(out, records=None):
+    from .bench_report import model_section
+    return model_section(out, records)
+
+
+def build_parser():
+    p = OneLineParser(prog="python -m manual_dp.bench", description=__doc__.split("\n\n")[0])
+    size = p.add_mutually_exclusive_group()
+    for name in ("quick", "full", "tiny"):
+        size.add_argument(f"--{name}", dest="plan", action="store_const", const=name)
+    p.set_defaults(plan="quick")
+    p.add_argument("--out", default="bench-results", help="directory for results.json and the plots")
+    p.add_argument("--only", choices=["allreduce", "train"], help="run one half only")
+    p.add_argument("--model", action="store_true",
+                   help="print and plot the cost model, fitted to OUT/results.json when it has all-reduce figures")
+    p.add_argument("--data-dir", help="Fashion-MNIST directory (as for training)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed to one measurement")
+    return p
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""What the benchmark's records say: scaling efficiency, the ratios the targets name, the tables,
+the cost model fitted to the measured all-reduce, and results.json with its plots."""
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from . import costmodel
+from .bench_plots import allreduce_plots, label, model_plot, scaling_plot
+
+
+def ok(records, bench):
+    return [r for r in records if r["bench"] == bench and "error" not in r]
+
+
+def add_efficiency(records):
+    """scaling_efficiency = T1 / (k Tk) = images/s on k / (k * images/s on 1), per implementation."""
+    one = {label(r): r["images_per_sec"] for r in ok(records, "train") if r["devices"] == 1}
+    for r in ok(records, "train"):
+        if label(r) in one:
+            r["scaling_efficiency"] = r["images_per_sec"] / (r["devices"] * one[label(r)])
+
+
+def ratio(name, devices, value, target, higher_is_better=True, **extra):
+    met = value >= target if higher_is_better else value <= target
+    return dict({"bench": "summary", "impl": name, "devices": devices, "ratio": value,
+                 "target": target, "met": bool(met)}, **extra)
+
+
+def targets(records):
+    """Summary records: the ratios the issue asks for, measured in this run."""
+    out, train = [], ok(records, "train")
+    at2 = [r for r in train if r["devices"] == 2]
+    manual = max((r for r in at2 if r["impl"] == "manual_dp"), key=lambda r: r["images_per_sec"], default=None)
+    lesson = next((r for r in at2 if r["impl"] == "lesson" and r["env"] == "default"), None)
+    torch = max((r for r in train if r["impl"].startswith("torch")), key=lambda r: r["images_per_sec"], default=None)
+    if manual and lesson:
+        out.append(ratio(f"{label(manual)} / lesson (img/s)", 2, manual["images_per_sec"] / lesson["images_per_sec"], 2.0,
+                         loss_difference=abs(manual["final_loss"] - lesson["final_loss"])))
+    if manual and torch:
+        out.append(ratio(f"{label(manual)} / {label(torch)} on {torch['devices']} (img/s)", 2,
+                         manual["images_per_sec"] / torch["images_per_sec"], 1.0,
+                         loss_difference=abs(manual["final_loss"] - torch["final_loss"])))
+    lenet = defaultdict(dict)
+    for r in ok(records, "allreduce_lenet"):
+        lenet[r["devices"]][(r["impl"], r["fused"])] = r["us"]
+    for k, us in sorted(lenet.items()):
+        ours = min((t, impl, f) for (impl, f), t in us.items() if impl != "kvstore")
+        kv = min(t for (impl, _), t in us.items() if impl == "kvstore")
+        out.append(ratio(f"kvstore us / fastest ({ours[1]}{' fused' if ours[2] else ''}) us, LeNet grads", k,
+                         kv / ours[0], 1.0))
+    copy = {r["bytes"]: r["gbps"] for r in ok(records, "memcpy")}
+    best = {}
+    for r in ok(records, "allreduce"):
+        if r["bytes"] >= 4 * 2 ** 20 and r["devices"] > 1 and r["bytes"] in copy:
+            key = (r["devices"], r["bytes"])
+            if key not in best or r["busbw_gbps"] > best[key]["busbw_gbps"]:
+                best[key] = r
+    for (k, nbytes), r in sorted(best.items()):
+        out.append(ratio(f"copy GB/s / {r['impl']} bus GB/s at {nbytes // 2 ** 20} MB", k,
+                         copy[nbytes] / r["busbw_gbps"], 3.0, higher_is_better=False))
+    return out
+
+
+def report(records):
+    """Adds efficiencies, prints the tables, returns the summary records."""
+    add_efficiency(records)
+    print("\ntraining (median images/s, first pass dropped)")
+    print(f"  {'implementation':42} {'dev':>3} {'img/s':>7} {'s/epoch':>8} {'eff':>5} {'loss':>7}")
+    for r in sorted(ok(records, "train"), key=lambda r: (r["devices"], -r["images_per_sec"])):
+        eff = r.get("scaling_efficiency")
+        print(f"  {label(r):42} {r['devices']:>3} {r['images_per_sec']:>7.0f} {r['sec_per_epoch']:>8.1f} "
+              f"{'' if eff is None else f'{eff:.2f}':>5} {r['final_loss']:>7.4f}")
+    lenet = ok(records, "allreduce_lenet")
+    if lenet:
+        print("\nall-reduce of LeNet's 8 gradients (516 KB), microseconds: per array / fused")
+        for k in sorted({r["devices"] for r in lenet}):
+            cells = {(r["impl"], r["fused"]): r["us"] for r in lenet if r["devices"] == k}
+            row = "  ".join(f"{impl} {cells[(impl, False)]:.0f}/{cells[(impl, True)]:.0f}"
+                            for impl in sorted({i for i, _ in cells}))
+            print(f"  {k} contexts: {row}")
+    summary = targets(records)
+    print("\ntargets")
+    for s in summary:
+        print(f"  {s['impl']}, {s['devices']} dev: {s['ratio']:.2f} (target "
+              f"{'>=' if s['target'] != 3.0 else '<='} {s['target']}) {'met' if s['met'] else 'NOT met'}")
+    errors = [r for r in records if "error" in r]
+    for r in errors:
+        print(f"  failed: {r['bench']} {r['impl']} {r['devices']}: {r['error']}")
+    return summary
+
+
+def write(records, out):
+    out = Path(out)
+    (out / "results.json").write_text(json.dumps(records, indent=1))
+    paths = [out / "results.json"]
+    if ok(records, "allreduce"):
+        paths += allreduce_plots(records, out)
+    if ok(records, "train"):
+        paths.append(scaling_plot(records, out))
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+
+
+def fits(records):
+    """{algorithm: (alpha, beta, gamma, max relative error)} fitted to the measured all-reduce."""
+    points = defaultdict(list)
+    for r in ok(records, "allreduce"):
+        if r["devices"] > 1:
+            points[r["impl"]].append((r["devices"], r["bytes"], r["us"] * 1e-6))
+    result = {}
+    for alg, pts in sorted(points.items()):
+        a, b, g = costmodel.fit(pts, alg)
+        err = max(abs(costmodel.allreduce_time(alg, k, n, a, b, g) / t - 1) for k, n, t in pts)
+        result[alg] = (a, b, g, err)
+    return result
+
+
+def model_section(out, records=None):
+    """The cost model as text: the fit to this machine's all-reduce, then the stated links."""
+    out = Path(out)
+    path = out / "results.json"
+    if records is None:
+        records = json.loads(path.read_text()) if path.is_file() else []
+    lines = ["cost model: time = alpha * messages + beta * bytes on the busiest link + gamma * bytes added"]
+    fitted = fits(records)
+    if fitted:
+        lines.append("fitted to this run's all-reduce figures (CPU contexts of this machine):")
+        for alg, (a, b, g, err) in fitted.items():
+            bw = f"{1 / b / 1e9:.1f} GB/s" if b else "inf"
+            lines.append(f"  {alg:13} alpha {a * 1e6:7.1f} us   bytes (moved + added) at {bw:>10}   "
+                         f"worst relative error {err:.0%}")
+    else:
+        lines.append(f"(no all-reduce figures in {path}: run `python -m manual_dp.bench` first to fit them)")
+    rows = costmodel.table()
+    lines += ["", "predicted on stated links (weak scaling, fused gradients; see manual_dp/costmodel.py):",
+              costmodel.format_table(rows)]
+    out.mkdir(parents=True, exist_ok=True)
+    lines.append(f"\nwrote {model_plot(rows, out)}")
+    return "\n".join(lines)

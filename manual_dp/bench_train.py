@@ -1,0 +1,128 @@
+"""Training throughput of LeNet, the same data, start and updates for every implementation:
+
+    manual_dp   DataParallel through run_epoch (any allreduce, fused or not, cached graph or not)
+    lesson      d2l's train_batch as the lesson writes it, waitall after every batch
+    gluon       gluon.Trainer(kvstore='device') on a gluon LeNet, hybridised or not
+
+Every implementation starts from init_lenet_params(seed) and takes plain SGD steps on the same
+batches in the same order, so its final loss is a check that it trained the same model.
+"""
+import time
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon, nd
+from mxnet.gluon import nn
+
+from .collectives import make_allreduce
+from .model import cross_entropy, init_lenet_params, lenet
+from .parallel import allreduce, get_params
+from .step import DataParallel
+from .train import run_epoch
+
+
+# --- the lesson, as written (d2l, "Multiple GPUs from scratch"); lenet and allreduce are ours,
+# --- identical to the lesson's.
+def sgd(params, lr, batch_size):
+    """d2l.sgd."""
+    for param in params:
+        param[:] = param - lr * param.grad / batch_size
+
+
+def lesson_train_batch(X, y, device_params, devices, lr, loss):
+    """d2l's train_batch: split, forward and backward per device, allreduce each gradient, SGD."""
+    X_shards = gluon.utils.split_and_load(X, devices)
+    y_shards = gluon.utils.split_and_load(y, devices)
+    with autograd.record():
+        ls = [loss(lenet(X_shard, device_W), y_shard)
+              for X_shard, y_shard, device_W in zip(X_shards, y_shards, device_params)]
+    for l in ls:
+        l.backward()
+    for i in range(len(device_params[0])):
+        allreduce([device_params[c][i].grad for c in range(len(devices))])
+    for param in device_params:
+        sgd(param, lr, X.shape[0])
+
+
+def lesson_trainer(params, ctx, lr, batch):
+    device_params = [get_params(params, c) for c in ctx]
+    loss = gluon.loss.SoftmaxCrossEntropyLoss()
+
+    def epoch(X, y):
+        for start in range(0, len(X), batch):
+            lesson_train_batch(nd.array(X[start:start + batch]), nd.array(y[start:start + batch]),
+                               device_params, ctx, lr, loss)
+            nd.waitall()  # the lesson's loop waits for every batch
+    return epoch, lambda: device_params[0]
+
+
+# --- manual_dp
+def manual_trainer(params, ctx, lr, batch, allreduce="lesson", fused=False, graph=False):
+    model = DataParallel(params, ctx, "sgd", make_allreduce(allreduce), fuse_grads=fused, graph=graph)
+    return (lambda X, y: run_epoch(model, X, y, batch, lr, rng=None)), lambda: model.replicas[0]
+
+
+# --- gluon
+def gluon_lenet():
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(20, 3, activation="relu"), nn.AvgPool2D(2, 2),
+            nn.Conv2D(50, 5, activation="relu"), nn.AvgPool2D(2, 2),
+            nn.Flatten(), nn.Dense(128, activation="relu"), nn.Dense(10))
+    return net
+
+
+def gluon_trainer(params, ctx, lr, batch, hybrid=False):
+    net = gluon_lenet()
+    net.initialize(ctx=ctx)
+    net(nd.zeros((1, 1, 28, 28), ctx=ctx[0]))
+    layers = [net[0], net[2], net[5], net[6]]
+    for i, (layer, W, b) in enumerate(zip(layers, params[0::2], params[1::2])):
+        layer.weight.set_data(W.T if i >= 2 else W)   # gluon's Dense weight is (out, in)
+        layer.bias.set_data(b)
+    if hybrid:
+        net.hybridize(static_alloc=True, static_shape=True)
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": lr}, kvstore="device")
+    loss = gluon.loss.SoftmaxCrossEntropyLoss()
+
+    def epoch(X, y):
+        for start in range(0, len(X), batch):
+            Xs = gluon.utils.split_and_load(nd.array(X[start:start + batch]), ctx)
+            ys = gluon.utils.split_and_load(nd.array(y[start:start + batch]), ctx)
+            with autograd.record():
+                ls = [loss(net(a), b) for a, b in zip(Xs, ys)]
+            for l in ls:
+                l.backward()
+            trainer.step(len(X[start:start + batch]))
+        nd.waitall()
+
+    def final():
+        out = []
+        for i, layer in enumerate(layers):
+            W = layer.weight.data(ctx[0])
+            out += [W.T if i >= 2 else W, layer.bias.data(ctx[0])]
+        return out
+    return epoch, final
+
+
+TRAINERS = {"manual_dp": manual_trainer, "lesson": lesson_trainer, "gluon": gluon_trainer}
+
+
+def eval_loss(params, X, y):
+    """Mean cross-entropy of host copies of `params` on (X, y), computed on cpu(0)."""
+    W = [nd.array(p.asnumpy() if hasattr(p, "asnumpy") else p) for p in params]
+    return float(cross_entropy(lenet(nd.array(X), W), nd.array(y)).mean().asscalar())
+
+
+def measure(spec, X, y):
+    """Seconds of each of spec['repeats'] + 1 passes over (X, y) (the first is warm-up), and the
+    loss after all of them on the first 1024 images."""
+    ctx = [mx.cpu(i) for i in range(spec["devices"])]
+    params = init_lenet_params(spec.get("seed", 0))
+    epoch, final = TRAINERS[spec["impl"]](params, ctx, spec["lr"], spec["batch"], **spec.get("options", {}))
+    times = []
+    for _ in range(spec["repeats"] + 1):
+        start = time.perf_counter()
+        epoch(X, y)
+        nd.waitall()
+        times.append(time.perf_counter() - start)
+    return times, eval_loss(final(), X[:1024], y[:1024])

@@ -1,0 +1,59 @@
+"""One benchmark measurement in a fresh process (`python -m manual_dp.bench_worker SPEC_JSON`).
+
+The thread settings an implementation runs under must be in the environment before MXNet or
+PyTorch loads, so manual_dp.bench starts one of these per measurement with its own environment.
+Prints the records as one JSON line.
+"""
+import json
+import sys
+
+import numpy as np
+
+
+def training_data(spec):
+    """spec['images'] training images: the first of Fashion-MNIST, or random ones (spec['data'])."""
+    n = spec["images"]
+    if spec.get("data") == "fashion":
+        from .data import load_fashion_mnist
+        (X, y), _ = load_fashion_mnist(spec.get("data_dir"), train_size=n, test_size=1,
+                                       allow_download=False)
+        return np.ascontiguousarray(X), y
+    rng = np.random.RandomState(0)
+    return rng.rand(n, 1, 28, 28).astype(np.float32), rng.randint(0, 10, n).astype(np.int32)
+
+
+def train_record(spec, times, final_loss):
+    """The record of one training measurement: median over the timed passes, warm-up dropped."""
+    sec = float(np.median(times[1:]))
+    ips = spec["images"] / sec
+    return {"bench": "train", "impl": spec["impl"], "devices": spec["devices"], "env": spec["env"],
+            "options": spec.get("options", {}), "batch": spec["batch"], "images": spec["images"],
+            "images_per_sec": ips, "sec_per_epoch": 60000 / ips, "step_ms": 1e3 * sec * spec["batch"] / spec["images"],
+            "pass_sec": times, "final_loss": final_loss}
+
+
+def run(spec):
+    if spec["bench"] == "allreduce":
+        from .bench_comm import run as run_comm
+        return run_comm(spec)
+    X, y = training_data(spec)
+    if spec["impl"].startswith("torch"):
+        from . import bench_torch
+        from .model import init_lenet_params
+        params = [p.asnumpy() for p in init_lenet_params(spec.get("seed", 0))]
+        go = bench_torch.ddp if spec["impl"] == "torch-ddp" else bench_torch.single_process
+        times, final = go(params, X, y, spec)
+        from .bench_train import eval_loss
+        return [train_record(spec, times, eval_loss(final, X[:1024], y[:1024]))]
+    from .bench_train import measure
+    times, final_loss = measure(spec, X, y)
+    return [train_record(spec, times, final_loss)]
+
+
+def main(argv=None):
+    spec = json.loads((argv or sys.argv[1:])[0])
+    print(json.dumps(run(spec)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The benchmark command: a tiny run writes results.json with the required keys, and bad input fails
+with one line. (Timing is never asserted here: the machine is shared.)"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from manual_dp import bench, bench_report
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench", "--tiny", "--out", str(out),
+                           "--timeout", "120"], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out, json.loads((out / "results.json").read_text()), done.stdout
+
+
+def test_tiny_run_writes_records_with_the_required_keys(tiny_run):
+    out, records, _ = tiny_run
+    assert records and all({"bench", "impl", "devices"} <= set(r) for r in records)
+    assert not [r for r in records if "error" in r]
+    kinds = {r["bench"] for r in records}
+    assert {"meta", "memcpy", "allreduce", "allreduce_lenet", "train", "summary"} <= kinds
+    for name in ("allreduce_us.png", "allreduce_bw.png", "train_scaling.png", "costmodel.png"):
+        assert (out / name).stat().st_size > 1000, name
+
+
+def test_every_algorithm_and_figure_is_measured(tiny_run):
+    from manual_dp import ALLREDUCE_ALGORITHMS
+    _, records, _ = tiny_run
+    comm = [r for r in records if r["bench"] == "allreduce"]
+    assert {r["impl"] for r in comm} == set(ALLREDUCE_ALGORITHMS)
+    assert all(r["us"] > 0 and r["algbw_gbps"] > 0 for r in comm)
+    train = [r for r in records if r["bench"] == "train"]
+    assert {(r["impl"], r["devices"]) for r in train} >= {("manual_dp", 1), ("manual_dp", 2), ("lesson", 2)}
+    for r in train:
+        assert r["images_per_sec"] > 0 and r["sec_per_epoch"] == pytest.approx(60000 / r["images_per_sec"])
+        assert len(r["pass_sec"]) == 3  # 2 repeats + the dropped warm-up
+    # same start, data and SGD steps: every implementation ends at the same loss
+    losses = [r["final_loss"] for r in train]
+    assert max(losses) - min(losses) < 1e-3
+    fast_1 = next(r for r in train if r["impl"] == "manual_dp" and r["devices"] == 1)
+    assert fast_1["scaling_efficiency"] == 1.0
+
+
+def test_model_flag_fits_the_run_and_prints_the_table(tiny_run):
+    out, _, _ = tiny_run
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench", "--model", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "fitted to this run's all-reduce figures" in done.stdout
+    assert "ResNet-50" in done.stdout and "100 Gb/s Ethernet" in done.stdout
+
+
+@pytest.mark.parametrize("argv", [["--quick", "--full"], ["--only", "nothing"], ["--bogus"]])
+def test_bad_input_is_one_line_and_exit_2(argv):
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench"] + argv,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith("manual_dp.bench: error:")
+
+
+def test_targets_are_computed_from_the_records():
+    train = lambda impl, k, ips, env="tuned", **o: {"bench": "train", "impl": impl, "devices": k, "env": env,
+                                                    "options": o, "images_per_sec": ips, "final_loss": 0.5}
+    records = [train("manual_dp", 2, 5000.0, allreduce="ring", fused=True), train("lesson", 2, 2000.0, "default"),
+               train("torch", 1, 4000.0),
+               {"bench": "allreduce_lenet", "impl": "kvstore", "fused": False, "devices": 4, "us": 600.0},
+               {"bench": "allreduce_lenet", "impl": "kvstore", "fused": True, "devices": 4, "us": 400.0},
+               {"bench": "allreduce_lenet", "impl": "ring", "fused": True, "devices": 4, "us": 200.0},
+               {"bench": "memcpy", "impl": "copyto", "devices": 2, "bytes": 2 ** 23, "gbps": 9.0},
+               {"bench": "allreduce", "impl": "ring", "devices": 4, "bytes": 2 ** 23, "busbw_gbps": 4.0}]
+    summary = {s["impl"].split(" (")[0].split(",")[0]: s for s in bench_report.targets(records)}
+    assert [round(s["ratio"], 3) for s in bench_report.targets(records)] == [2.5, 1.25, 2.0, 2.25]
+    assert all(s["met"] for s in summary.values())
+
+
+def test_tiny_and_quick_plans_measure_what_the_readme_promises():
+    quick = bench.train_specs(bench.PLANS["quick"], full=False)
+    assert {("lesson", "default", k) for k in (1, 2, 4)} <= {(i, e, k) for i, _, e, k in quick}
+    assert {("manual_dp", k) for k in (1, 2, 4)} <= {(i, k) for i, _, _, k in quick}
+    assert {o.get("allreduce") for i, o, _, _ in quick if i == "manual_dp"} >= {"ring", "tree", "kvstore", "lesson"}

@@ -1,0 +1,77 @@
+"""The cost model against closed forms worked out by hand for small cases."""
+import math
+
+import numpy as np
+import pytest
+
+from manual_dp import costmodel as cm
+
+A, B, G = 1e-5, 1e-9, 5e-10  # 10 us per message, 1 GB/s link, 2 GB/s adds
+
+
+@pytest.mark.parametrize("alg,k,n,expected", [
+    ("ring", 1, 1000, 0.0),
+    ("ring", 2, 1000, 2 * A + 1000 * B + 500 * G),            # 2(k-1) messages of n/k, (k-1)/k n added
+    ("ring", 4, 1000, 6 * A + 1500 * B + 750 * G),
+    ("tree", 2, 1000, 2 * A + 2000 * B + 1000 * G),            # 1 round up, 1 down, whole array each
+    ("tree", 5, 1000, 6 * A + 6000 * B + 3000 * G),            # ceil(log2 5) = 3 rounds each way
+    ("lesson", 3, 1000, 4 * A + 4000 * B + 2000 * G),          # k-1 in and k-1 out through device 0
+    ("reduce_bcast", 3, 1000, 4 * A + 4000 * B + 2000 * G),
+])
+def test_allreduce_time_matches_closed_forms(alg, k, n, expected):
+    assert cm.allreduce_time(alg, k, n, A, B, G) == pytest.approx(expected, abs=1e-15)
+
+
+def test_ring_bytes_per_link_approach_twice_the_array():
+    for k in (2, 8, 1024):
+        _, nbytes, _ = cm.terms("ring", k, 1.0)
+        assert nbytes == pytest.approx(2 * (k - 1) / k)
+    with pytest.raises(ValueError, match="no cost model"):
+        cm.terms("bogus", 2, 1)
+
+
+@pytest.mark.parametrize("alg", ["ring", "tree", "reduce_bcast"])
+def test_fit_recovers_the_parameters_that_made_the_data(alg):
+    points = [(k, n, cm.allreduce_time(alg, k, n, A, B, G)) for k in (2, 3, 4, 8) for n in (4e3, 1e5, 4e6, 6.4e7)]
+    a, b, g = cm.fit(points, alg)
+    # bytes added are half the bytes over the link in every algorithm: only B + G/2 is identifiable
+    assert (a, b, g) == pytest.approx((A, B + G / 2, 0.0), rel=1e-6)
+    assert all(cm.allreduce_time(alg, k, n, a, b, g) == pytest.approx(t, rel=1e-6) for k, n, t in points)
+
+
+def test_fit_never_returns_negative_costs():
+    # noise that would pull an unconstrained latency below zero
+    points = [(2, n, 1e-9 * n * (1.3 if n < 1e5 else 1.0)) for n in (1e3, 1e4, 1e6, 1e7)]
+    assert min(cm.fit(points, "ring")) >= 0
+
+
+def test_step_time_and_efficiency_closed_forms():
+    w = cm.Workload("toy", 1000, 4, 0.01, 0.001, 10)  # compute: 10 ms + 1 ms per image
+    comm = cm.allreduce_time("ring", 2, 1000, A, B)
+    assert cm.step_time(w, 2, A, B) == pytest.approx(0.02 + comm)                   # weak: 10 images each
+    assert cm.step_time(w, 2, A, B, scaling="strong") == pytest.approx(0.015 + comm)  # strong: 5 each
+    assert cm.step_time(w, 2, A, B, fused=False) == pytest.approx(
+        0.02 + 4 * cm.allreduce_time("ring", 2, 250, A, B))                          # 4 arrays of 250 B
+    assert cm.efficiency(w, 1, A, B) == 1.0
+    assert cm.efficiency(w, 2, A, B) == pytest.approx(0.02 / (0.02 + comm))
+    assert cm.efficiency(w, 2, A, B, scaling="strong") == pytest.approx(0.02 / (2 * (0.015 + comm)))
+
+
+def test_without_communication_strong_scaling_is_capped_by_the_fixed_cost():
+    w = cm.Workload("launch-bound", 1, 1, 0.002, 0.0, 256)  # like LeNet on a GPU
+    assert cm.efficiency(w, 2, 0.0, 0.0, scaling="strong") == pytest.approx(0.5)
+    w = cm.Workload("compute-bound", 1, 1, 0.0, 1e-3, 256)
+    assert cm.efficiency(w, 8, 0.0, 0.0, scaling="strong") == pytest.approx(1.0)
+
+
+def test_table_covers_the_stated_range():
+    rows = cm.table()
+    assert {r["devices"] for r in rows} == {8, 64, 1024}
+    assert {r["link"] for r in rows} == set(cm.LINKS)
+    assert {r["workload"] for r in rows} == {"LeNet", "ResNet-50"}
+    assert all(0 < r["efficiency"] <= 1 for r in rows)
+    # more devices never make a ring step faster under weak scaling
+    ring = sorted((r["devices"], r["step_ms"]) for r in rows
+                  if r["algorithm"] == "ring" and r["workload"] == "ResNet-50" and r["link"] == "PCIe 3.0 x16")
+    assert [t for _, t in ring] == sorted(t for _, t in ring)
+    assert math.isclose(cm.LINKS["25 Gb/s Ethernet"][1], 3.125e9)
