@@ -38,4 +38,15 @@ fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 .venv/bin/python -m pip install -q -e ".$extras"
+
+# --test: horovod built against this mxnet (Gloo, no MPI), for the Horovod backend and its tests.
+if [ "$extras" = "[test]" ] && ! .venv/bin/python -c 'import horovod.mxnet' 2>/dev/null; then
+  if ! { command -v cmake && command -v g++; } >/dev/null && command -v apt-get >/dev/null; then
+    sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+    { $sudo apt-get update -qq && $sudo apt-get install -y -qq cmake g++; } >/dev/null
+  fi
+  echo "setup.sh: building horovod 0.28.1 for mxnet (about 10 minutes, once)"
+  HOROVOD_WITH_MXNET=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+    HOROVOD_WITHOUT_PYTORCH=1 .venv/bin/python -m pip install -q --no-build-isolation horovod==0.28.1
+fi
 echo "setup.sh: ready (.venv, $(.venv/bin/python -c 'import mxnet; print("mxnet", mxnet.__version__)'))"

@@ -20,7 +20,6 @@ from mxnet import nd
 
 from .cli import UsageError
 from .distributed import Cluster, DataParallel, TwoLevelDataParallel, flatten, unflatten
-from .optim import apply_update
 from .ps_server import AddDelta
 
 
@@ -44,16 +43,17 @@ class AsyncDataParallel(TwoLevelDataParallel):
         flats = self.local_step(X, y)
         start, stop = self.rows(len(X))
         W = self.replicas[0]
-        unflatten(flats[0], [p.grad for p in W])
+        unflatten(flats[0], self.grads(0))
         before = flatten(W)
-        apply_update(W, self.states[0], self.optimizer, lr, self.t, stop - start)
+        self.update(0, lr, stop - start)
         self.world.kv.push(self.key, flatten(W) - before)
         self.world.kv.pull(self.key, out=before)      # everyone's changes so far
         for replica in self.replicas:
             unflatten(before, replica)
         # The log shows this process's rows, scaled to the whole batch (no waiting for the others).
-        n, scale = flats[0].size, len(X) / (stop - start)
-        return [(flats[0][n - 2:n - 1] * scale, flats[0][n - 1:n] * scale)]
+        k, scale = len(self.ctx), len(X) / (stop - start)
+        mine = range(self.world.rank * k, (self.world.rank + 1) * k)
+        return [(loss * scale, correct * scale) for loss, correct in self.metrics(flats[0], mine)]
 
     def correct(self, X, y):
         """Every process evaluates all of (X, y) on the parameters it pulled last."""

@@ -18,7 +18,7 @@ from mxnet.base import MXNetError
 from .cli import UsageError
 from .optim import apply_update
 from .parallel import allreduce, shard_sizes, split_and_load
-from .step import DataParallel, forward_backward
+from .step import DataParallel, forward_backward, graph_forward_backward
 
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
 
@@ -124,7 +124,9 @@ class Cluster(World):
             raise UsageError(f"--backend {self.backend} runs the synchronous data-parallel trainer "
                              f"only (--mode sync)")
         twin = self.strategy(model.replicas[0], model.ctx, model.optimizer, self,
-                             getattr(model, "allreduce_fn", allreduce))
+                             getattr(model, "allreduce_fn", allreduce),
+                             fuse_grads=getattr(model, "flat", None) is not None,
+                             graph=getattr(model, "graph", None) is not None)
         twin.load_state_dict(model.state_dict())
         return twin
 
@@ -181,8 +183,8 @@ class TwoLevelDataParallel(DataParallel):
     """DataParallel over several processes: gradients summed by hand over this process's
     contexts, then across processes in one call; then every replica takes the same update."""
 
-    def __init__(self, params, ctx, optimizer, world, allreduce_fn=allreduce):
-        super().__init__(params, ctx, optimizer, allreduce_fn)
+    def __init__(self, params, ctx, optimizer, world, allreduce_fn=allreduce, **options):
+        super().__init__(params, ctx, optimizer, allreduce_fn, **options)  # fuse_grads, graph
         self.world, self.in_sync = world, False
         self.min_batch = world.size * len(self.ctx)  # what one process with all contexts needs
 
@@ -205,29 +207,56 @@ class TwoLevelDataParallel(DataParallel):
         super().load_state_dict(state)
         self.in_sync = False  # broadcast from rank 0 before the next step
 
+    def metric_slots(self, i, loss, correct):
+        """(2K,) zeros but for context i's loss sum and correct count at its global index g:
+        [loss_0 .. loss_{K-1}, correct_0 .. correct_{K-1}] once summed over all processes."""
+        K, g = self.min_batch, self.world.rank * len(self.ctx) + i
+        slots = nd.zeros((2 * K,), ctx=loss.context, dtype=loss.dtype)
+        slots[g:g + 1] = loss
+        slots[K + g:K + g + 1] = correct
+        return slots
+
     def local_step(self, X, y):
-        """Forward and backward on this process's rows; returns one flat buffer per context:
-        its gradients, then its loss sum and correct count, summed over the contexts by hand."""
+        """Forward and backward on this process's rows; returns one flat buffer per context,
+        its gradients then its metric slots, summed over the contexts by hand."""
         self.world.progress()
         if not self.in_sync:
             self.sync()
         start, stop = self.rows(len(X))
-        metrics = forward_backward(split_and_load(X[start:stop], self.ctx),
-                                   split_and_load(y[start:stop], self.ctx), self.replicas)
-        flats = [flatten([p.grad for p in W], m) for W, m in zip(self.replicas, metrics)]
+        shards = split_and_load(X[start:stop], self.ctx), split_and_load(y[start:stop], self.ctx)
+        metrics = graph_forward_backward(self.graph, *shards, self.replicas) if self.graph else \
+            forward_backward(*shards, self.replicas)
+        flats = [flatten(self.grads(i), [self.metric_slots(i, *m)]) for i, m in enumerate(metrics)]
         self.allreduce_fn(flats)                       # inside the process: the lesson's allreduce
         return flats
+
+    def grads(self, i):
+        """Context i's gradients: one flat buffer with --fuse-grads, else one array per parameter."""
+        return [self.flat[i].grad] if self.flat else [p.grad for p in self.replicas[i]]
+
+    def update(self, i, lr, batch_size):
+        """Replica i's optimiser step from the gradients now in its grads(i)."""
+        if self.flat:
+            apply_update([self.flat[i].flat], [self.flat_states[i]], self.optimizer, lr, self.t,
+                         batch_size)
+        else:
+            apply_update(self.replicas[i], self.states[i], self.optimizer, lr, self.t, batch_size)
+
+    def metrics(self, total, contexts):
+        """(loss sum, correct) of the given global contexts: slices of the reduced buffer."""
+        K, P = self.min_batch, total.size - 2 * self.min_batch
+        return [(total[P + g:P + g + 1], total[P + K + g:P + K + g + 1]) for g in contexts]
 
     def step(self, X, y, lr):
         self.t += 1
         flats = self.local_step(X, y)
-        total = flats[0]                               # (P + 2,)
+        total = flats[0]                               # (P + 2K,)
         self.world.allreduce(total, "grads")           # across processes: one call per step
-        for W, S in zip(self.replicas, self.states):
-            unflatten(total, [p.grad for p in W])
-            apply_update(W, S, self.optimizer, lr, self.t, len(X))
-        n = total.size
-        return [(total[n - 2:n - 1], total[n - 1:n])]
+        for i in range(len(self.ctx)):
+            unflatten(total, self.grads(i))
+            self.update(i, lr, len(X))
+        # What one process with all K contexts returns: every context's (loss sum, correct).
+        return self.metrics(total, range(self.min_batch))
 
     def correct(self, X, y):
         """Correct predictions on (X, y): each process counts its share, the counts are summed."""

@@ -12,6 +12,9 @@ import numpy as np
 from manual_dp import checkpoint
 
 PYTHON = sys.executable
+# The same thread settings in every process: the float results of MXNet's CPU kernels may depend
+# on them (manual_dp.runtime picks them from --cpus unless the environment names them).
+PINNED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 HOROVODRUN = Path(PYTHON).parent / "horovodrun"
 
 
@@ -36,7 +39,8 @@ class Job:
         self.log = Path(log)
         self.out = open(self.log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=dict(os.environ, **(env or {})))
+                                     start_new_session=True,
+                                     env=dict(os.environ, **PINNED, **(env or {})))
 
     def wait(self, timeout):
         """Exit status; the test fails (and the group dies) if it takes longer than `timeout` s."""

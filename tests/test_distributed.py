@@ -43,10 +43,11 @@ def bigger_data(tmp_path_factory):
 
 
 def local_run(tmp_path, name, cpus, *argv):
-    """The reference: one process, `cpus` contexts, in this process; returns (log, checkpoint dir)."""
+    """The reference: one process with `cpus` contexts; returns (log, checkpoint dir)."""
     log, ck = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ck"
-    main(["--cpus", str(cpus), "--no-progress", "--log-json", str(log), "--checkpoint-dir", str(ck),
-          *map(str, argv)])
+    code, out = run_job(train_cmd("--cpus", cpus, "--log-json", log, "--checkpoint-dir", ck, *argv),
+                        tmp_path / f"{name}.txt")
+    assert code == 0, out
     return log, ck
 
 
@@ -134,10 +135,12 @@ def test_two_horovod_processes_of_two_contexts_equal_one_process_with_four(data,
     assert_same_run(ref_log, ref_ck, log, ck, exact=False)
 
 
-def test_dist_sync_workers_equal_one_process_with_two_contexts(data, tmp_path):
-    ref_log, ref_ck = local_run(tmp_path, "local", 2, "--data-dir", data, *SMALL)
+@pytest.mark.parametrize("fast", [[], ["--fuse-grads", "--graph", "--optimizer", "momentum"]],
+                         ids=["lesson_step", "fused_graph_momentum"])
+def test_dist_sync_workers_equal_one_process_with_two_contexts(data, tmp_path, fast):
+    ref_log, ref_ck = local_run(tmp_path, "local", 2, "--data-dir", data, *SMALL, *fast)
     log, ck = tmp_path / "kv.jsonl", tmp_path / "kv_ck"
-    code, out = run_job(launch_cmd(2, "dist_sync", "--cpus", 1, "--data-dir", data, *SMALL,
+    code, out = run_job(launch_cmd(2, "dist_sync", "--cpus", 1, "--data-dir", data, *SMALL, *fast,
                                    "--log-json", log, "--checkpoint-dir", ck), tmp_path / "out.txt")
     assert code == 0, out
     assert_same_run(ref_log, ref_ck, log, ck, exact=True)
