@@ -29,9 +29,13 @@ class HorovodWorld(Cluster):
            "processes (one fused allreduce per step)")
 
     def __init__(self, timeout):
-        super().__init__(timeout)
         self.hvd = import_horovod()
-        self.hvd.init()
+        super().__init__(timeout)
+        try:
+            self.hvd.init()                           # waits for every process of the job
+        except Exception:
+            self.watchdog.stop()
+            raise
         self.rank, self.size = self.hvd.rank(), self.hvd.size()
         self.local_rank = self.hvd.local_rank()
         # Names key Horovod's collectives; a fresh one per call, since evaluation may have

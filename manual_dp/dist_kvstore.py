@@ -76,7 +76,11 @@ class KVStoreWorld(Cluster):
         self.backend = backend
         super().__init__(timeout)
         import mxnet as mx
-        self.kv = mx.kv.create(backend)               # waits until every node has registered
+        try:
+            self.kv = mx.kv.create(backend)           # waits until every node has registered
+        except Exception:
+            self.watchdog.stop()
+            raise
         self.rank, self.size = self.kv.rank, self.kv.num_workers
         self.local_rank = int(os.environ.get("MANUAL_DP_LOCAL_RANK", "0"))
         self.strategy = AsyncDataParallel if backend == "dist_async" else TwoLevelDataParallel
@@ -128,6 +132,10 @@ class KVStoreWorld(Cluster):
             if failed:  # do not wait at exit for workers that may be gone
                 from mxnet.base import _LIB
                 _LIB.MXKVStoreSetBarrierBeforeExit(self.kv.handle, ctypes.c_int(0))
+            elif self.backend == "dist_async":
+                # Asynchronous workers finish at their own pace: the last barrier may wait long.
+                self.watchdog.timeout *= 10
+            self.progress()
             del self.kv                               # finalises ps-lite (a barrier on success)
         finally:
             super().close(failed)

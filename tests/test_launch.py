@@ -149,3 +149,11 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0].startswith("manual_dp.launch: error:") and message in lines[0], lines[0]
+
+
+def test_a_command_that_cannot_start_is_one_line_and_exit_1(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "manual_dp.launch", "--", str(tmp_path / "no-such")],
+                          capture_output=True, text=True, timeout=30)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("manual_dp.launch: error: could not start"), lines[0]
