@@ -22,6 +22,7 @@ _EXPORTS = {
     "gpipe_schedule": "stages", "bubble_fraction": "stages",
     "make_lr": "schedule", "scaled_lr": "schedule", "Warmup": "schedule", "lr_at": "schedule",
     "updates_per_epoch": "schedule", "per_context": "memory",
+    "TwoLevelDataParallel": "distributed", "rank_rows": "distributed",
 }
 __all__ = sorted(_EXPORTS)
 
