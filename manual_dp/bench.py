@@ -90,7 +90,7 @@ def measure(plan, args):
         for impl, options, env, k in train_specs(plan, args.plan == "full"):
             spec = {"bench": "train", "impl": impl, "options": options, "env": env, "devices": k,
                     "batch": plan["batch"], "images": plan["images"], "repeats": plan["repeats"],
-                    "lr": 0.1, "seed": 0, "data": plan["data"], "data_dir": args.data_dir,
+                    "lr": 0.02, "seed": 0, "data": plan["data"], "data_dir": args.data_dir,
                     "threads": usable_cores(), "timeout": args.timeout}
             got = run_worker(spec, worker_env(env, 1 if impl.startswith("torch") else k), args.timeout)
             records += got

@@ -65,11 +65,11 @@ def report(records):
     """Adds efficiencies, prints the tables, returns the summary records."""
     add_efficiency(records)
     print("\ntraining (median images/s, first pass dropped)")
-    print(f"  {'implementation':42} {'dev':>3} {'img/s':>7} {'s/epoch':>8} {'eff':>5} {'loss':>7}")
+    print(f"  {'implementation':42} {'dev':>3} {'img/s':>7} {'s/epoch':>8} {'eff':>5} {'cpu ms/img':>10} {'loss':>7}")
     for r in sorted(ok(records, "train"), key=lambda r: (r["devices"], -r["images_per_sec"])):
         eff = r.get("scaling_efficiency")
         print(f"  {label(r):42} {r['devices']:>3} {r['images_per_sec']:>7.0f} {r['sec_per_epoch']:>8.1f} "
-              f"{'' if eff is None else f'{eff:.2f}':>5} {r['final_loss']:>7.4f}")
+              f"{'' if eff is None else f'{eff:.2f}':>5} {r['cpu_ms_per_image']:>10.3f} {r['final_loss']:>7.4f}")
     lenet = ok(records, "allreduce_lenet")
     if lenet:
         print("\nall-reduce of LeNet's 8 gradients (516 KB), microseconds: per array / fused")
