@@ -25,13 +25,13 @@ PLANS = {
     "tiny": dict(payloads=[4 * KB, 64 * KB], comm_devices=[2, 3], lenet_devices=[2], comm_repeats=2,
                  images=256, batch=64, repeats=2, devices=[1, 2], data="synthetic", peers=False, few=True),
     "quick": dict(payloads=[4 * KB, 64 * KB, 1 * MB, 4 * MB, 16 * MB], comm_devices=[2, 4, 8],
-                  lenet_devices=[2, 4], comm_repeats=3, images=2048, batch=256, repeats=3,
+                  lenet_devices=[2, 4], comm_repeats=3, images=1536, batch=256, repeats=3,
                   devices=[1, 2, 4], data="fashion", peers=True),
     "full": dict(payloads=[4 * KB * 4 ** i for i in range(8)], comm_devices=[2, 3, 4, 6, 8],
                  lenet_devices=[2, 4, 8], comm_repeats=5, images=256 * 40, batch=256, repeats=5,
                  devices=[1, 2, 4], data="fashion", peers=True),
 }
-FAST = {"allreduce": "ring", "fused": True, "graph": True}
+FAST = {"allreduce": "reduce_bcast", "fused": True, "graph": True}
 RUNTIME_KEYS = set(thread_env(1, flags={"avx512f"})) | {"OMP_NUM_THREADS"}
 
 
@@ -43,10 +43,12 @@ def train_specs(plan, full):
     if plan.get("few"):
         return specs
     specs += [("manual_dp", {}, "tuned", k) for k in (ks if full else two)]
-    for name in ("lesson", "reduce_bcast", "tree", "kvstore"):
+    for name in ("ring", "tree", "kvstore") + (("lesson",) if full else ()):
         specs += [("manual_dp", dict(FAST, allreduce=name), "tuned", k) for k in (ks if full else two)]
-    specs += [("manual_dp", {"allreduce": "ring", "fused": True}, "tuned", k) for k in two]
-    specs += [("manual_dp", {"graph": True}, "tuned", k) for k in two]
+    if full:  # each allreduce unfused, and each half of the fast step alone
+        specs += [("manual_dp", {"allreduce": name, "graph": True}, "tuned", k) for k in two
+                  for name in ("reduce_bcast", "ring", "tree", "kvstore")]
+        specs += [("manual_dp", {"allreduce": FAST["allreduce"], "fused": True}, "tuned", k) for k in two]
     if plan["peers"]:
         specs += [("gluon", {"hybrid": h}, "tuned", k) for h in (False, True) for k in (ks if full else two)]
         if full:

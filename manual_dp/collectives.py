@@ -21,11 +21,19 @@ def chunk_bounds(n, k):
     return [i * (n // k) + min(i, n % k) for i in range(k + 1)]
 
 
+def fetch(src, ctx):
+    """`src` readable on `ctx`: a copy there, except between CPU contexts, which share one memory
+    and so read each other's arrays in place (as MXNet's own CPU kvstore does)."""
+    if src.context.device_type == "cpu" and ctx.device_type == "cpu":
+        return src
+    return src.copyto(ctx)
+
+
 def reduce_bcast(arrays):
-    """Afterwards every `arrays[i]` holds the sum: gathered and added in one add_n on the first context."""
+    """Afterwards every `arrays[i]` holds the sum: added in one add_n on the first context, copied back."""
     home = arrays[0].context
     if len(arrays) > 1:
-        nd.add_n(*[arrays[0]] + [a.copyto(home) for a in arrays[1:]], out=arrays[0])
+        nd.add_n(*[arrays[0]] + [fetch(a, home) for a in arrays[1:]], out=arrays[0])
     for a in arrays[1:]:
         arrays[0].copyto(a)
 
@@ -56,7 +64,7 @@ def tree_schedule(k):
 def send(src, dst, phase):
     """One transfer: `dst` += `src` ("add") or `dst` = `src` ("copy"), on dst's context."""
     if phase == "add":
-        nd.elemwise_add(dst, src.copyto(dst.context), out=dst)
+        nd.elemwise_add(dst, fetch(src, dst.context), out=dst)
     else:
         src.copyto(dst)
 
