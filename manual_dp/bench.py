@@ -23,13 +23,14 @@ from .runtime import thread_env, usable_cores
 KB, MB = 1024, 1024 * 1024
 PLANS = {
     "tiny": dict(payloads=[4 * KB, 64 * KB], comm_devices=[2, 3], lenet_devices=[2], comm_repeats=2,
-                 images=256, batch=64, repeats=2, devices=[1, 2], data="synthetic", peers=False, few=True),
+                 images=256, batch=64, repeats=2, devices=[1, 2], data="synthetic", peers=False, few=True,
+                 overlap_steps=2),
     "quick": dict(payloads=[4 * KB, 64 * KB, 1 * MB, 4 * MB, 16 * MB], comm_devices=[2, 4, 8],
                   lenet_devices=[2, 4], comm_repeats=3, images=1536, batch=256, repeats=3,
-                  devices=[1, 2, 4], data="fashion", peers=True),
+                  devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=6),
     "full": dict(payloads=[4 * KB * 4 ** i for i in range(8)], comm_devices=[2, 3, 4, 6, 8],
                  lenet_devices=[2, 4, 8], comm_repeats=5, images=256 * 40, batch=256, repeats=5,
-                 devices=[1, 2, 4], data="fashion", peers=True),
+                 devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=10),
 }
 FAST = {"allreduce": "reduce_bcast", "fused": True, "graph": True}
 RUNTIME_KEYS = set(thread_env(1, flags={"avx512f"})) | {"OMP_NUM_THREADS"}
@@ -89,6 +90,12 @@ def measure(plan, args):
               f"{plan['comm_devices']} contexts", flush=True)
         records += run_worker(spec, worker_env("tuned", 2), args.timeout)
     if args.only in (None, "train"):
+        for env in ("default", "tuned"):  # do cpu(0) and cpu(1) compute at the same time?
+            spec = {"bench": "overlap", "env": env, "options": FAST, "steps": plan["overlap_steps"]}
+            got = run_worker(spec, worker_env(env, 2), args.timeout)
+            records += got
+            if "error" not in got[0]:
+                print(f"  overlap of cpu(0) and cpu(1), {env} env: {got[0]['overlap']:.0%} of busy time", flush=True)
         for impl, options, env, k in train_specs(plan, args.plan == "full"):
             spec = {"bench": "train", "impl": impl, "options": options, "env": env, "devices": k,
                     "batch": plan["batch"], "images": plan["images"], "repeats": plan["repeats"],

@@ -41,6 +41,9 @@ def run(spec):
     if spec["bench"] == "allreduce":
         from .bench_comm import run as run_comm
         return run_comm(spec)
+    if spec["bench"] == "overlap":
+        from .bench_overlap import run as run_overlap
+        return run_overlap(spec)
     X, y = training_data(spec)
     if spec["impl"].startswith("torch"):
         from . import bench_torch

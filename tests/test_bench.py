@@ -23,7 +23,9 @@ def test_tiny_run_writes_records_with_the_required_keys(tiny_run):
     assert records and all({"bench", "impl", "devices"} <= set(r) for r in records)
     assert not [r for r in records if "error" in r]
     kinds = {r["bench"] for r in records}
-    assert {"meta", "memcpy", "allreduce", "allreduce_lenet", "train", "summary"} <= kinds
+    assert {"meta", "memcpy", "allreduce", "allreduce_lenet", "overlap", "train", "summary"} <= kinds
+    for r in [r for r in records if r["bench"] == "overlap"]:
+        assert 0 <= r["overlap"] <= 1 and r["env"] in ("default", "tuned")
     for name in ("allreduce_us.png", "allreduce_bw.png", "train_scaling.png", "costmodel.png"):
         assert (out / name).stat().st_size > 1000, name
 
@@ -83,3 +85,13 @@ def test_tiny_and_quick_plans_measure_what_the_readme_promises():
     assert {("lesson", "default", k) for k in (1, 2, 4)} <= {(i, e, k) for i, _, e, k in quick}
     assert {("manual_dp", k) for k in (1, 2, 4)} <= {(i, k) for i, _, _, k in quick}
     assert {o.get("allreduce") for i, o, _, _ in quick if i == "manual_dp"} >= {"reduce_bcast", "ring", "tree", "kvstore"}
+
+
+def test_overlap_of_intervals():
+    from manual_dp.bench_overlap import busy_intervals, overlap
+    trace = {"traceEvents": [{"pid": 0, "ph": "B", "name": "a", "ts": 0}, {"pid": 0, "ph": "E", "name": "a", "ts": 10},
+                             {"pid": 0, "ph": "X", "name": "b", "ts": 5, "dur": 10},
+                             {"pid": 1, "ph": "X", "name": "c", "ts": 12, "dur": 10}]}
+    u, v = busy_intervals(trace, 0), busy_intervals(trace, 1)
+    assert u == [[0, 15]] and v == [[12, 22]]
+    assert overlap(u, v) == 3 and overlap(u, []) == 0
