@@ -6,7 +6,8 @@ Run under horovodrun, which starts the processes and ends the job when one of th
 import itertools
 
 from .cli import UsageError
-from .distributed import Cluster, TwoLevelDataParallel
+from .distributed import TwoLevelDataParallel
+from .world import Cluster
 
 INSTALL = ("HOROVOD_WITH_MXNET=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
            "HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 "

@@ -19,8 +19,10 @@ import numpy as np
 from mxnet import nd
 
 from .cli import UsageError
-from .distributed import Cluster, DataParallel, TwoLevelDataParallel, flatten, unflatten
+from .distributed import TwoLevelDataParallel, flatten, unflatten
 from .ps_server import AddDelta
+from .step import DataParallel
+from .world import Cluster
 
 
 class AsyncDataParallel(TwoLevelDataParallel):

@@ -85,7 +85,7 @@ def run(args):
 
     With --backend other than local this is one process of a job: rank 0 prints, logs and saves.
     """
-    from .distributed import connect
+    from .world import connect
     with connect(args) as world:
         return run_in(args, world)
 
@@ -149,7 +149,7 @@ def main(argv=None):
     from . import cli
     from .checkpoint import CheckpointError
     from .data import DataError
-    from .distributed import DistributedError
+    from .world import DistributedError
     try:
         args = cli.build_parser().parse_args(argv)
         cli.check_args(args)
