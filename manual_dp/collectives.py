@@ -73,12 +73,15 @@ def ring_allreduce(arrays):
     """Afterwards every `arrays[i]` holds the sum, passed around the ring 0 -> 1 -> ... -> k-1 -> 0
     in k chunks: each link carries 2(k-1)/k of the array (see ring_schedule)."""
     k = len(arrays)
-    flat = [a.reshape((-1,)) for a in arrays]  # views: writing them writes the arrays
-    bounds = chunk_bounds(flat[0].size, k)
+    bounds = chunk_bounds(arrays[0].size, k)
+    # chunk[rank][c]: views into the arrays (writing them writes the arrays); None when empty,
+    # as some are for an array smaller than k
+    chunk = [[flat[a:b] if b > a else None for a, b in zip(bounds, bounds[1:])]
+             for flat in (x.reshape((-1,)) for x in arrays)]
     for transfers in ring_schedule(k):
         for src, dst, c, phase in transfers:
-            if bounds[c + 1] > bounds[c]:  # an array smaller than k has empty chunks
-                send(flat[src][bounds[c]:bounds[c + 1]], flat[dst][bounds[c]:bounds[c + 1]], phase)
+            if chunk[src][c] is not None:
+                send(chunk[src][c], chunk[dst][c], phase)
 
 
 def tree_allreduce(arrays):
