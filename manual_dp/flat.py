@@ -28,26 +28,21 @@ def flatten(arrays, ctx):
 
 
 class FlatReplica:
-    """One device's parameters and gradients as views of two flat buffers.
+    """One device's parameters and gradients as views of two flat buffers, `flat` and `grad`.
 
-    `params` are the views (what the forward pass reads), `flat.grad` is `grad`, the buffer that
-    backward fills slice by slice through the views' gradients.
+    `params` are the views the forward pass reads; backward writes each parameter's gradient
+    into its slice of `grad`, which is also `flat`'s gradient (for a single fused update).
     """
 
     def __init__(self, params, ctx):
-        shapes = [p.shape for p in params]
+        self.shapes = [p.shape for p in params]
         self.flat = flatten(params, ctx)                  # (N,)
         self.grad = nd.zeros(self.flat.shape, ctx=ctx, dtype=self.flat.dtype)
-        self.params = views(self.flat, shapes)
-        autograd.mark_variables(self.params, views(self.grad, shapes))
+        self.params = views(self.flat, self.shapes)
+        autograd.mark_variables(self.params, views(self.grad, self.shapes))
         autograd.mark_variables([self.flat], [self.grad])
 
     def state_views(self, flat_states):
-        """Per-parameter views of the flat optimiser state arrays (shaped like the flat buffer)."""
-        return [[s[a:b].reshape(p.shape) for s in flat_states]
-                for p, a, b in zip(self.params, *_bounds(self.params))]
-
-
-def _bounds(params):
-    o = offsets([p.shape for p in params])
-    return o[:-1], o[1:]
+        """Per parameter, the views of the flat optimiser state arrays (each shaped like `flat`)."""
+        per_state = [views(s, self.shapes) for s in flat_states]
+        return [list(vs) for vs in zip(*per_state)] if per_state else [[] for _ in self.shapes]
