@@ -1,4 +1,5 @@
 """One synchronous data-parallel step: the lesson's train_batch, and the replicas that take it."""
+import numpy as np
 from mxnet import autograd, nd
 
 from .flat import FlatReplica
@@ -11,6 +12,18 @@ from .parallel import allreduce, get_params, split_and_load
 def n_correct(scores, y):
     """Number of rows of `scores` whose argmax equals `y`, as a 1-element NDArray."""
     return (scores.argmax(axis=1) == y.astype(scores.dtype)).sum()
+
+
+def host(a):
+    """A numpy batch as an NDArray sharing its memory (nothing copied, nothing waited for).
+
+    nd.array would copy synchronously, and that copy first waits until cpu(0)'s queue has run
+    dry: the host would stall on the devices every batch. Copies from this array to the devices
+    are queued like any other operation instead.
+    """
+    if not isinstance(a, np.ndarray):
+        return a
+    return nd.from_numpy(np.ascontiguousarray(a), zero_copy=True)
 
 
 def forward_backward(X_shards, y_shards, device_params):
@@ -76,7 +89,7 @@ class DataParallel:
         if not (self.graph or self.flat):
             return train_batch(X, y, self.replicas, self.ctx, lr, self.allreduce_fn,
                                self.optimizer, self.states, self.t)
-        X_shards, y_shards = split_and_load(X, self.ctx), split_and_load(y, self.ctx)
+        X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
         if self.graph:
             metrics = graph_forward_backward(self.graph, X_shards, y_shards, self.replicas)
         else:
