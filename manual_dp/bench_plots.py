@@ -59,7 +59,8 @@ def scaling_plot(records, out):
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, pts in sorted(series.items()):
         ax.plot(*zip(*sorted(pts)), marker="o", label=name)
-    ax.set(xlabel="devices (contexts or processes)", ylabel="images / s", title="LeNet training throughput")
+    ax.set(xlabel="devices (contexts or processes)", ylabel="images / s", title="LeNet training throughput",
+           xticks=sorted({k for pts in series.values() for k, _ in pts}))
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "train_scaling.png", dpi=110)
