@@ -79,10 +79,35 @@ def run_worker(spec, env, timeout):
     return json.loads(lines[-1])
 
 
+def _spin(seconds, out):
+    start, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - start < seconds:
+        pass
+    out.put(time.process_time() - cpu)
+
+
+def cores_available(seconds=1.0):
+    """CPU-seconds per second that one busy process per core actually gets right now: what the
+    machine leaves to a benchmark (Linux shares CPUs equally between sessions, so one other job
+    can take a whole core whatever its niceness)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_spin, args=(seconds, out)) for _ in range(usable_cores())]
+    for p in procs:
+        p.start()
+    got = sum(out.get(timeout=30 + seconds) for _ in procs)
+    for p in procs:
+        p.join()
+    return got / seconds
+
+
 def measure(plan, args):
     """Every record of the plan: machine, all-reduce, training."""
     records = [{"bench": "meta", "impl": "machine", "devices": usable_cores(), "load_before": os.getloadavg(),
-                "plan": args.plan, "time": time.strftime("%Y-%m-%d %H:%M:%S")}]
+                "cores_free_before": cores_available(), "plan": args.plan, "time": time.strftime("%Y-%m-%d %H:%M:%S")}]
+    print(f"{usable_cores()} cores, {records[0]['cores_free_before']:.2f} of them free for this run, "
+          f"load average {records[0]['load_before'][0]:.1f}", flush=True)
     if args.only in (None, "allreduce"):
         spec = {"bench": "allreduce", "impl": "all", "devices": plan["comm_devices"],
                 "payloads": plan["payloads"], "lenet_devices": plan["lenet_devices"], "repeats": plan["comm_repeats"]}
@@ -104,7 +129,7 @@ def measure(plan, args):
             got = run_worker(spec, worker_env(env, 1 if impl.startswith("torch") else k), args.timeout)
             records += got
             print(format_train(got[0]), flush=True)
-    records[0]["load_after"] = os.getloadavg()
+    records[0]["load_after"], records[0]["cores_free_after"] = os.getloadavg(), cores_available()
     return records
 
 
