@@ -15,15 +15,16 @@ def n_correct(scores, y):
 
 
 def host(a):
-    """A numpy batch as an NDArray sharing its memory (nothing copied, nothing waited for).
+    """A numpy batch as an NDArray, without waiting for the devices.
 
-    nd.array would copy synchronously, and that copy first waits until cpu(0)'s queue has run
-    dry: the host would stall on the devices every batch. Copies from this array to the devices
-    are queued like any other operation instead.
+    nd.array copies synchronously, and that copy first waits until cpu(0)'s queue has run dry:
+    the host would stall on the devices every batch. Here numpy copies the batch into a private
+    buffer (the caller may reuse its own at once) that MXNet then takes over without a copy;
+    the copies from it to the devices are queued like any other operation.
     """
     if not isinstance(a, np.ndarray):
         return a
-    return nd.from_numpy(np.ascontiguousarray(a), zero_copy=True)
+    return nd.from_numpy(np.array(a, order="C", copy=True), zero_copy=True)
 
 
 def forward_backward(X_shards, y_shards, device_params):

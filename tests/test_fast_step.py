@@ -118,3 +118,17 @@ def test_prefetch_keeps_order_raises_and_stops_early():
     for i, _ in enumerate(prefetch(iter(range(10 ** 6)))):
         if i == 3:
             break  # the producer thread notices and ends
+
+
+def test_the_callers_batch_stays_writable_and_may_be_reused_at_once():
+    """The fast step hands batches to MXNet without waiting; the caller's array must not be tied up."""
+    model = DataParallel(init_lenet_params(seed=0), [mx.cpu(0), mx.cpu(1)], "sgd", fuse_grads=True, graph=True)
+    ref = DataParallel(init_lenet_params(seed=0), [mx.cpu(0)], "sgd")
+    X, y = batch(12)
+    buffer_X, buffer_y = X.copy(), y.copy()
+    model.step(buffer_X, buffer_y, 0.1)
+    buffer_X[:] = 0  # reuse at once, before the devices have necessarily read it
+    buffer_y[:] = 0
+    ref.step(X, y, 0.1)
+    for got, want in zip(numpy_params(model.replicas[0]), numpy_params(ref.replicas[0])):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
