@@ -43,15 +43,15 @@ def check(args, ctx):
 
 def build(args, params, ctx):
     """The strategy object for args.mode (see manual_dp.step.DataParallel for the interface)."""
+    reduce = make_allreduce(getattr(args, "allreduce", "lesson"))   # sync and hybrid all-reduce
     if args.mode == "sync":
-        reduce = make_allreduce(getattr(args, "allreduce", "lesson"))
         model = DataParallel(params, ctx, args.optimizer, reduce, fuse_grads=getattr(args, "fuse_grads", False),
                              graph=getattr(args, "graph", False)) if args.grad_accum == 1 else \
             SyncPhases(params, ctx, args.optimizer, allreduce_fn=reduce)
     elif args.mode == "async":
         model = AsyncDataParallel(params, ctx, args.optimizer, args.staleness)
     else:
-        model = PipelineParallel(params, ctx, args.optimizer, micro_batches(args))
+        model = PipelineParallel(params, ctx, args.optimizer, micro_batches(args), allreduce_fn=reduce)
     return GradAccum(model, args.grad_accum) if args.grad_accum > 1 else model
 
 

@@ -181,3 +181,16 @@ def test_model_mode_is_bitwise_the_one_device_step():
         model.step(X, y, 0.05)
     for got, want in zip(model.state_dict()["params"], params):
         np.testing.assert_array_equal(got, want.asnumpy())
+
+
+@pytest.mark.parametrize("name", ["ring", "tree", "reduce_bcast", "kvstore"])
+def test_hybrid_with_any_allreduce_equals_one_device(name):
+    from manual_dp.collectives import make_allreduce
+    ref = DataParallel(init_lenet_params(seed=2), [mx.cpu(0)], "momentum")
+    model = PipelineParallel(init_lenet_params(seed=2), cpus(6), "momentum", 2, allreduce_fn=make_allreduce(name))
+    for step in range(2):
+        X, y = batch(14, seed=step)
+        ref.step(X, y, 0.05), model.step(X, y, 0.05)
+    check_placement(model)
+    for got, want in zip(model.state_dict()["params"], ref.state_dict()["params"]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
