@@ -102,6 +102,16 @@ def cores_available(seconds=1.0):
     return got / seconds
 
 
+def wait_for_cores(wanted, timeout):
+    """Cores free now; with `wanted`, first wait (up to `timeout` s) until that many are."""
+    deadline = time.time() + timeout
+    free = cores_available(0.5)
+    while wanted and free < wanted and time.time() < deadline:
+        time.sleep(2)
+        free = cores_available(0.5)
+    return free
+
+
 def measure(plan, args):
     """Every record of the plan: machine, all-reduce, training."""
     records = [{"bench": "meta", "impl": "machine", "devices": usable_cores(), "load_before": os.getloadavg(),
@@ -126,9 +136,10 @@ def measure(plan, args):
                     "batch": plan["batch"], "images": plan["images"], "repeats": plan["repeats"],
                     "lr": 0.02, "seed": 0, "data": plan["data"], "data_dir": args.data_dir,
                     "threads": usable_cores(), "timeout": args.timeout}
+            free = wait_for_cores(args.wait_for_cores, args.timeout)
             got = run_worker(spec, worker_env(env, 1 if impl.startswith("torch") else k), args.timeout)
-            records += got
-            print(format_train(got[0]), flush=True)
+            records += [dict(r, cores_free=free) for r in got]
+            print(format_train(got[0]) + f"  ({free:.1f} cores free)", flush=True)
     records[0]["load_after"], records[0]["cores_free_after"] = os.getloadavg(), cores_available()
     return records
 
@@ -176,6 +187,9 @@ def build_parser():
                    help="print and plot the cost model, fitted to OUT/results.json when it has all-reduce figures")
     p.add_argument("--data-dir", help="Fashion-MNIST directory (as for training)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed to one measurement")
+    p.add_argument("--wait-for-cores", type=float, default=0.0,
+                   help="on a shared machine: before each training measurement wait (up to --timeout) "
+                        "until this many cores are free, e.g. 1.8 of 2")
     return p
 
 

@@ -24,6 +24,7 @@ def test_tiny_run_writes_records_with_the_required_keys(tiny_run):
     assert not [r for r in records if "error" in r]
     kinds = {r["bench"] for r in records}
     assert {"meta", "memcpy", "allreduce", "allreduce_lenet", "overlap", "train", "summary"} <= kinds
+    assert all(r["cores_free"] > 0 for r in records if r["bench"] == "train")
     meta = records[0]
     assert meta["bench"] == "meta" and 0 < meta["cores_free_before"] <= meta["devices"] + 0.5
     for r in [r for r in records if r["bench"] == "overlap"]:
