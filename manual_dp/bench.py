@@ -79,27 +79,17 @@ def run_worker(spec, env, timeout):
     return json.loads(lines[-1])
 
 
-def _spin(seconds, out):
-    start, cpu = time.perf_counter(), time.process_time()
-    while time.perf_counter() - start < seconds:
-        pass
-    out.put(time.process_time() - cpu)
+SPIN = ("import time\nstart, cpu = time.perf_counter(), time.process_time()\n"
+        "while time.perf_counter() - start < {s}: pass\nprint(time.process_time() - cpu)")
 
 
 def cores_available(seconds=1.0):
     """CPU-seconds per second that one busy process per core actually gets right now: what the
     machine leaves to a benchmark (Linux shares CPUs equally between sessions, so one other job
     can take a whole core whatever its niceness)."""
-    import multiprocessing as mp
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_spin, args=(seconds, out)) for _ in range(usable_cores())]
-    for p in procs:
-        p.start()
-    got = sum(out.get(timeout=30 + seconds) for _ in procs)
-    for p in procs:
-        p.join()
-    return got / seconds
+    procs = [subprocess.Popen([sys.executable, "-c", SPIN.format(s=seconds)], stdout=subprocess.PIPE, text=True)
+             for _ in range(usable_cores())]
+    return sum(float(p.communicate(timeout=60 + seconds)[0]) for p in procs) / seconds
 
 
 def wait_for_cores(wanted, timeout):

@@ -98,3 +98,13 @@ def test_overlap_of_intervals():
     u, v = busy_intervals(trace, 0), busy_intervals(trace, 1)
     assert u == [[0, 15]] and v == [[12, 22]]
     assert overlap(u, v) == 3 and overlap(u, []) == 0
+
+
+def test_the_lessons_network_in_the_bench_computes_lenet():
+    import mxnet as mx
+    import numpy as np
+    from manual_dp import init_lenet_params, lenet
+    from manual_dp.bench_train import lesson_lenet
+    X = mx.nd.array(np.random.RandomState(0).rand(4, 1, 28, 28))
+    params = init_lenet_params(seed=3)
+    np.testing.assert_allclose(lesson_lenet(X, params).asnumpy(), lenet(X, params).asnumpy(), rtol=1e-5, atol=1e-5)
