@@ -12,6 +12,15 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line and exit status 2."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default only where it has one worth showing."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message)
@@ -20,17 +29,18 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser():
     p = OneLineParser(prog="python -m manual_dp.train",
                       description="Train LeNet on Fashion-MNIST with hand-written data parallelism.",
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=HelpFormatter)
     dev = p.add_mutually_exclusive_group()
     dev.add_argument("--gpus", type=int, help="train on gpu(0..N-1) (default: all GPUs, else 2 CPU contexts)")
     dev.add_argument("--cpus", type=int, help="train on cpu(0..N-1)")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=10, help="passes over the training set")
     p.add_argument("--batch-size", type=int, default=256, help="global batch, split over the contexts")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="momentum")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate")
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="momentum",
+                   help="update rule (momentum: SGD with momentum 0.9)")
     p.add_argument("--init-scale", type=float, default=None,
                    help="std of normal(0, s) weights; default He init; 0.01 is the lesson's")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the data order")
     p.add_argument("--data-dir", help="directory with the four Fashion-MNIST IDX .gz files "
                    "(default: $MANUAL_DP_DATA, then Debian's package, then MXNet's cache)")
     p.add_argument("--train-size", type=int, help="use only the first N training examples")
@@ -79,19 +89,29 @@ ALLREDUCE_NAMES = ("lesson", "reduce_bcast", "ring", "tree", "kvstore")
 def add_speed_arguments(p):
     """Flags of the fast synchronous step (see the README's Performance section)."""
     g = p.add_argument_group("speed (--mode sync)")
-    g.add_argument("--allreduce", choices=ALLREDUCE_NAMES, default="lesson",
+    g.add_argument("--allreduce", choices=ALLREDUCE_NAMES, default="reduce_bcast",
                    help="how gradients are summed over the contexts (manual_dp.collectives)")
-    g.add_argument("--fuse-grads", action="store_true",
-                   help="one flat gradient buffer per device: one allreduce and one optimiser update a step")
-    g.add_argument("--graph", action="store_true",
-                   help="run LeNet as a cached symbolic graph instead of layer by layer")
+    g.add_argument("--fuse-grads", action=argparse.BooleanOptionalAction,
+                   help="one flat gradient buffer per device: one allreduce and one optimiser update "
+                        "a step (default: on for --mode sync without --grad-accum)")
+    g.add_argument("--graph", action=argparse.BooleanOptionalAction,
+                   help="run LeNet as a cached symbolic graph instead of layer by layer "
+                        "(default: as --fuse-grads)")
+
+
+def resolve_speed_flags(args):
+    """--fuse-grads/--graph left unset are on where they apply (plain sync), off elsewhere."""
+    plain_sync = getattr(args, "mode", "sync") == "sync" and getattr(args, "grad_accum", 1) == 1
+    for name in ("fuse_grads", "graph"):
+        value = getattr(args, name, None)
+        if value and not plain_sync:
+            raise UsageError("--fuse-grads and --graph apply only to --mode sync without --grad-accum")
+        setattr(args, name, plain_sync if value is None else value)
 
 
 def check_args(args):
     """Raise UsageError for values no run can use."""
-    fast = getattr(args, "fuse_grads", False) or getattr(args, "graph", False)
-    if fast and (getattr(args, "mode", "sync") != "sync" or getattr(args, "grad_accum", 1) != 1):
-        raise UsageError("--fuse-grads and --graph apply only to --mode sync without --grad-accum")
+    resolve_speed_flags(args)
     for name in ("epochs", "batch_size", "gpus", "cpus", "train_size", "test_size"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "epochs" else 1):
