@@ -6,7 +6,7 @@ from .model import cross_entropy
 from .optim import apply_update, init_states
 from .parallel import allreduce, shard_sizes, split_and_load
 from .stages import STAGES, bubble_fraction, gpipe_schedule, send, split_params
-from .step import n_correct
+from .step import load_into, n_correct
 
 
 def stage_params(params, ctx):
@@ -141,11 +141,5 @@ class PipelineParallel:
 
     def load_state_dict(self, state):
         for row, row_states in zip(self.params, self.states):
-            flat = [p for P in row for p in P]
-            flat_states = [st for S in row_states for st in S]
-            for p, value in zip(flat, state["params"]):
-                p[:] = nd.array(value, ctx=p.context)
-            for st, values in zip(flat_states, state["opt_state"]):
-                for s, value in zip(st, values):
-                    s[:] = nd.array(value, ctx=s.context)
+            load_into([p for P in row for p in P], [st for S in row_states for st in S], state)
         self.t = state["t"]

@@ -61,6 +61,15 @@ def train_batch(X, y, device_params, ctx, lr, allreduce_fn=allreduce,
     return metrics
 
 
+def load_into(params, states, state):
+    """Overwrite one replica's `params` and optimiser `states` in place with saved host values."""
+    for p, value in zip(params, state["params"]):
+        p[:] = nd.array(value, ctx=p.context)
+    for st, values in zip(states, state["opt_state"]):
+        for s, value in zip(st, values):
+            s[:] = nd.array(value, ctx=s.context)
+
+
 class DataParallel:
     """A replica of the parameters on every context, updated in lock-step.
 
@@ -120,9 +129,5 @@ class DataParallel:
 
     def load_state_dict(self, state):
         for W, S in zip(self.replicas, self.states):
-            for p, value in zip(W, state["params"]):
-                p[:] = nd.array(value, ctx=p.context)
-            for st, values in zip(S, state["opt_state"]):
-                for s, value in zip(st, values):
-                    s[:] = nd.array(value, ctx=s.context)
+            load_into(W, S, state)
         self.t = state["t"]

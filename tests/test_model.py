@@ -1,18 +1,10 @@
 import mxnet as mx
 import numpy as np
 from mxnet import gluon, nd
-from mxnet.gluon import nn
 
 from manual_dp import cross_entropy, init_lenet_params, lenet
+from manual_dp.bench_train import gluon_lenet
 from manual_dp.model import LENET_SHAPES
-
-
-def gluon_lenet():
-    net = nn.Sequential()
-    net.add(nn.Conv2D(20, 3, activation="relu"), nn.AvgPool2D(2, 2),
-            nn.Conv2D(50, 5, activation="relu"), nn.AvgPool2D(2, 2),
-            nn.Flatten(), nn.Dense(128, activation="relu"), nn.Dense(10))
-    return net
 
 
 def load_into_gluon(net, params):
