@@ -67,3 +67,11 @@ def configure(argv, environ=None):
     chosen = {k: v for k, v in thread_env(cpu_contexts_in(argv)).items() if k not in environ}
     environ.update(chosen)
     return chosen
+
+
+def train_entry():
+    """The `manual-dp-train` console script: settings first, then MXNet and the CLI."""
+    import sys
+    configure(sys.argv[1:])
+    from .train import main
+    main()

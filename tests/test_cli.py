@@ -144,3 +144,15 @@ def test_module_runs_as_a_script_without_warnings(tmp_path):
     out = subprocess.run(cli("--help"), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--batch-size" in out.stdout
     assert "RuntimeWarning" not in out.stderr
+
+
+def test_console_script_entry_sets_thread_settings_before_mxnet_loads():
+    code = ("import os, sys\n"
+            "sys.argv = ['manual-dp-train', '--cpus', '2', '--help']\n"
+            "from manual_dp.runtime import train_entry\n"
+            "try:\n    train_entry()\nexcept SystemExit:\n    pass\n"
+            "print('TEMP_COPY', os.environ.get('MXNET_CPU_TEMP_COPY'), 'mxnet' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in ("MXNET_CPU_TEMP_COPY", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "TEMP_COPY 64 True"
