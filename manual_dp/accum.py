@@ -5,7 +5,7 @@ to what it holds, `update(lr, n_examples)` takes one optimiser step on the sum /
 zeroes it. `step` is then backward + update; `GradAccum` calls update every N batches instead.
 """
 from .memory import held_arrays, layout
-from .optim import apply_update
+from .optim import apply_update_and_clear
 from .parallel import allreduce, split_and_load
 from .step import DataParallel, forward_backward
 
@@ -28,9 +28,7 @@ class SyncPhases(DataParallel):
             self.allreduce_fn([W[i].grad for W in self.replicas])
         self.t += 1
         for W, S in zip(self.replicas, self.states):
-            apply_update(W, S, self.optimizer, lr, self.t, n_examples)
-            for p in W:
-                p.grad[:] = 0
+            apply_update_and_clear(W, S, self.optimizer, lr, self.t, n_examples)
 
     def step(self, X, y, lr):
         metrics = self.backward(X, y)

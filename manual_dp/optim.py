@@ -54,3 +54,10 @@ def apply_update(params, states, name, lr, t, batch_size):
     _, update = OPTIMIZERS[name]
     for p, s in zip(params, states):
         update(p, p.grad / batch_size, s, lr, t)
+
+
+def apply_update_and_clear(params, states, name, lr, t, batch_size):
+    """apply_update, then zero the gradients, ready for the next accumulation."""
+    apply_update(params, states, name, lr, t, batch_size)
+    for p in params:
+        p.grad[:] = 0

@@ -3,7 +3,7 @@ import numpy as np
 from mxnet import autograd, nd
 
 from .model import cross_entropy
-from .optim import apply_update, init_states
+from .optim import apply_update_and_clear, init_states
 from .parallel import allreduce, shard_sizes, split_and_load
 from .stages import STAGES, bubble_fraction, gpipe_schedule, send, split_params
 from .step import load_into, n_correct
@@ -92,9 +92,7 @@ class PipelineParallel:
         self.t += 1
         for row, row_states in zip(self.params, self.states):
             for P, S in zip(row, row_states):
-                apply_update(P, S, self.optimizer, lr, self.t, n_examples)
-                for p in P:
-                    p.grad[:] = 0
+                apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
 
     def step(self, X, y, lr):
         metrics = self.backward(X, y)
