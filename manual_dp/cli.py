@@ -83,7 +83,7 @@ def add_backend_arguments(p):
 
 
 # The names of manual_dp.collectives.ALLREDUCE_ALGORITHMS (listed here so --help needs no mxnet).
-ALLREDUCE_NAMES = ("lesson", "reduce_bcast", "ring", "tree", "kvstore")
+ALLREDUCE_NAMES = ("lesson", "reduce_bcast", "ring", "tree", "scatter_gather", "kvstore")
 
 
 def add_speed_arguments(p):

@@ -5,6 +5,9 @@ context; afterwards every replica holds the elementwise sum of all of them, on i
     reduce_bcast    the same picture, with one add_n on the first context instead of k-1 adds
     ring            reduce-scatter then all-gather over k chunks: each link carries 2(k-1)/k of the data
     tree            pairwise sums up a binary tree in log2(k) rounds, then copies back down it
+    scatter_gather  the ring's two halves in one step each: rank i sums chunk i of all k replicas
+                    at once, then every rank fetches the summed chunks it lacks (all-to-all links:
+                    shared memory, NVSwitch, a network switch), all ranks working at the same time
     kvstore         MXNet's own kvstore('device') pushpull, as the reference to beat
 
 Copies between contexts are engine operations like any other, so the transfers of one round run
@@ -92,6 +95,27 @@ def tree_allreduce(arrays):
             send(arrays[src], arrays[dst], phase)
 
 
+def scatter_gather_allreduce(arrays):
+    """Afterwards every `arrays[i]` holds the sum. Reduce-scatter in one step: rank i adds up
+    chunk i of every replica (one add_n on its own context); all-gather in one step: rank i's
+    summed chunk is copied to every other rank. Each rank takes in (k-1)/k of the array per half,
+    as in the ring, but in 2 steps instead of 2(k-1), and no rank does more work than another."""
+    k = len(arrays)
+    bounds = chunk_bounds(arrays[0].size, k)
+    flat = [x.reshape((-1,)) for x in arrays]
+    owned = [(i, flat[i][a:b]) for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+    for i, mine in owned:                      # reduce-scatter: chunk i summed on rank i
+        a, b = bounds[i], bounds[i + 1]
+        others = [fetch(flat[j][a:b], mine.context) for j in range(k) if j != i]
+        if others:
+            nd.add_n(mine, *others, out=mine)
+    for i, mine in owned:                      # all-gather: chunk i from rank i to the others
+        a, b = bounds[i], bounds[i + 1]
+        for j in range(k):
+            if j != i:
+                mine.copyto(flat[j][a:b])
+
+
 class KVStoreAllreduce:
     """MXNet's kvstore(kind) as an all-reduce: pushpull sums the replicas and hands every one the sum.
 
@@ -122,6 +146,7 @@ ALLREDUCE_ALGORITHMS = {
     "reduce_bcast": reduce_bcast,
     "ring": ring_allreduce,
     "tree": tree_allreduce,
+    "scatter_gather": scatter_gather_allreduce,
     "kvstore": kvstore_allreduce,
 }
 

@@ -34,7 +34,9 @@ def terms(algorithm, k, n):
     of all-reducing n bytes over k devices."""
     if k <= 1:
         return 0.0, 0.0, 0.0
-    if algorithm == "ring":
+    if algorithm in ("ring", "scatter_gather"):
+        # scatter_gather: each device takes in k-1 chunks of n/k per half through its one port, as
+        # in the ring; that its chunks could arrive at once (NVSwitch, shared memory) is not credited
         return 2 * (k - 1), 2 * (k - 1) / k * n, (k - 1) / k * n
     if algorithm == "tree":
         rounds = math.ceil(math.log2(k))

@@ -1,7 +1,5 @@
 """LeNet cut in two for model parallelism, the boundary copy, and GPipe's clock schedule."""
-from mxnet import nd
-
-from .model import conv_block
+from .model import conv_block, dense, relu
 
 # Which of lenet's 8 parameters each stage owns: [W1, b1, W2, b2] | [W3, b3, W4, b4].
 STAGE_SLICES = [slice(0, 4), slice(4, 8)]
@@ -17,8 +15,8 @@ def conv_stage(X, params):
 def dense_stage(h, params):
     """Stage 1, the dense layers: feature maps (B, 50, 4, 4) -> class scores (B, 10)."""
     W3, b3, W4, b4 = params
-    h = nd.relu(nd.dot(h.reshape((0, -1)), W3) + b3)   # (B, 128)
-    return nd.dot(h, W4) + b4                          # (B, 10)
+    h = relu(dense(h, W3, b3))                         # (B, 128)
+    return dense(h, W4, b4)                            # (B, 10)
 
 
 STAGES = [conv_stage, dense_stage]

@@ -155,4 +155,4 @@ def test_console_script_entry_sets_thread_settings_before_mxnet_loads():
     env = {k: v for k, v in os.environ.items() if k not in ("MXNET_CPU_TEMP_COPY", "OMP_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "TEMP_COPY 64 True"
+    assert out.stdout.strip().splitlines()[-1] == "TEMP_COPY 1024 True"

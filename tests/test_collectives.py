@@ -60,7 +60,7 @@ def test_algorithms_agree_with_the_lessons_allreduce(name):
         np.testing.assert_allclose(a.asnumpy(), r.asnumpy(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["ring", "tree", "reduce_bcast"])
+@pytest.mark.parametrize("name", ["ring", "tree", "reduce_bcast", "scatter_gather"])
 def test_float64_and_views_of_a_bigger_buffer(name):
     """The fused trainer reduces flat buffers whose slices are the gradients: views must work too."""
     ctx = [mx.cpu(i) for i in range(3)]

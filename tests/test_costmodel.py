@@ -13,6 +13,7 @@ A, B, G = 1e-5, 1e-9, 5e-10  # 10 us per message, 1 GB/s link, 2 GB/s adds
     ("ring", 1, 1000, 0.0),
     ("ring", 2, 1000, 2 * A + 1000 * B + 500 * G),            # 2(k-1) messages of n/k, (k-1)/k n added
     ("ring", 4, 1000, 6 * A + 1500 * B + 750 * G),
+    ("scatter_gather", 4, 1000, 6 * A + 1500 * B + 750 * G),  # k-1 chunks in per half, as the ring
     ("tree", 2, 1000, 2 * A + 2000 * B + 1000 * G),            # 1 round up, 1 down, whole array each
     ("tree", 5, 1000, 6 * A + 6000 * B + 3000 * G),            # ceil(log2 5) = 3 rounds each way
     ("lesson", 3, 1000, 4 * A + 4000 * B + 2000 * G),          # k-1 in and k-1 out through device 0
@@ -30,7 +31,7 @@ def test_ring_bytes_per_link_approach_twice_the_array():
         cm.terms("bogus", 2, 1)
 
 
-@pytest.mark.parametrize("alg", ["ring", "tree", "reduce_bcast"])
+@pytest.mark.parametrize("alg", ["ring", "tree", "reduce_bcast", "scatter_gather"])
 def test_fit_recovers_the_parameters_that_made_the_data(alg):
     points = [(k, n, cm.allreduce_time(alg, k, n, A, B, G)) for k in (2, 3, 4, 8) for n in (4e3, 1e5, 4e6, 6.4e7)]
     a, b, g = cm.fit(points, alg)
