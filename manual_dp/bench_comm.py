@@ -1,5 +1,7 @@
 """All-reduce micro-benchmark: microseconds and GB/s per algorithm, payload and context count,
-beside the copy bound (one cpu(0) -> cpu(1) copy of the same payload) measured in the same run."""
+beside the copy bound (one cpu(0) -> cpu(1) copy of the same payload) and the memory floor (k
+copies at once: the traffic no all-reduce over k contexts of one memory can avoid), both
+measured in the same run."""
 import time
 
 import mxnet as mx
@@ -39,6 +41,25 @@ def copy_bound(nbytes, repeats):
             "us": t * 1e6, "gbps": nbytes / t / 1e9}
 
 
+def memory_floor(k, nbytes, repeats):
+    """Record for k copies of nbytes at once, cpu(i) -> cpu(i) on every context's own worker.
+
+    CPU contexts share one memory bus, and any all-reduce must at least read every replica once
+    and write every replica once: k copies' worth of traffic. Its bus bandwidth (as for an
+    all-reduce) is the best any algorithm could score here at k contexts.
+    """
+    n = max(1, nbytes // 4)
+    src = [nd.zeros((n,), ctx=mx.cpu(i)) for i in range(k)]
+    dst = [nd.zeros((n,), ctx=mx.cpu(i)) for i in range(k)]
+
+    def copies():
+        for s, d in zip(src, dst):
+            s.copyto(d)
+    t = timed(copies, repeats, calls_for(nbytes * k))
+    return {"bench": "memfloor", "impl": f"{k} copies at once", "devices": k, "bytes": nbytes, "us": t * 1e6,
+            "busbw_gbps": nbytes / t / 1e9 * 2 * (k - 1) / k if k > 1 else None}
+
+
 def allreduce_point(name, k, nbytes, repeats):
     """Record for all-reducing one float32 array of nbytes over cpu(0..k-1) with algorithm `name`.
 
@@ -72,6 +93,7 @@ def run(spec):
     records = [copy_bound(b, spec["repeats"]) for b in spec["payloads"]]
     names = spec.get("algorithms") or sorted(ALLREDUCE_ALGORITHMS)
     for k in spec["devices"]:
+        records += [memory_floor(k, b, spec["repeats"]) for b in spec["payloads"] if k > 1]
         for name in names:
             records += [allreduce_point(name, k, b, spec["repeats"]) for b in spec["payloads"]]
     for k in spec.get("lenet_devices", []):

@@ -10,8 +10,8 @@ def _plt():
 
 
 def allreduce_plots(records, out):
-    """allreduce_us.png (time vs payload) and allreduce_bw.png (bus bandwidth vs the copy bound),
-    one panel per context count."""
+    """allreduce_us.png (time vs payload) and allreduce_bw.png (bus bandwidth vs the copy bound
+    and the memory floor), one panel per context count."""
     plt = _plt()
     ks = sorted({r["devices"] for r in records if r["bench"] == "allreduce" and r["devices"] > 1})
     copy = sorted((r["bytes"], r["gbps"]) for r in records if r["bench"] == "memcpy")
@@ -28,6 +28,10 @@ def allreduce_plots(records, out):
                 ax.plot(*zip(*sorted(pts)), marker="o", label=impl)
             if key == "busbw_gbps" and copy:
                 ax.plot(*zip(*copy), "k--", label="copy bound (one copyto)")
+                floor = sorted((r["bytes"], r["busbw_gbps"]) for r in records
+                               if r["bench"] == "memfloor" and r["devices"] == k)
+                if floor:
+                    ax.plot(*zip(*floor), "k:", label=f"memory floor ({k} copies at once)")
             ax.set(xscale="log", yscale="log", xlabel="payload, bytes", ylabel=ylabel, title=f"{k} contexts")
             ax.legend(fontsize=7)
         fig.tight_layout()

@@ -23,7 +23,7 @@ def test_tiny_run_writes_records_with_the_required_keys(tiny_run):
     assert records and all({"bench", "impl", "devices"} <= set(r) for r in records)
     assert not [r for r in records if "error" in r]
     kinds = {r["bench"] for r in records}
-    assert {"meta", "memcpy", "allreduce", "allreduce_lenet", "overlap", "train", "summary"} <= kinds
+    assert {"meta", "memcpy", "memfloor", "allreduce", "allreduce_lenet", "overlap", "train", "summary"} <= kinds
     assert all(r["cores_free"] > 0 for r in records if r["bench"] == "train")
     meta = records[0]
     assert meta["bench"] == "meta" and 0 < meta["cores_free_before"] <= meta["devices"] + 0.5
@@ -77,9 +77,11 @@ def test_targets_are_computed_from_the_records():
                {"bench": "allreduce_lenet", "impl": "kvstore", "fused": True, "devices": 4, "us": 400.0},
                {"bench": "allreduce_lenet", "impl": "ring", "fused": True, "devices": 4, "us": 200.0},
                {"bench": "memcpy", "impl": "copyto", "devices": 2, "bytes": 2 ** 23, "gbps": 9.0},
-               {"bench": "allreduce", "impl": "ring", "devices": 4, "bytes": 2 ** 23, "busbw_gbps": 4.0}]
+               {"bench": "allreduce", "impl": "ring", "devices": 4, "bytes": 2 ** 23, "busbw_gbps": 4.0},
+               {"bench": "memfloor", "impl": "4 copies at once", "devices": 4, "bytes": 2 ** 23, "busbw_gbps": 6.0}]
     summary = {s["impl"].split(" (")[0].split(",")[0]: s for s in bench_report.targets(records)}
     assert [round(s["ratio"], 3) for s in bench_report.targets(records)] == [2.5, 1.25, 2.0, 2.25]
+    assert bench_report.targets(records)[-1]["floor"] == pytest.approx(1.5)   # copy 9.0 / floor 6.0
     assert all(s["met"] for s in summary.values())
 
 
