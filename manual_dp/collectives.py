@@ -7,11 +7,14 @@ context; afterwards every replica holds the elementwise sum of all of them, on i
     tree            pairwise sums up a binary tree in log2(k) rounds, then copies back down it
     scatter_gather  the ring's two halves in one step each: rank i sums chunk i of all k replicas
                     at once, then every rank fetches the summed chunks it lacks (all-to-all links:
-                    shared memory, NVSwitch, a network switch), all ranks working at the same time
+                    shared memory, NVSwitch, a network switch), every rank doing the same work
     kvstore         MXNet's own kvstore('device') pushpull, as the reference to beat
 
-Copies between contexts are engine operations like any other, so the transfers of one round run
-at the same time on different devices; the Python loop only describes who sends what to whom.
+Copies between contexts are engine operations like any other: the Python loop only describes who
+sends what to whom, and transfers between different arrays run at the same time on different
+devices. MXNet tracks dependencies per array, not per byte range, so transfers touching chunks of
+the same replica (the ring's, scatter_gather's) wait for each other even when the chunks differ;
+a CPU-to-CPU copy runs on the worker of the context it copies from.
 """
 import mxnet as mx
 from mxnet import nd
