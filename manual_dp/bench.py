@@ -27,10 +27,10 @@ PLANS = {
                  overlap_steps=2),
     "quick": dict(payloads=[4 * KB, 64 * KB, 1 * MB, 4 * MB, 16 * MB], comm_devices=[2, 4, 8],
                   lenet_devices=[2, 4], comm_repeats=3, images=4096, batch=256, repeats=3,
-                  devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=6),
+                  devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=6, pairs=2),
     "full": dict(payloads=[4 * KB * 4 ** i for i in range(8)], comm_devices=[2, 3, 4, 6, 8],
                  lenet_devices=[2, 4, 8], comm_repeats=5, images=256 * 40, batch=256, repeats=5,
-                 devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=10),
+                 devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=10, pairs=5),
 }
 FAST = {"allreduce": "reduce_bcast", "fused": True, "graph": True}
 RUNTIME_KEYS = set(thread_env(1, flags={"avx512f"})) | {"OMP_NUM_THREADS"}
@@ -122,16 +122,34 @@ def measure(plan, args):
             if "error" not in got[0]:
                 print(f"  overlap of cpu(0) and cpu(1), {env} env: {got[0]['overlap']:.0%} of busy time", flush=True)
         for impl, options, env, k in train_specs(plan, args.plan == "full"):
-            spec = {"bench": "train", "impl": impl, "options": options, "env": env, "devices": k,
-                    "batch": plan["batch"], "images": plan["images"], "repeats": plan["repeats"],
-                    "lr": 0.02, "seed": 0, "data": plan["data"], "data_dir": args.data_dir,
-                    "threads": usable_cores(), "timeout": args.timeout}
-            free = wait_for_cores(args.wait_for_cores, args.timeout)
-            got = run_worker(spec, worker_env(env, 1 if impl.startswith("torch") else k), args.timeout)
-            records += [dict(r, cores_free=free) for r in got]
-            print(format_train(got[0]) + f"  ({free:.1f} cores free)", flush=True)
+            records += train_point(plan, args, impl, options, env, k)
+        for i, (impl, options, k) in enumerate(pair_specs(plan)):
+            records += train_point(plan, args, impl, options, "tuned", k, bench="pair", pair=i // 2)
     records[0]["load_after"], records[0]["cores_free_after"] = os.getloadavg(), cores_available()
     return records
+
+
+def pair_specs(plan):
+    """(impl, options, devices) to measure after the main list: PyTorch in one process, then the
+    fast step on 2 contexts, back to back, plan['pairs'] times. The target's ratio is the median
+    over these adjacent pairs, so the machine drifting between two measurements minutes apart
+    (up to 5% here) does not decide it."""
+    if not (plan.get("pairs") and plan["peers"] and importlib.util.find_spec("torch")):
+        return []
+    return [("torch", {}, 1), ("manual_dp", FAST, 2)] * plan["pairs"]
+
+
+def train_point(plan, args, impl, options, env, k, bench="train", **extra):
+    """Records of one training measurement in a fresh worker process, printed as they come."""
+    spec = {"bench": "train", "impl": impl, "options": options, "env": env, "devices": k,
+            "batch": plan["batch"], "images": plan["images"], "repeats": plan["repeats"],
+            "lr": 0.02, "seed": 0, "data": plan["data"], "data_dir": args.data_dir,
+            "threads": usable_cores(), "timeout": args.timeout}
+    free = wait_for_cores(args.wait_for_cores, args.timeout)
+    got = run_worker(spec, worker_env(env, 1 if impl.startswith("torch") else k), args.timeout)
+    prefix = f"  pair {extra['pair'] + 1}:" if bench == "pair" else ""
+    print(prefix + format_train(got[0]) + f"  ({free:.1f} cores free)", flush=True)
+    return [dict(r, bench=bench, cores_free=free, **extra) for r in got]
 
 
 def format_train(r):

@@ -85,6 +85,26 @@ def test_targets_are_computed_from_the_records():
     assert all(s["met"] for s in summary.values())
 
 
+def test_adjacent_pairs_decide_the_pytorch_target_by_their_median():
+    rec = lambda bench, impl, k, ips, **x: dict({"bench": bench, "impl": impl, "devices": k, "env": "tuned",
+                                                "options": {}, "images_per_sec": ips, "final_loss": 0.5}, **x)
+    records = [rec("train", "manual_dp", 2, 5000.0), rec("train", "torch", 1, 6000.0)]
+    single = bench_report.targets(records)
+    assert [round(s["ratio"], 3) for s in single if "torch" in s["impl"]] == [0.833]
+    for i, (t, m) in enumerate([(5000.0, 5100.0), (5200.0, 5000.0), (4000.0, 4400.0)]):
+        records += [rec("pair", "torch", 1, t, pair=i), rec("pair", "manual_dp", 2, m, pair=i)]
+    records.append(rec("pair", "torch", 1, 1.0, pair=3))  # a pair missing its other half is left out
+    paired = [s for s in bench_report.targets(records) if "torch" in s["impl"]]
+    assert len(paired) == 1 and "median of 3 adjacent pairs" in paired[0]["impl"]
+    assert paired[0]["ratio"] == pytest.approx(1.02) and paired[0]["met"]   # ratios 1.02, 0.96, 1.10
+
+
+def test_pairs_alternate_pytorch_and_the_fast_step(monkeypatch):
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object())
+    assert bench.pair_specs(bench.PLANS["quick"]) == [("torch", {}, 1), ("manual_dp", bench.FAST, 2)] * 2
+    assert bench.pair_specs(bench.PLANS["tiny"]) == []
+
+
 def test_tiny_and_quick_plans_measure_what_the_readme_promises():
     quick = bench.train_specs(bench.PLANS["quick"], full=False)
     assert {("lesson", "default", k) for k in (1, 2, 4)} <= {(i, e, k) for i, _, e, k in quick}
