@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from manual_dp import bench, bench_report
+from manual_dp.bench import command as bench
+from manual_dp.bench import report as bench_report
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_tiny_and_quick_plans_measure_what_the_readme_promises():
 
 
 def test_overlap_of_intervals():
-    from manual_dp.bench_overlap import busy_intervals, overlap
+    from manual_dp.bench.overlap import busy_intervals, overlap
     trace = {"traceEvents": [{"pid": 0, "ph": "B", "name": "a", "ts": 0}, {"pid": 0, "ph": "E", "name": "a", "ts": 10},
                              {"pid": 0, "ph": "X", "name": "b", "ts": 5, "dur": 10},
                              {"pid": 1, "ph": "X", "name": "c", "ts": 12, "dur": 10}]}
@@ -126,7 +127,7 @@ def test_the_lessons_network_in_the_bench_computes_lenet():
     import mxnet as mx
     import numpy as np
     from manual_dp import init_lenet_params, lenet
-    from manual_dp.bench_train import lesson_lenet
+    from manual_dp.bench.train import lesson_lenet
     X = mx.nd.array(np.random.RandomState(0).rand(4, 1, 28, 28))
     params = init_lenet_params(seed=3)
     np.testing.assert_allclose(lesson_lenet(X, params).asnumpy(), lenet(X, params).asnumpy(), rtol=1e-5, atol=1e-5)

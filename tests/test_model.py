@@ -3,7 +3,7 @@ import numpy as np
 from mxnet import gluon, nd
 
 from manual_dp import cross_entropy, init_lenet_params, lenet
-from manual_dp.bench_train import gluon_lenet
+from manual_dp.bench.train import gluon_lenet
 from manual_dp.model import LENET_SHAPES
 
 

@@ -4,7 +4,7 @@ to DIR/results.json (a list of records with bench, impl, devices and the figures
     --quick   the default, under 3 minutes on 2 cores    --full   every payload, count and peer
     --tiny    seconds, synthetic data (for the tests)     --model  the cost model's table and plot
 
-Every measurement runs in a fresh process (manual_dp.bench_worker) whose thread settings are in
+Every measurement runs in a fresh process (manual_dp.bench.worker) whose thread settings are in
 its environment before MXNet or PyTorch loads: "tuned" is manual_dp.runtime's choice for its
 number of contexts, "default" is MXNet's own (the lesson as written). Figures are medians over
 repeats with the first (warm-up) dropped.
@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import OneLineParser, UsageError
-from .runtime import thread_env, usable_cores
+from ..cli import OneLineParser, UsageError
+from ..runtime import thread_env, usable_cores
 
 KB, MB = 1024, 1024 * 1024
 PLANS = {
@@ -66,8 +66,8 @@ def worker_env(env, devices):
 
 
 def run_worker(spec, env, timeout):
-    """Records printed by one manual_dp.bench_worker process, or one record saying why there are none."""
-    cmd = [sys.executable, "-m", "manual_dp.bench_worker", json.dumps(spec)]
+    """Records printed by one manual_dp.bench.worker process, or one record saying why there are none."""
+    cmd = [sys.executable, "-m", "manual_dp.bench.worker", json.dumps(spec)]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -153,7 +153,7 @@ def train_point(plan, args, impl, options, env, k, bench="train", **extra):
 
 
 def format_train(r):
-    from .bench_plots import label
+    from .plots import label
     if "error" in r:
         return f"  {label(r):40} {r['devices']} dev: {r['error']}"
     return (f"  {label(r):40} {r['devices']} dev: {r['images_per_sec']:7.0f} img/s  "
@@ -161,7 +161,7 @@ def format_train(r):
 
 
 def main(argv=None):
-    from .bench_report import report, write
+    from .report import report, write
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:
@@ -179,7 +179,7 @@ def main(argv=None):
 
 
 def report_model(out, records=None):
-    from .bench_report import model_section
+    from .report import model_section
     return model_section(out, records)
 
 

@@ -15,11 +15,11 @@ import numpy as np
 from mxnet import autograd, gluon, nd
 from mxnet.gluon import nn
 
-from .collectives import make_allreduce
-from .model import cross_entropy, init_lenet_params, lenet
-from .parallel import allreduce, get_params
-from .step import DataParallel
-from .train import run_epoch
+from ..collectives import make_allreduce
+from ..model import cross_entropy, init_lenet_params, lenet
+from ..parallel import allreduce, get_params
+from ..step import DataParallel
+from ..train import run_epoch
 
 
 # --- the lesson, as written (d2l, "Multiple GPUs from scratch"); allreduce and get_params are

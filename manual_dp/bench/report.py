@@ -5,8 +5,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from . import costmodel
-from .bench_plots import allreduce_plots, label, model_plot, scaling_plot
+from .. import costmodel
+from .plots import allreduce_plots, label, model_plot, scaling_plot
 
 
 def ok(records, bench):

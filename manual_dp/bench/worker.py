@@ -1,4 +1,4 @@
-"""One benchmark measurement in a fresh process (`python -m manual_dp.bench_worker SPEC_JSON`).
+"""One benchmark measurement in a fresh process (`python -m manual_dp.bench.worker SPEC_JSON`).
 
 The thread settings an implementation runs under must be in the environment before MXNet or
 PyTorch loads, so manual_dp.bench starts one of these per measurement with its own environment.
@@ -14,7 +14,7 @@ def training_data(spec):
     """spec['images'] training images: the first of Fashion-MNIST, or random ones (spec['data'])."""
     n = spec["images"]
     if spec.get("data") == "fashion":
-        from .data import load_fashion_mnist
+        from ..data import load_fashion_mnist
         (X, y), _ = load_fashion_mnist(spec.get("data_dir"), train_size=n, test_size=1,
                                        allow_download=False)
         return np.ascontiguousarray(X), y
@@ -39,21 +39,21 @@ def train_record(spec, times, final_loss):
 
 def run(spec):
     if spec["bench"] == "allreduce":
-        from .bench_comm import run as run_comm
+        from .comm import run as run_comm
         return run_comm(spec)
     if spec["bench"] == "overlap":
-        from .bench_overlap import run as run_overlap
+        from .overlap import run as run_overlap
         return run_overlap(spec)
     X, y = training_data(spec)
     if spec["impl"].startswith("torch"):
-        from . import bench_torch
-        from .model import init_lenet_params
+        from . import peer_torch
+        from ..model import init_lenet_params
         params = [p.asnumpy() for p in init_lenet_params(spec.get("seed", 0))]
-        go = bench_torch.ddp if spec["impl"] == "torch-ddp" else bench_torch.single_process
+        go = peer_torch.ddp if spec["impl"] == "torch-ddp" else peer_torch.single_process
         times, final = go(params, X, y, spec)
-        from .bench_train import eval_loss
+        from .train import eval_loss
         return [train_record(spec, times, eval_loss(final, X[:1024], y[:1024]))]
-    from .bench_train import measure
+    from .train import measure
     times, final_loss = measure(spec, X, y)
     return [train_record(spec, times, final_loss)]
 

@@ -1,0 +1,11 @@
+"""The benchmark (`python -m manual_dp.bench`), one file a concern; nothing runs on import.
+
+    command     the command line: plans, one fresh worker process per measurement, the report
+    worker      one measurement in a fresh process (`python -m manual_dp.bench.worker SPEC_JSON`)
+    comm        all-reduce timings, the copy bound and the memory floor
+    train       training throughput of manual_dp, the lesson's code and gluon's Trainer
+    peer_torch  the same LeNet in PyTorch, one process or DDP (optional extra `bench`)
+    overlap     do two CPU contexts compute at the same time? (MXNet's profiler)
+    report      scaling efficiency, the targets' ratios, tables, results.json
+    plots       the PNG plots
+"""
