@@ -1,50 +1,40 @@
-"""manual_dp: data-parallel LeNet training on MXNet, written by hand.
+"""manual_dp: parallel training of LeNet on MXNet, written by hand.
 
-Names are imported lazily, so `import manual_dp` does no work and `python -m manual_dp.train`
-runs its module once.
+Read it in this order (the README has the whole path): lesson, strategies/base, strategies/
+data_parallel, fast/, the other strategies, loop, cli/, multiprocess/. The names below are
+imported lazily, so `import manual_dp` loads nothing (the command line sets MXNet's thread
+settings before MXNet loads).
 """
 import importlib
-import sys
-import types
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
-    "load_fashion_mnist": "data", "batches": "data",
-    "init_lenet_params": "model", "lenet": "model", "cross_entropy": "model",
-    "get_params": "parallel", "split_and_load": "parallel", "allreduce": "parallel",
-    "train_batch": "step", "DataParallel": "step",
-    "ALLREDUCE_ALGORITHMS": "collectives", "make_allreduce": "collectives",
-    "train": "train", "evaluate": "train",
-    "AsyncDataParallel": "async_dp", "last_refresh": "async_dp", "PipelineParallel": "pipeline",
-    "GradAccum": "accum", "SyncPhases": "accum",
-    "conv_stage": "stages", "dense_stage": "stages", "split_params": "stages", "send": "stages",
-    "gpipe_schedule": "stages", "bubble_fraction": "stages",
-    "make_lr": "schedule", "scaled_lr": "schedule", "Warmup": "schedule", "lr_at": "schedule",
-    "updates_per_epoch": "schedule", "per_context": "memory",
-    "TwoLevelDataParallel": "distributed", "rank_rows": "distributed",
+    "lesson": ["LENET_SHAPES", "init_lenet_params", "lenet", "cross_entropy", "get_params",
+               "split_and_load", "allreduce", "sgd", "train_batch"],
+    "config": ["RunConfig"],
+    "data": ["load_fashion_mnist", "batches"],
+    "strategies.base": ["Strategy"],
+    "strategies.data_parallel": ["DataParallel"],
+    "strategies.accum": ["GradAccum"],
+    "strategies.async_dp": ["AsyncDataParallel", "last_refresh"],
+    "strategies.pipeline": ["PipelineParallel"],
+    "strategies.stages": ["conv_stage", "dense_stage", "split_params", "send", "gpipe_schedule",
+                          "bubble_fraction"],
+    "fast.collectives": ["ALLREDUCE_ALGORITHMS", "make_allreduce"],
+    "loop": ["fit", "evaluate"],
+    "schedule": ["make_lr", "scaled_lr", "Warmup", "lr_at", "updates_per_epoch"],
+    "memory": ["per_context"],
 }
-__all__ = sorted(_EXPORTS)
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name):
-    if name not in _EXPORTS:
+    if name not in _WHERE:
         raise AttributeError(f"module 'manual_dp' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
 
 
 def __dir__():
     return __all__ + ["__version__"]
-
-
-class _Package(types.ModuleType):
-    """Keeps `manual_dp.train` the function: importing the submodule `manual_dp.train` (the CLI)
-    would otherwise rebind the package attribute to the module."""
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and name in _EXPORTS and hasattr(value, name):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

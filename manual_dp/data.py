@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+
 FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", 60000),
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", 10000),
@@ -18,8 +19,7 @@ HOW_TO_GET = ("install Debian's package (apt-get install -y dataset-fashion-mnis
               "or pass --data-dir DIR holding the four IDX .gz files")
 
 
-class DataError(Exception):
-    """The data set is missing, truncated or corrupt; the message says which file."""
+from .errors import DataError
 
 
 def _has_all(d):

@@ -6,8 +6,7 @@ MXNet exposes no per-context memory counter on CPU.
 """
 import numpy as np
 
-from .model import LENET_SHAPES
-from .parallel import shard_sizes
+from .lesson import LENET_SHAPES
 
 FLOAT_BYTES = 4
 
@@ -30,31 +29,14 @@ def stage_activation_elems(image=(1, 28, 28)):
     return [sum(convs), sum(dense)]
 
 
-def layout(model, batch_size):
-    """(context, stage, examples it holds activations for) per stage placement of one step."""
-    if hasattr(model, "layout"):
-        return model.layout(batch_size)
-    sizes = shard_sizes(batch_size, len(model.ctx))            # DataParallel: whole net per shard
-    return [(c, s, n) for c, n in zip(model.ctx, sizes) for s in (0, 1)]
-
-
-def held_arrays(model):
-    """{"param": parameter arrays, "state": gradients and optimiser state} that the strategy keeps."""
-    if hasattr(model, "arrays"):
-        return model.arrays()
-    params = [p for W in model.replicas for p in W]            # DataParallel: a replica per context
-    states = [s for S in model.states for st in S for s in st]
-    return {"param": params, "state": [p.grad for p in params] + states}
-
-
 def per_context(model, batch_size):
     """{context name: {"param_bytes", "state_bytes", "activation_bytes"}} for a step on `batch_size`."""
     report = {str(c): {"param_bytes": 0, "state_bytes": 0, "activation_bytes": 0} for c in model.ctx}
-    for kind, arrays in held_arrays(model).items():
+    for kind, arrays in model.arrays().items():
         for a in arrays:
             report[str(a.context)][f"{kind}_bytes"] += a.size * np.dtype(a.dtype).itemsize
     elems = stage_activation_elems()
-    for c, s, n in layout(model, batch_size):
+    for c, s, n in model.layout(batch_size):
         report[str(c)]["activation_bytes"] += n * elems[s] * FLOAT_BYTES
     return report
 

@@ -13,7 +13,7 @@ from manual_dp import checkpoint
 
 PYTHON = sys.executable
 # The same thread settings in every process: the float results of MXNet's CPU kernels may depend
-# on them (manual_dp.runtime picks them from --cpus unless the environment names them).
+# on them (manual_dp.fast.runtime picks them from --cpus unless the environment names them).
 PINNED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 HOROVODRUN = Path(PYTHON).parent / "horovodrun"
 

@@ -6,9 +6,9 @@ from mxnet import autograd, nd
 
 from conftest import assert_on, synthetic
 from manual_dp import DataParallel, allreduce, cross_entropy, init_lenet_params, lenet
-from manual_dp.async_dp import AsyncDataParallel, last_refresh, refresh_due
+from manual_dp.strategies.async_dp import AsyncDataParallel, last_refresh, refresh_due
 from manual_dp.checkpoint import CheckpointError
-from manual_dp.parallel import shard_sizes
+from manual_dp.lesson import shard_sizes
 
 
 def batch(n, seed=0):
@@ -125,7 +125,7 @@ def test_resume_mid_cycle_continues_exactly():
         np.testing.assert_array_equal(got, want)
     assert b.end_epoch(0.01) == a.end_epoch(0.01)
     check_placement(b)
-    with pytest.raises(CheckpointError, match="async state for 3 devices, this run has 2"):
+    with pytest.raises(CheckpointError, match="async replicas for 3 devices, this run has 2"):
         AsyncDataParallel(init_lenet_params(seed=0), cpus(2), "adam", 2).load_state_dict(a.state_dict())
 
 

@@ -48,9 +48,9 @@ def test_trains_and_logs_every_epoch(capsys, data_dir, tmp_path):
 
 BAD = [
     (["--gpus", str(mx.context.num_gpus() + 2)], "found .* --cpus"),
-    (["--cpus", "0"], "--cpus must be positive"),
+    (["--cpus", "0"], "--cpus must be >= 1"),
     (["--cpus", "3", "--batch-size", "2"], "--batch-size 2 is smaller than the 3 devices"),
-    (["--batch-size", "0"], "--batch-size must be positive"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--lr", "-0.1"], "--lr must be positive"),
     (["--lr", "nan"], "--lr must be positive"),
     (["--epochs", "-1"], "--epochs must be >= 0"),
@@ -146,13 +146,22 @@ def test_module_runs_as_a_script_without_warnings(tmp_path):
     assert "RuntimeWarning" not in out.stderr
 
 
-def test_console_script_entry_sets_thread_settings_before_mxnet_loads():
-    code = ("import os, sys\n"
-            "sys.argv = ['manual-dp-train', '--cpus', '2', '--help']\n"
-            "from manual_dp.runtime import train_entry\n"
-            "try:\n    train_entry()\nexcept SystemExit:\n    pass\n"
-            "print('TEMP_COPY', os.environ.get('MXNET_CPU_TEMP_COPY'), 'mxnet' in sys.modules)")
+def test_console_script_entry_sets_thread_settings_before_mxnet_loads(data_dir):
+    """manual-dp-train runs manual_dp.train:main, which parses the flags, sets the thread settings
+    for the contexts they name, and only then loads MXNet."""
+    script = ("import os, sys, builtins\n"
+              "seen = {}\n"
+              "real_import = builtins.__import__\n"
+              "def spy(name, *a, **k):\n"
+              "    if name.startswith('mxnet') and not seen:\n"
+              "        seen.update(copy=os.environ.get('MXNET_CPU_TEMP_COPY'), omp=os.environ.get('OMP_NUM_THREADS'))\n"
+              "    return real_import(name, *a, **k)\n"
+              "builtins.__import__ = spy\n"
+              "from manual_dp.train import main\n"
+              f"main(['--cpus', '2', '--epochs', '0', '--data-dir', {str(data_dir)!r}])\n"
+              "print('AT_LOAD', seen['copy'], seen['omp'])\n")
     env = {k: v for k, v in os.environ.items() if k not in ("MXNET_CPU_TEMP_COPY", "OMP_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "TEMP_COPY 1024 True"
+    cores = len(os.sched_getaffinity(0))
+    assert out.stdout.strip().splitlines()[-1] == f"AT_LOAD 1024 {max(1, cores // 2)}"

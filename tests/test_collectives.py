@@ -4,7 +4,7 @@ import pytest
 from mxnet import nd
 
 from manual_dp import ALLREDUCE_ALGORITHMS
-from manual_dp.collectives import chunk_bounds, make_allreduce
+from manual_dp.fast.collectives import chunk_bounds, make_allreduce
 
 # Sizes not divisible by k, single elements, fewer elements than contexts, LeNet's conv weight.
 SHAPES = [(1,), (2,), (7,), (3, 5), (2, 3, 4), (20, 1, 3, 3), (1001,)]
@@ -90,7 +90,7 @@ def test_unknown_name_is_a_clear_error():
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8])
 def test_ring_schedule_moves_2_k_minus_1_over_k_of_the_data_per_link(k):
-    from manual_dp.collectives import ring_schedule
+    from manual_dp.fast.collectives import ring_schedule
     steps = ring_schedule(k)
     assert len(steps) == 2 * (k - 1)
     links = {}
@@ -105,7 +105,7 @@ def test_ring_schedule_moves_2_k_minus_1_over_k_of_the_data_per_link(k):
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
 def test_tree_schedule_has_log_rounds_and_reaches_everyone(k):
-    from manual_dp.collectives import tree_schedule
+    from manual_dp.fast.collectives import tree_schedule
     rounds = tree_schedule(k)
     assert len(rounds) == 2 * int(np.ceil(np.log2(k)))
     holders = {0}

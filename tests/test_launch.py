@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jobs import Job, run_job
-from manual_dp import launch
+from manual_dp.multiprocess import launcher as launch
 
 # A stand-in for a training command: prints its role, then behaves as the test asks by role.
 STAND_IN = """

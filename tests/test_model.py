@@ -4,7 +4,7 @@ from mxnet import gluon, nd
 
 from manual_dp import cross_entropy, init_lenet_params, lenet
 from manual_dp.bench.train import gluon_lenet
-from manual_dp.model import LENET_SHAPES
+from manual_dp.lesson import LENET_SHAPES
 
 
 def load_into_gluon(net, params):

@@ -6,12 +6,12 @@ from mxnet import autograd, nd
 
 from conftest import assert_on, synthetic
 from manual_dp import DataParallel, cross_entropy, get_params, init_lenet_params, lenet
-from manual_dp.accum import GradAccum
+from manual_dp.strategies.accum import GradAccum
 from manual_dp.memory import per_context, stage_activation_elems
-from manual_dp.model import LENET_SHAPES, conv_block
+from manual_dp.lesson import LENET_SHAPES, conv_block
 from manual_dp.optim import apply_update, init_states
-from manual_dp.pipeline import PipelineParallel, cut
-from manual_dp.stages import (STAGE_SLICES, bubble_fraction, conv_stage, dense_stage,
+from manual_dp.strategies.pipeline import PipelineParallel, cut
+from manual_dp.strategies.stages import (STAGE_SLICES, bubble_fraction, conv_stage, dense_stage,
                               gpipe_schedule, split_params)
 
 
@@ -185,7 +185,7 @@ def test_model_mode_is_bitwise_the_one_device_step():
 
 @pytest.mark.parametrize("name", ["ring", "tree", "reduce_bcast", "kvstore"])
 def test_hybrid_with_any_allreduce_equals_one_device(name):
-    from manual_dp.collectives import make_allreduce
+    from manual_dp.fast.collectives import make_allreduce
     ref = DataParallel(init_lenet_params(seed=2), [mx.cpu(0)], "momentum")
     model = PipelineParallel(init_lenet_params(seed=2), cpus(6), "momentum", 2, allreduce_fn=make_allreduce(name))
     for step in range(2):

@@ -6,10 +6,11 @@ from mxnet import nd
 
 from conftest import assert_on, synthetic
 from manual_dp import DataParallel, init_lenet_params
-from manual_dp.accum import GradAccum, SyncPhases
-from manual_dp.async_dp import AsyncDataParallel
+from manual_dp.strategies.accum import GradAccum
+from manual_dp.strategies.base import Strategy
+from manual_dp.strategies.async_dp import AsyncDataParallel
 from manual_dp.schedule import Warmup, lr_at, make_lr, scaled_lr, updates_per_epoch
-from manual_dp.train import run_epoch, train
+from manual_dp.loop import fit, run_epoch
 
 
 def batch(n, seed=0):
@@ -45,16 +46,18 @@ def test_updates_per_epoch(n, b, accum, want):
     assert updates_per_epoch(n, b, accum) == want
 
 
-class Recorder:
+class Recorder(Strategy):
     """A strategy that records the rate it is given and counts updates like the real ones."""
 
     def __init__(self):
         self.ctx, self.t, self.rates = [mx.cpu(0)], 0, []
 
-    def step(self, X, y, lr):
+    def backward(self, X, y):
+        return [(nd.array([0.0]), nd.array([0.0]))]
+
+    def update(self, lr, n_examples):
         self.rates.append(lr)
         self.t += 1
-        return [(nd.array([0.0]), nd.array([0.0]))]
 
     def correct(self, X, y):
         return nd.array([0.0])
@@ -64,17 +67,18 @@ def test_the_loop_asks_the_schedule_once_per_update():
     X, y = batch(50)
     model = Recorder()
     schedule = Warmup(peak=1.0, steps=8)
-    for _ in train(model, (X, y), (X[:4], y[:4]), 2, 10, schedule, np.random.default_rng(0)):
+    for _ in fit(model, (X, y), (X[:4], y[:4]), 2, 10, schedule, np.random.default_rng(0)):
         pass
     assert model.rates == pytest.approx([schedule(t) for t in range(10)])
     run_epoch(model, X, y, 10, 0.5, None)
     assert model.rates[-5:] == [0.5] * 5
 
 
+@pytest.mark.parametrize("lesson", [True, False], ids=["lesson_step", "fast_step"])
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
-def test_sync_grad_accum_equals_one_big_batch(ctx, optimizer):
-    big = DataParallel(init_lenet_params(seed=1), ctx, optimizer)
-    acc = GradAccum(SyncPhases(init_lenet_params(seed=1), ctx, optimizer), 3)
+def test_sync_grad_accum_equals_one_big_batch(ctx, optimizer, lesson):
+    big = DataParallel(init_lenet_params(seed=1), ctx, optimizer, lesson=True)
+    acc = GradAccum(DataParallel(init_lenet_params(seed=1), ctx, optimizer, lesson=lesson), 3)
     for step in range(2):
         parts = [batch(n, seed=10 * step + i) for i, n in enumerate((9, 8, 7))]
         big.step(np.concatenate([X for X, _ in parts]), np.concatenate([y for _, y in parts]), 0.02)
@@ -104,10 +108,10 @@ def test_async_grad_accum_equals_one_big_batch():
 
 
 def test_end_epoch_applies_a_short_window():
-    acc = GradAccum(SyncPhases(init_lenet_params(seed=1), [mx.cpu(0)], "sgd"), 4)
-    ref = DataParallel(init_lenet_params(seed=1), [mx.cpu(0)], "sgd")
+    acc = GradAccum(DataParallel(init_lenet_params(seed=1), [mx.cpu(0)], "sgd"), 4)
+    ref = DataParallel(init_lenet_params(seed=1), [mx.cpu(0)], "sgd", lesson=True)
     X, y = batch(20)
-    for _ in train(acc, (X, y), (X, y), 1, 8, 0.1, None):   # batches 8, 8, 4: one short window
+    for _ in fit(acc, (X, y), (X, y), 1, 8, 0.1, None):   # batches 8, 8, 4: one short window
         pass
     ref.step(X, y, 0.1)
     assert acc.t == 1 and acc.batches == 0

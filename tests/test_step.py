@@ -30,10 +30,11 @@ def test_k_context_step_equals_one_context_step_on_full_batch(ctx, n):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("lesson", [True, False], ids=["lesson_step", "fast_step"])
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
-def test_replicas_stay_identical_and_match_single_context(ctx, optimizer):
-    one = DataParallel(init_lenet_params(seed=1), [mx.cpu(0)], optimizer)
-    many = DataParallel(init_lenet_params(seed=1), ctx, optimizer)
+def test_replicas_stay_identical_and_match_single_context(ctx, optimizer, lesson):
+    one = DataParallel(init_lenet_params(seed=1), [mx.cpu(0)], optimizer, lesson=True)
+    many = DataParallel(init_lenet_params(seed=1), ctx, optimizer, lesson=lesson)
     for step in range(3):
         X, y = batch(10, seed=step)
         loss_one = sum(l.asscalar() for l, _ in one.step(X, y, 0.05))

@@ -8,8 +8,8 @@ import mxnet as mx
 import numpy as np
 from mxnet import nd
 
-from ..collectives import ALLREDUCE_ALGORITHMS, make_allreduce
-from ..model import LENET_SHAPES
+from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
+from ..lesson import LENET_SHAPES
 
 LENET_SIZES = [int(np.prod(shape)) for _, shape in LENET_SHAPES]   # 129,068 floats, 516 KB
 

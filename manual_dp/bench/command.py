@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import OneLineParser, UsageError
-from ..runtime import thread_env, usable_cores
+from ..cli.options import OneLineParser
+from ..errors import UsageError
+from ..fast.runtime import thread_env, usable_cores
 
 KB, MB = 1024, 1024 * 1024
 PLANS = {

@@ -9,9 +9,9 @@ import mxnet as mx
 import numpy as np
 from mxnet import nd, profiler
 
-from ..collectives import make_allreduce
-from ..model import init_lenet_params
-from ..step import DataParallel
+from ..fast.collectives import make_allreduce
+from ..lesson import init_lenet_params
+from ..strategies.data_parallel import DataParallel
 
 
 def busy_intervals(trace, pid):

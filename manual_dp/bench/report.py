@@ -24,7 +24,7 @@ def add_efficiency(records):
 def ratio(name, devices, value, target, higher_is_better=True, **extra):
     met = value >= target if higher_is_better else value <= target
     return dict({"bench": "summary", "impl": name, "devices": devices, "ratio": value,
-                 "target": target, "met": bool(met)}, **extra)
+                 "target": target, "higher_is_better": higher_is_better, "met": bool(met)}, **extra)
 
 
 def targets(records):
@@ -95,7 +95,7 @@ def report(records):
     for s in summary:
         floor = f"; memory floor {s['floor']:.2f}" if "floor" in s else ""
         print(f"  {s['impl']}, {s['devices']} dev: {s['ratio']:.2f} (target "
-              f"{'>=' if s['target'] != 3.0 else '<='} {s['target']}{floor}) {'met' if s['met'] else 'NOT met'}")
+              f"{'>=' if s['higher_is_better'] else '<='} {s['target']}{floor}) {'met' if s['met'] else 'NOT met'}")
     errors = [r for r in records if "error" in r]
     for r in errors:
         print(f"  failed: {r['bench']} {r['impl']} {r['devices']}: {r['error']}")

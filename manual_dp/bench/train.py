@@ -15,17 +15,17 @@ import numpy as np
 from mxnet import autograd, gluon, nd
 from mxnet.gluon import nn
 
-from ..collectives import make_allreduce
-from ..model import cross_entropy, init_lenet_params, lenet
-from ..parallel import allreduce, get_params
-from ..step import DataParallel
-from ..train import run_epoch
+from ..fast.collectives import make_allreduce
+from ..lesson import allreduce, cross_entropy, get_params, init_lenet_params, lenet, sgd
+from ..strategies.data_parallel import DataParallel
+from ..loop import run_epoch
 
 
-# --- the lesson, as written (d2l, "Multiple GPUs from scratch"); allreduce and get_params are
-# --- ours, identical to the lesson's; its network uses nd.relu where manual_dp's uses Activation.
+# --- the lesson, as written (d2l, "Multiple GPUs from scratch"); allreduce, get_params and sgd
+# --- are manual_dp.lesson's, identical to the lesson's; its network uses nd.relu where
+# --- manual_dp's uses Activation, and nd.dot where manual_dp's uses FullyConnected.
 def lesson_lenet(X, params):
-    """The lesson's lenet: manual_dp.model.lenet with nd.relu."""
+    """The lesson's lenet as d2l writes it."""
     W1, b1, W2, b2, W3, b3, W4, b4 = params
     h1 = nd.relu(nd.Convolution(data=X, weight=W1, bias=b1, kernel=(3, 3), num_filter=20))
     h1 = nd.Pooling(data=h1, pool_type="avg", kernel=(2, 2), stride=(2, 2))
@@ -33,12 +33,6 @@ def lesson_lenet(X, params):
     h2 = nd.Pooling(data=h2, pool_type="avg", kernel=(2, 2), stride=(2, 2))
     h3 = nd.relu(nd.dot(h2.reshape((0, -1)), W3) + b3)
     return nd.dot(h3, W4) + b4
-
-
-def sgd(params, lr, batch_size):
-    """d2l.sgd."""
-    for param in params:
-        param[:] = param - lr * param.grad / batch_size
 
 
 def lesson_train_batch(X, y, device_params, devices, lr, loss):

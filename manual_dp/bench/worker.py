@@ -47,7 +47,7 @@ def run(spec):
     X, y = training_data(spec)
     if spec["impl"].startswith("torch"):
         from . import peer_torch
-        from ..model import init_lenet_params
+        from ..lesson import init_lenet_params
         params = [p.asnumpy() for p in init_lenet_params(spec.get("seed", 0))]
         go = peer_torch.ddp if spec["impl"] == "torch-ddp" else peer_torch.single_process
         times, final = go(params, X, y, spec)

@@ -1,7 +1,11 @@
-"""Batches prepared ahead of the devices: a background thread gathers the next shuffled batches
-(numpy's fancy indexing releases the GIL) while the main thread feeds MXNet."""
+"""How batches reach the devices: a background thread gathers the next shuffled batches (numpy's
+fancy indexing releases the GIL) while the main thread feeds MXNet, which takes each batch over
+without waiting (host)."""
 import queue
 import threading
+
+import numpy as np
+from mxnet import nd
 
 _DONE = object()
 
@@ -47,3 +51,16 @@ def prefetch(iterable, depth=2):
             yield item
     finally:
         stop.set()
+
+
+def host(a):
+    """A numpy batch as an NDArray, without waiting for the devices.
+
+    nd.array copies synchronously, and that copy first waits until cpu(0)'s queue has run dry:
+    the host would stall on the devices every batch. Here numpy copies the batch into a private
+    buffer (the caller may reuse its own at once) that MXNet then takes over without a copy;
+    the copies from it to the devices are queued like any other operation.
+    """
+    if not isinstance(a, np.ndarray):
+        return a
+    return nd.from_numpy(np.array(a, order="C", copy=True), zero_copy=True)

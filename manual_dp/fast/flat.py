@@ -30,7 +30,7 @@ def flatten(arrays, ctx):
 class FlatReplica:
     """One device's parameters and gradients as views of two flat buffers, `flat` and `grad`.
 
-    `params` are the views the forward pass reads; backward writes each parameter's gradient
+    `params` are the views the forward pass reads; backward adds each parameter's gradient
     into its slice of `grad`, which is also `flat`'s gradient (for a single fused update).
     """
 
@@ -39,8 +39,8 @@ class FlatReplica:
         self.flat = flatten(params, ctx)                  # (N,)
         self.grad = nd.zeros(self.flat.shape, ctx=ctx, dtype=self.flat.dtype)
         self.params = views(self.flat, self.shapes)
-        autograd.mark_variables(self.params, views(self.grad, self.shapes))
-        autograd.mark_variables([self.flat], [self.grad])
+        autograd.mark_variables(self.params, views(self.grad, self.shapes), grad_reqs="add")
+        autograd.mark_variables([self.flat], [self.grad], grad_reqs="add")
 
     def state_views(self, flat_states):
         """Per parameter, the views of the flat optimiser state arrays (each shaped like `flat`)."""

@@ -5,8 +5,7 @@ Run under horovodrun, which starts the processes and ends the job when one of th
 """
 import itertools
 
-from .cli import UsageError
-from .distributed import TwoLevelDataParallel
+from ..errors import UsageError
 from .world import Cluster
 
 INSTALL = ("HOROVOD_WITH_MXNET=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
@@ -25,13 +24,13 @@ def import_horovod():
 
 
 class HorovodWorld(Cluster):
-    backend, strategy = "horovod", TwoLevelDataParallel
+    backend = "horovod"
     how = ("gradients summed by hand over each process's contexts, then by Horovod across "
-           "processes (one fused allreduce per step)")
+           "processes (one call per all-reduce of the strategy: one a step when fused)")
 
-    def __init__(self, timeout):
+    def __init__(self, timeout, on_timeout):
         self.hvd = import_horovod()
-        super().__init__(timeout)
+        super().__init__(timeout, on_timeout)
         try:
             self.hvd.init()                           # waits for every process of the job
         except Exception:
@@ -49,9 +48,6 @@ class HorovodWorld(Cluster):
 
     def allreduce(self, array, key):
         self.hvd.allreduce_(array, op=self.hvd.Sum, name=self.name(key))
-
-    def broadcast(self, array):
-        self.hvd.broadcast_(array, root_rank=0, name=self.name("broadcast"))
 
     def broadcast_object(self, obj):
         return self.hvd.broadcast_object(obj, root_rank=0, name=self.name("object"))

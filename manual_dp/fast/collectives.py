@@ -1,7 +1,7 @@
 """All-reduce algorithms, all with the lesson's contract: a list of replicas of one array, one per
 context; afterwards every replica holds the elementwise sum of all of them, on its own context.
 
-    lesson          manual_dp.parallel.allreduce: add each replica into the first, copy back (reference)
+    lesson          manual_dp.lesson.allreduce: add each replica into the first, copy back (reference)
     reduce_bcast    the same picture, with one add_n on the first context instead of k-1 adds
     ring            reduce-scatter then all-gather over k chunks: each link carries 2(k-1)/k of the data
     tree            pairwise sums up a binary tree in log2(k) rounds, then copies back down it
@@ -19,7 +19,7 @@ a CPU-to-CPU copy runs on the worker of the context it copies from.
 import mxnet as mx
 from mxnet import nd
 
-from .parallel import allreduce as lesson_allreduce
+from ..lesson import allreduce as lesson_allreduce
 
 
 def chunk_bounds(n, k):

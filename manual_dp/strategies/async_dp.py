@@ -10,11 +10,12 @@ every replica is refreshed after every update, so this is exactly the synchronou
 """
 from mxnet import nd
 
-from .checkpoint import CheckpointError
-from .optim import apply_update, init_states
-from .model import lenet
-from .parallel import get_params, shard_sizes, split_and_load
-from .step import forward_backward, n_correct
+from ..config import RunConfig
+from ..errors import CheckpointError
+from ..lesson import forward_backward, get_params, lenet, n_correct, shard_sizes, split_and_load
+from ..optim import apply_update_and_clear, init_states
+from .base import Strategy
+from .data_parallel import host_state, load_into
 
 
 def refresh_due(k, t, staleness):
@@ -27,10 +28,10 @@ def last_refresh(k, t, staleness):
     return max(t - (t + k) % (staleness + 1), 0)
 
 
-class AsyncDataParallel:
+class AsyncDataParallel(Strategy):
     """A master copy on ctx[0]; a replica per context, up to `staleness` updates behind it."""
 
-    def __init__(self, params, ctx, optimizer="sgd", staleness=0):
+    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, staleness=0):
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         self.ctx, self.optimizer, self.staleness = list(ctx), optimizer, staleness
@@ -55,9 +56,7 @@ class AsyncDataParallel:
     def update(self, lr, n_examples):
         """The master applies the pushed gradients; the devices whose turn it is pull the result."""
         self.t += 1
-        apply_update(self.master, self.master_states, self.optimizer, lr, self.t, n_examples)
-        for p in self.master:
-            p.grad[:] = 0
+        apply_update_and_clear(self.master, self.master_states, self.optimizer, lr, self.t, n_examples)
         for k, W in enumerate(self.replicas):
             if refresh_due(k, self.t, self.staleness):
                 self.pull(k)
@@ -66,11 +65,6 @@ class AsyncDataParallel:
         for p, q in zip(self.master, self.replicas[k]):
             p.copyto(q)
         self.versions[k] = self.t
-
-    def step(self, X, y, lr):
-        metrics = self.backward(X, y)
-        self.update(lr, X.shape[0])
-        return metrics
 
     def end_epoch(self, lr):
         """The staleness the epoch's gradients actually had (in updates), then forget it."""
@@ -95,24 +89,23 @@ class AsyncDataParallel:
         return {"param": params, "state": [p.grad for p in params] + states}
 
     def state_dict(self):
-        """The master's parameters; each one's optimiser state followed by every replica's copy of it
-        (the stale copies are part of the algorithm's state: resuming without them changes the run)."""
-        opt = [[s.asnumpy() for s in st] + [W[i].asnumpy() for W in self.replicas]
-               for i, st in enumerate(self.master_states)]
-        return {"params": [p.asnumpy() for p in self.master], "opt_state": opt, "t": self.t}
+        """The master's parameters and optimiser state, and every replica's (possibly stale) copy of
+        the parameters: part of the algorithm's state, resuming without them changes the run."""
+        return host_state(self.master, self.master_states, self.t,
+                          replicas=[p.asnumpy() for W in self.replicas for p in W])
 
     def load_state_dict(self, state):
-        n_opt = len(self.master_states[0])
-        if len(state["opt_state"][0]) != n_opt + len(self.replicas):
-            raise CheckpointError(f"the checkpoint holds async state for "
-                                  f"{len(state['opt_state'][0]) - n_opt} devices, this run has "
-                                  f"{len(self.replicas)}")
-        for i, (p, value) in enumerate(zip(self.master, state["params"])):
-            p[:] = nd.array(value, ctx=p.context)
-            values = state["opt_state"][i]
-            for s, v in zip(self.master_states[i], values[:n_opt]):
-                s[:] = nd.array(v, ctx=s.context)
-            for W, v in zip(self.replicas, values[n_opt:]):
-                W[i][:] = nd.array(v, ctx=W[i].context)
+        load_into(self.master, self.master_states, state)
         self.t = state["t"]
         self.versions = [last_refresh(k, self.t, self.staleness) for k in range(len(self.ctx))]
+        saved = state.get("extra", {}).get("replicas")
+        if saved is None and self.staleness == 0:  # another strategy's: fresh replicas are exact
+            saved = [p for _ in self.replicas for p in state["params"]]
+        if saved is None:
+            raise CheckpointError("the checkpoint holds no async replicas (it is another mode's)")
+        n = len(self.master)
+        if len(saved) != n * len(self.replicas):
+            raise CheckpointError(f"the checkpoint holds async replicas for {len(saved) // n} devices, "
+                                  f"this run has {len(self.replicas)}")
+        for i, p in enumerate(q for W in self.replicas for q in W):
+            p[:] = nd.array(saved[i], ctx=p.context)

@@ -1,8 +1,8 @@
 """Thread and engine settings the program chooses, put in the environment before MXNet loads.
 
 MXNet, its OpenMP runtime and its OpenBLAS read these once, when the library loads, so the command
-line entries (`python -m manual_dp.train`, `python -m manual_dp.bench`) call `configure` first;
-importing manual_dp does not. A value already in the environment always wins.
+line entries (`python -m manual_dp.train`, `python -m manual_dp.bench`) call `configure` first.
+A value already in the environment always wins.
 
     OMP_NUM_THREADS       cores / CPU contexts: contexts run side by side, each op uses its share
                           (MXNet alone would take half the cores, assuming hyper-threading)
@@ -17,7 +17,8 @@ importing manual_dp does not. A value already in the environment always wins.
                           cpu(1)'s graph holds about once a pass, and cpu(1) idles ~20 ms. 1024
                           makes that rare; a buffer takes memory only once an op uses it (+30 MB).
 """
-import argparse
+import glob
+import importlib.metadata
 import os
 
 
@@ -51,31 +52,18 @@ def thread_env(cpu_contexts, cores=None, flags=None):
     return env
 
 
-def cpu_contexts_in(argv):
-    """How many CPU contexts a training command line asks for (0 for --gpus, 2 when it names none
-    and the machine shows no NVIDIA device: the trainer's own default)."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--cpus", type=int)
-    p.add_argument("--gpus", type=int)
-    args, _ = p.parse_known_args(argv)
-    if args.gpus is not None:
-        return 0
-    if args.cpus is not None:
-        return max(1, args.cpus)
-    return 0 if os.path.exists("/dev/nvidia0") else 2
+def visible_gpus():
+    """How many GPUs MXNet will see, decided without loading it: the NVIDIA devices of this machine
+    if a CUDA build of mxnet (mxnet-cu*) is installed, else none."""
+    cuda = any((d.metadata["Name"] or "").lower().startswith("mxnet-cu")
+               for d in importlib.metadata.distributions())
+    return len(glob.glob("/dev/nvidia[0-9]*")) if cuda else 0
 
 
-def configure(argv, environ=None):
-    """Fill in the settings for the run `argv` describes; returns those that were set here."""
+def configure(cpu_contexts, environ=None):
+    """Fill in the settings for a run on `cpu_contexts` CPU contexts (0: on GPUs); returns those
+    that were set here. Call before MXNet loads: afterwards they have no effect."""
     environ = os.environ if environ is None else environ
-    chosen = {k: v for k, v in thread_env(cpu_contexts_in(argv)).items() if k not in environ}
+    chosen = {k: v for k, v in thread_env(cpu_contexts).items() if k not in environ}
     environ.update(chosen)
     return chosen
-
-
-def train_entry():
-    """The `manual-dp-train` console script: settings first, then MXNet and the CLI."""
-    import sys
-    configure(sys.argv[1:])
-    from .train import main
-    main()

@@ -2,11 +2,13 @@
 import numpy as np
 from mxnet import autograd, nd
 
-from .model import cross_entropy
-from .optim import apply_update_and_clear, init_states
-from .parallel import allreduce, shard_sizes, split_and_load
+from ..config import FAST_STEP, RunConfig
+from ..fast.collectives import make_allreduce
+from ..lesson import cross_entropy, n_correct, shard_sizes, split_and_load
+from ..optim import apply_update_and_clear, init_states
+from .base import Strategy
+from .data_parallel import host_state, load_into
 from .stages import STAGES, bubble_fraction, gpipe_schedule, send, split_params
-from .step import load_into, n_correct
 
 
 def stage_params(params, ctx):
@@ -53,7 +55,7 @@ def run_schedule(Xs, ys, params, ctx):
     return nd.add_n(*[l for l, _ in metrics]), nd.add_n(*[c for _, c in metrics])
 
 
-class PipelineParallel:
+class PipelineParallel(Strategy):
     """len(ctx) // 2 data-parallel replicas of a two-stage LeNet; replica r's stage s on ctx[2r + s].
 
     Two contexts and micro_batches=1: model parallelism. More micro-batches: a GPipe pipeline.
@@ -61,11 +63,12 @@ class PipelineParallel:
     Every variant takes the same step as one device on the whole batch.
     """
 
-    def __init__(self, params, ctx, optimizer="sgd", micro_batches=1, allreduce_fn=allreduce):
+    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, micro_batches=1, allreduce_fn=None):
         n = len(STAGES)
         if len(ctx) < n or len(ctx) % n:
             raise ValueError(f"{len(ctx)} contexts cannot be cut into {n}-stage pipelines")
-        self.ctx, self.optimizer, self.allreduce_fn = list(ctx), optimizer, allreduce_fn
+        self.ctx, self.optimizer = list(ctx), optimizer
+        self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.micro_batches = micro_batches
         self.grid = [self.ctx[r:r + n] for r in range(0, len(ctx), n)]   # grid[replica][stage]
         self.params = [[stage_params(P, c) for P, c in zip(split_params(params), row)]
@@ -93,11 +96,6 @@ class PipelineParallel:
         for row, row_states in zip(self.params, self.states):
             for P, S in zip(row, row_states):
                 apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
-
-    def step(self, X, y, lr):
-        metrics = self.backward(X, y)
-        self.update(lr, X.shape[0])
-        return metrics
 
     def end_epoch(self, lr):
         """The mean bubble fraction of the epoch's schedules (idle share of stage time)."""
@@ -131,11 +129,14 @@ class PipelineParallel:
         state = [s for row in self.states for S in row for st in S for s in st]
         return {"param": params, "state": [p.grad for p in params] + state}
 
+    @property
+    def min_batch(self):
+        return len(self.grid)
+
     def state_dict(self):
-        """Host copies of replica 0's parameters and optimiser state, in lenet's order."""
-        return {"params": [p.asnumpy() for P in self.params[0] for p in P],
-                "opt_state": [[s.asnumpy() for s in st] for S in self.states[0] for st in S],
-                "t": self.t}
+        """Replica 0's parameters and optimiser state, in lenet's order."""
+        return host_state([p for P in self.params[0] for p in P], [st for S in self.states[0] for st in S],
+                          self.t)
 
     def load_state_dict(self, state):
         for row, row_states in zip(self.params, self.states):

@@ -8,7 +8,7 @@ memory planned once (static_alloc) and the backward ops pushed to the engine in 
 import mxnet as mx
 from mxnet import nd
 
-from .model import LENET_SHAPES, cross_entropy, lenet
+from ..lesson import LENET_SHAPES, cross_entropy, lenet
 
 FLAGS = [("static_alloc", "true"), ("static_shape", "true")]
 

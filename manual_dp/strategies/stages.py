@@ -1,5 +1,5 @@
 """LeNet cut in two for model parallelism, the boundary copy, and GPipe's clock schedule."""
-from .model import conv_block, dense, relu
+from ..lesson import conv_block, dense, relu
 
 # Which of lenet's 8 parameters each stage owns: [W1, b1, W2, b2] | [W3, b3, W4, b4].
 STAGE_SLICES = [slice(0, 4), slice(4, 8)]

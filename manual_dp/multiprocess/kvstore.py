@@ -15,54 +15,73 @@ import itertools
 import os
 import pickle
 
+import mxnet as mx
 import numpy as np
 from mxnet import nd
 
-from .cli import UsageError
-from .distributed import TwoLevelDataParallel, flatten, unflatten
+from ..errors import UsageError
+from ..strategies.base import Strategy
+from .distributed import flatten, rank_rows, unflatten
 from .ps_server import AddDelta
-from .step import DataParallel
 from .world import Cluster
 
 
-class AsyncDataParallel(TwoLevelDataParallel):
-    """Asynchronous SGD on a parameter server: each process updates with its own rows' gradient
-    and state, pushes the change to the servers and pulls their current parameters."""
+class PushPull(Strategy):
+    """Asynchronous SGD on a parameter server around a DataParallel `model` (whose all-reduce stays
+    inside this process): each process steps on its own rows with its own optimiser state, pushes
+    the change of the parameters to the servers and pulls whatever they hold now."""
 
-    def sync(self):
-        """Rank 0's parameters go to the servers (a fresh key), its optimiser state to everyone."""
-        self.key = self.world.new_key("params")
-        params, states = flatten(self.replicas[0]), flatten(self.tensors(0))
-        self.world.kv.init(self.key, params)          # rank 0's value; every worker waits
-        self.world.kv.pull(self.key, out=params)
-        self.world.broadcast(states)
-        for i in range(len(self.ctx)):
-            unflatten(states, self.tensors(i))
-        self.in_sync = True
+    def __init__(self, model, world):
+        self.model, self.world, self.ctx = model, world, model.ctx
+        self.key, self.rows_seen = None, 0
 
-    def step(self, X, y, lr):
-        self.t += 1
-        flats = self.local_step(X, y)
-        start, stop = self.rows(len(X))
-        W = self.replicas[0]
-        unflatten(flats[0], self.grads(0))
-        before = flatten(W)
-        self.update(0, lr, stop - start)
-        self.world.kv.push(self.key, flatten(W) - before)
-        self.world.kv.pull(self.key, out=before)      # everyone's changes so far
-        for replica in self.replicas:
+    @property
+    def t(self):
+        return self.model.t
+
+    @property
+    def min_batch(self):
+        return self.world.size * self.model.min_batch
+
+    def backward(self, X, y):
+        """This process's rows; the metrics scaled to the whole batch (no waiting for the others)."""
+        self.world.progress()
+        start, stop = rank_rows(len(X), self.world.rank, self.world.size, self.model.min_batch)
+        self.rows_seen += stop - start
+        metrics = self.model.backward(X[start:stop], y[start:stop])
+        return [(loss * (len(X) / (stop - start)), correct * (len(X) / (stop - start)))
+                for loss, correct in metrics]
+
+    def update(self, lr, n_examples):
+        """A step on this process's own rows, its change pushed; everyone's changes so far pulled."""
+        if self.key is None:                          # rank 0's parameters go to the servers
+            self.key = self.world.new_key("params")
+            self.world.kv.init(self.key, flatten(self.model.replicas[0]))
+        before = flatten(self.model.replicas[0])
+        self.model.update(lr, self.rows_seen)
+        self.rows_seen = 0
+        self.world.kv.push(self.key, flatten(self.model.replicas[0]) - before)
+        self.world.kv.pull(self.key, out=before)
+        for replica in self.model.replicas:
             unflatten(before, replica)
-        # The log shows this process's rows, scaled to the whole batch (no waiting for the others).
-        k, scale = len(self.ctx), len(X) / (stop - start)
-        mine = range(self.world.rank * k, (self.world.rank + 1) * k)
-        return [(loss * scale, correct * scale) for loss, correct in self.metrics(flats[0], mine)]
 
     def correct(self, X, y):
         """Every process evaluates all of (X, y) on the parameters it pulled last."""
-        if not self.in_sync:
-            self.sync()
         self.world.progress()
-        return DataParallel.correct(self, X, y)
+        return self.model.correct(X, y)
+
+    def layout(self, batch_size):
+        return self.model.layout(batch_size // self.world.size)
+
+    def arrays(self):
+        return self.model.arrays()
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state)
+        self.key = None                               # the servers take the loaded parameters
 
 
 def require_launcher(backend):
@@ -73,11 +92,10 @@ def require_launcher(backend):
 
 
 class KVStoreWorld(Cluster):
-    def __init__(self, backend, timeout):
+    def __init__(self, backend, timeout, on_timeout):
         require_launcher(backend)
         self.backend = backend
-        super().__init__(timeout)
-        import mxnet as mx
+        super().__init__(timeout, on_timeout)
         try:
             self.kv = mx.kv.create(backend)           # waits until every node has registered
         except Exception:
@@ -85,7 +103,6 @@ class KVStoreWorld(Cluster):
             raise
         self.rank, self.size = self.kv.rank, self.kv.num_workers
         self.local_rank = int(os.environ.get("MANUAL_DP_LOCAL_RANK", "0"))
-        self.strategy = AsyncDataParallel if backend == "dist_async" else TwoLevelDataParallel
         servers = os.environ.get("DMLC_NUM_SERVER", "?")
         if backend == "dist_async":
             self.kv.set_optimizer(AddDelta())
@@ -94,26 +111,33 @@ class KVStoreWorld(Cluster):
         else:
             self.how = (f"gradients summed by hand over each process's contexts, then by "
                         f"{servers} parameter server(s) across processes (push, pull)")
-        self.keys, self.counter = set(), itertools.count()
+        self.pulled, self.counter = {}, itertools.count()
         self.progress()
 
     def new_key(self, what):
         """A key no one used yet; every worker asks for keys in the same order."""
         return f"{what}.{next(self.counter)}"
 
+    def reducer(self, allreduce_fn):
+        """dist_async sums nothing across processes: the servers add parameter changes instead."""
+        return allreduce_fn if self.backend == "dist_async" else super().reducer(allreduce_fn)
+
+    def wrap(self, model):
+        return PushPull(model, self) if self.backend == "dist_async" else super().wrap(model)
+
     def allreduce(self, array, key):
+        """Push, the servers sum every worker's push, pull. The servers count pushes, not workers,
+        so a worker's next push of a key must wait until its last round on it has ended: until its
+        previous pull of that key has arrived (for gradients it long has)."""
         if self.backend == "dist_async":
             raise RuntimeError("dist_async servers add pushes into parameters; no allreduce")
-        if key not in self.keys:
+        if key in self.pulled:
+            self.pulled[key].wait_to_read()
+        else:
             self.kv.init(key, nd.zeros(array.shape, ctx=array.context, dtype=array.dtype))
-            self.keys.add(key)
-        self.kv.push(key, array)                      # the servers wait for every worker's push,
-        self.kv.pull(key, out=array)                  # store the sum, and hand it back
-        if key != "grads":
-            # The servers count pushes, not workers: a second push of this worker must not reach
-            # them before the round ends. Gradients need no wait: the next step's push depends
-            # on this pull through the update.
-            array.wait_to_read()
+        self.kv.push(key, array)
+        self.kv.pull(key, out=array)
+        self.pulled[key] = array
 
     def broadcast(self, array):
         key = self.new_key("broadcast")

@@ -1,0 +1,62 @@
+"""The command line's flags, built from manual_dp.config.RunConfig: one flag per field, its default
+and help from the field. Parsing needs no MXNet (the thread settings must be chosen first)."""
+import argparse
+import typing
+
+from ..config import RunConfig, check, fields, resolve
+from ..errors import UsageError
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default only where it has one worth showing."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Reports bad input as a UsageError (one line, exit 2) instead of printing usage."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def base_type(t):
+    """int for int and Optional[int]; likewise float, str, bool."""
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if args else t
+
+
+def add_flag(group, f):
+    """The argparse argument of RunConfig field `f`: --name, its type, default and help."""
+    name, kind = "--" + f.name.replace("_", "-"), base_type(f.type)
+    if kind is bool:   # off by default: --name; decided by the mode: --name / --no-name
+        action = "store_true" if f.default is False else argparse.BooleanOptionalAction
+        group.add_argument(name, action=action, default=f.default, help=f.metadata["help"])
+    else:
+        group.add_argument(name, type=kind, default=f.default, help=f.metadata["help"],
+                           **f.metadata["argparse"])
+
+
+def build_parser(prog="python -m manual_dp.train"):
+    p = OneLineParser(prog=prog, description="Train LeNet on Fashion-MNIST with hand-written parallelism.",
+                      formatter_class=HelpFormatter)
+    groups, devices = {}, p.add_mutually_exclusive_group()
+    for f in fields():
+        group = f.metadata["group"]
+        if group == "devices":
+            add_flag(devices, f)
+            continue
+        if group not in groups:
+            groups[group] = p if group == "training" else p.add_argument_group(group)
+        add_flag(groups[group], f)
+    return p
+
+
+def parse(argv=None):
+    """A checked RunConfig from the command line `argv` (default sys.argv[1:]); UsageError if bad."""
+    cfg = RunConfig(**vars(build_parser().parse_args(argv)))
+    check(cfg)
+    return resolve(cfg)

@@ -1,0 +1,143 @@
+"""One training run from a RunConfig: devices, data, strategy, resume, then an epoch at a time with
+a checkpoint, a log record and one printed line after each. Rank 0 alone prints and writes."""
+import os
+import sys
+from pathlib import Path
+
+import mxnet as mx
+import numpy as np
+
+from .. import checkpoint, config, memory
+from ..data import load_fashion_mnist
+from ..errors import CheckpointError, DataError, DistributedError, UsageError
+from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
+from ..lesson import init_lenet_params
+from ..loop import fit
+from ..multiprocess.connect import connect
+from ..schedule import make_lr, updates_per_epoch
+from ..strategies.accum import GradAccum
+from ..strategies.async_dp import AsyncDataParallel
+from ..strategies.data_parallel import DataParallel
+from ..strategies.pipeline import PipelineParallel
+from .output import Progress, describe, fail, format_record, write_log
+
+
+def contexts(cfg, world):
+    """This process's contexts: --cpus N as given; --gpus N this process's group of N GPUs of its
+    machine (by default every GPU, or one per process in a multi-process job)."""
+    kind, n = config.device_request(cfg)
+    if kind == "cpu":
+        return [mx.cpu(i) for i in range(n)]
+    n = 1 if world.size > 1 and cfg.gpus is None else n
+    found, first = mx.context.num_gpus(), world.local_rank * n
+    if first + n > found:
+        where = f"process {world.local_rank} of this machine needs gpu({first})..gpu({first + n - 1})" \
+            if world.size > 1 else f"asked for {n} GPU(s)"
+        raise UsageError(f"{where} but found {found}; use --cpus N to train on CPU contexts instead")
+    return [mx.gpu(first + i) for i in range(n)]
+
+
+def build_model(cfg, params, ctx, world):
+    """The strategy of cfg.mode on `ctx`, composed with the world (the cross-process sum and this
+    process's rows) and with gradient accumulation."""
+    name = cfg.allreduce or config.FAST_STEP["allreduce"]  # model, pipeline: one replica, nothing to sum here
+    if name not in ALLREDUCE_ALGORITHMS:
+        raise UsageError(f"--allreduce {name}: choose from {', '.join(ALLREDUCE_ALGORITHMS)}")
+    reduce = world.reducer(make_allreduce(name))
+    if cfg.mode == "sync":
+        model = DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph)
+    elif cfg.mode == "async":
+        model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
+    else:
+        model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce)
+    model = world.wrap(model)
+    return GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
+
+
+def learning_rate(cfg, n_train):
+    """--lr scaled by --scale-lr and ramped by --warmup-epochs: a float or a schedule of the update."""
+    return make_lr(cfg.lr, cfg.batch_size * cfg.grad_accum, cfg.scale_lr, cfg.warmup_epochs,
+                   updates_per_epoch(n_train, cfg.batch_size, cfg.grad_accum))
+
+
+def resume_from(cfg, world, model, run_config):
+    """(epoch, history, rng state) to continue from: the checkpoint's, loaded into `model`, or a
+    fresh start. Rank 0 reads the checkpoint; every rank gets it."""
+    saved = world.share(lambda: checkpoint.load(cfg.checkpoint_dir) if cfg.resume and
+                        (Path(cfg.checkpoint_dir) / checkpoint.NAME).is_file() else None)
+    if not saved:
+        if cfg.resume:
+            print(f"no checkpoint in {cfg.checkpoint_dir} yet: starting from epoch 1")
+        return 0, [], None
+    state, meta = saved
+    differ = {k: (meta["config"].get(k), v) for k, v in run_config.items() if meta["config"].get(k) != v}
+    if differ:
+        raise CheckpointError(f"{cfg.checkpoint_dir} holds a run with other settings: " + ", ".join(
+            f"{k} {old!r} there, {new!r} here" for k, (old, new) in differ.items()))
+    model.load_state_dict(state)
+    print(f"resumed from {cfg.checkpoint_dir} after epoch {meta['epoch']}")
+    return meta["epoch"], meta["history"], meta["rng_state"]
+
+
+def run_in(cfg, world):
+    """The run as one process of `world`; returns the history."""
+    ctx = contexts(cfg, world)
+    config.check_layout(cfg, len(ctx), world.size)
+    train_data, test_data = load_fashion_mnist(cfg.data_dir, cfg.train_size, cfg.test_size)
+    model = build_model(cfg, init_lenet_params(cfg.seed, cfg.init_scale), ctx, world)
+    lr = learning_rate(cfg, len(train_data[0]))
+    mem = memory.per_context(model, cfg.batch_size)
+    run_config = {k: getattr(cfg, k) for k in config.RUN_KEYS}
+    start_epoch, history, rng_state = resume_from(cfg, world, model, run_config)
+    rng = np.random.default_rng(cfg.seed)
+    if rng_state is not None:
+        rng.bit_generator.state = rng_state
+    print(f"training on {', '.join(map(str, ctx))}: {len(train_data[0])} train / "
+          f"{len(test_data[0])} test images, batch {cfg.batch_size}, {cfg.optimizer} lr {cfg.lr}")
+    print(f"mode {describe(cfg)}; lr {lr}\nmemory per context: {memory.format_report(mem)}")
+    show = sys.stderr.isatty() and not cfg.no_progress and world.is_root
+    for epoch in range(start_epoch + 1, cfg.epochs + 1):
+        bar = Progress(epoch, cfg.epochs, show)
+        record, = fit(model, train_data, test_data, epoch, cfg.batch_size, lr, rng,
+                      start_epoch=epoch - 1, on_batch=bar)
+        bar.close()
+        history.append(dict(record, mode=cfg.mode, memory=mem))
+        if cfg.checkpoint_dir and world.is_root:
+            checkpoint.save(cfg.checkpoint_dir, model.state_dict(),
+                            {"epoch": epoch, "history": history, "config": run_config,
+                             "rng_state": rng.bit_generator.state})
+        if cfg.log_json and world.is_root:
+            write_log(cfg.log_json, history)
+        print(format_record(record, cfg.epochs), flush=True)
+    if history:
+        total = sum(r["epoch_sec"] for r in history)
+        print(f"done: test acc {history[-1]['test_acc']:.4f} after {len(history)} epochs, "
+              f"{total:.0f} s training, {np.mean([r['images_per_sec'] for r in history]):.0f} img/s")
+    return history
+
+
+def give_up(message):
+    """The watchdog's verdict: one line, then the process ends at once. Its main thread may be
+    waiting inside MXNet's engine for a peer that is gone, where no exception can reach it."""
+    sys.stderr.write(f"manual_dp.train: error: {message}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def run(cfg):
+    """Train as `cfg` says, printing one line per epoch; returns the history. Errors are raised."""
+    with connect(cfg.backend, cfg.timeout, give_up) as world:
+        return run_in(cfg, world)
+
+
+def run_or_exit(cfg):
+    """run(cfg); bad input ends with one line and exit status 2, missing or broken data,
+    checkpoints or peers with 1."""
+    try:
+        return run(cfg)
+    except UsageError as e:
+        sys.exit(fail(e, 2))
+    except (DataError, CheckpointError, DistributedError) as e:
+        sys.exit(fail(e, 1))
+    except KeyboardInterrupt:
+        sys.exit(fail("interrupted", 130))

@@ -1,0 +1,76 @@
+"""The training loop around any strategy: epochs of steps, evaluation, one record per epoch.
+
+fit() neither prints nor writes: it yields records, and the command line (manual_dp.cli) or a
+notebook decides what to show. (It was called `train` before the package took its layers; the
+command `python -m manual_dp.train` is the module manual_dp.train.)
+"""
+import collections
+import time
+
+from mxnet import nd
+
+from .data import batches
+from .fast.prefetch import prefetch
+from .schedule import lr_at
+
+
+def evaluate(model, X, y, batch_size):
+    """Accuracy of `model` on (X, y), every batch sharded over all its contexts."""
+    total = sum(model.correct(nd.array(Xb), nd.array(yb))
+                for Xb, yb in batches(X, y, batch_size))
+    return float(total.asscalar()) / len(X)
+
+
+def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2):
+    """One pass over (X, y) in `rng`'s order; returns (mean loss, accuracy).
+
+    Metrics stay on the devices until the end of the epoch; the host waits only on the batch
+    `lookahead` steps back, so that MXNet's queue stays full but bounded.
+    """
+    totals, seen, pending = None, 0, collections.deque()
+    n_batches = -(-len(X) // batch_size)
+    for i, (Xb, yb) in enumerate(prefetch(batches(X, y, batch_size, rng))):
+        if len(Xb) < model.min_batch:
+            break  # a tail smaller than the device count is dropped, never crashes
+        metrics = model.step(Xb, yb, lr_at(lr, model.t))
+        totals = accumulate(totals, metrics)
+        seen += len(Xb)
+        pending.append(totals[0][0])
+        if len(pending) > lookahead:
+            pending.popleft().wait_to_read()
+        if on_batch:
+            on_batch(i + 1, n_batches)
+    if not seen:
+        return float("nan"), float("nan")
+    totals = model.job_metrics(totals)
+    return (sum(float(l.asscalar()) for l, _ in totals) / seen,
+            sum(float(c.asscalar()) for _, c in totals) / seen)
+
+
+def accumulate(totals, metrics):
+    """Running per-context (loss sum, correct), each added on its own device: no copies per batch."""
+    if totals is not None and len(totals) != len(metrics):  # a strategy whose context count varies
+        home = totals[0][0].context
+        totals, metrics = fold(totals, home), fold(metrics, home)
+    return list(metrics) if totals is None else [(L + l, C + c) for (L, C), (l, c) in zip(totals, metrics)]
+
+
+def fold(pairs, home):
+    """[(sum of losses, sum of corrects)] of per-context pairs, on `home`."""
+    return [tuple(nd.add_n(*[pair[j].copyto(home) for pair in pairs]) for j in (0, 1))]
+
+
+def fit(model, train_data, test_data, epochs, batch_size, lr, rng,
+        start_epoch=0, on_batch=None):
+    """Train for epochs start_epoch+1..epochs, yielding one record per epoch (no printing)."""
+    (Xtr, ytr), (Xte, yte) = train_data, test_data
+    for epoch in range(start_epoch + 1, epochs + 1):
+        start = time.perf_counter()
+        train_loss, train_acc = run_epoch(model, Xtr, ytr, batch_size, lr, rng, on_batch)
+        extras = model.end_epoch(lr_at(lr, model.t))   # e.g. an open accumulation window applied
+        epoch_sec = time.perf_counter() - start
+        test_acc = evaluate(model, Xte, yte, batch_size)
+        yield {"epoch": epoch, "train_loss": train_loss, "train_acc": train_acc,
+               "test_acc": test_acc, "epoch_sec": epoch_sec,
+               "images_per_sec": len(Xtr) / epoch_sec, "devices": [str(c) for c in model.ctx],
+               **extras}

@@ -1,0 +1,119 @@
+"""More than one process: any strategy, composed with a second sum across processes.
+
+Inside a process the strategy's own all-reduce sums the gradients of its contexts; across processes
+an existing engine sums them again (CrossProcessAllreduce). Every process draws the same shuffled
+global batches and takes the rows its contexts would take if one process split each batch over all
+of them (MultiProcess), so N processes x k contexts compute what one process with N*k contexts
+computes; update normalises by the global batch.
+"""
+from mxnet import nd
+
+from ..lesson import shard_sizes
+from ..strategies.base import Strategy
+
+
+def rank_rows(n, rank, size, k):
+    """Rows [start, stop) of a batch of n that contexts rank*k .. rank*k+k-1 take when one
+    process splits it over size*k contexts with shard_sizes."""
+    sizes = shard_sizes(n, size * k)
+    return sum(sizes[:rank * k]), sum(sizes[:(rank + 1) * k])
+
+
+def flatten(arrays, extra=()):
+    """One 1-D array on arrays[0]'s context: every array raveled, end to end, then `extra`."""
+    home = arrays[0].context
+    return nd.concat(*[a.reshape((-1,)) for a in arrays], *[e.as_in_context(home) for e in extra],
+                     dim=0)
+
+
+def unflatten(flat, arrays):
+    """Afterwards each arrays[i] holds its slice of `flat` (the inverse of flatten, any context)."""
+    offset = 0
+    for a in arrays:
+        a[:] = flat[offset:offset + a.size].reshape(a.shape).as_in_context(a.context)
+        offset += a.size
+
+
+class CrossProcessAllreduce:
+    """`local` over this process's replicas, then the engine's sum of arrays[0] across processes,
+    copied back to the other replicas: afterwards every arrays[i] holds the sum over every context
+    of every process."""
+
+    def __init__(self, local, world):
+        self.local, self.world = local, world
+
+    def __call__(self, arrays):
+        self.local(arrays)
+        self.world.allreduce(arrays[0], "sum" + "x".join(map(str, arrays[0].shape)))
+        for a in arrays[1:]:
+            arrays[0].copyto(a)
+
+
+class MultiProcess(Strategy):
+    """`model` as one process of `world`: its backward sees this process's rows of each global
+    batch; its all-reduce must already sum across processes (World.reducer)."""
+
+    def __init__(self, model, world):
+        self.model, self.world, self.ctx = model, world, model.ctx
+
+    @property
+    def t(self):
+        return self.model.t
+
+    @property
+    def min_batch(self):
+        return self.world.size * self.model.min_batch   # what one process with all contexts needs
+
+    def rows(self, n):
+        """This process's rows of a global batch of n (the strategy takes one row at least per
+        replica: its min_batch is its replica count)."""
+        return rank_rows(n, self.world.rank, self.world.size, self.model.min_batch)
+
+    def backward(self, X, y):
+        self.world.progress()
+        start, stop = self.rows(len(X))
+        return self.model.backward(X[start:stop], y[start:stop])
+
+    def update(self, lr, n_examples):
+        self.model.update(lr, n_examples)
+
+    def correct(self, X, y):
+        """Each process counts its share of (X, y); the counts are summed across processes."""
+        self.world.progress()
+        if len(X) >= self.world.size:
+            start, stop = rank_rows(len(X), self.world.rank, self.world.size, 1)
+        else:
+            start, stop = (0, len(X)) if self.world.is_root else (0, 0)
+        count = nd.zeros((1,), ctx=self.ctx[0])
+        if stop > start:
+            count += self.model.correct(X[start:stop], y[start:stop]).as_in_context(self.ctx[0])
+        self.world.allreduce(count, "correct")
+        return count
+
+    def job_metrics(self, metrics):
+        """Every process's (loss sum, correct) pairs, in the order of the global contexts, as one
+        process with all of them would hold them (exact: each pair is summed with zeros only)."""
+        k, rank = len(metrics), self.world.rank
+        K, home = self.world.size * k, metrics[0][0].context
+        slots = nd.zeros((2 * K,), ctx=home)            # [loss_0 .. loss_K-1, correct_0 .. correct_K-1]
+        for i, (loss, correct) in enumerate(metrics):
+            g = rank * k + i
+            slots[g:g + 1] = loss.as_in_context(home)
+            slots[K + g:K + g + 1] = correct.as_in_context(home)
+        self.world.allreduce(slots, "metrics")
+        return [(slots[g:g + 1], slots[K + g:K + g + 1]) for g in range(K)]
+
+    def end_epoch(self, lr):
+        return self.model.end_epoch(lr)
+
+    def layout(self, batch_size):
+        return self.model.layout(self.rows(batch_size)[1] - self.rows(batch_size)[0])
+
+    def arrays(self):
+        return self.model.arrays()
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state)

@@ -1,0 +1,223 @@
+"""Start a parameter-server job (scheduler, servers, workers), forward its output, keep it whole.
+
+    python -m manual_dp.launch --workers 2 --servers 1 -- \
+        python -m manual_dp.train --backend dist_sync --cpus 1
+
+Every process runs COMMAND with the DMLC_* environment of its role: MXNet turns a server or the
+scheduler into its server loop as soon as COMMAND imports mxnet. Output lines get a prefix such
+as "[worker 1]". When a process fails, or a server or the scheduler ends before the workers, the
+launcher stops all the others and exits non-zero; when every worker succeeds it exits 0.
+With --hosts FILE (one host per line) servers and workers go round-robin over the hosts via ssh
+(keys, no password), the scheduler runs here.
+"""
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ..errors import UsageError
+
+LOOPBACK = "127.0.0.1"
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def build_parser():
+    p = Parser(prog="python -m manual_dp.launch", usage="%(prog)s [options] -- COMMAND...",
+               description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workers", type=int, default=2, help="worker processes (DMLC_NUM_WORKER)")
+    p.add_argument("--servers", type=int, default=1, help="server processes (DMLC_NUM_SERVER)")
+    p.add_argument("--hosts", help="file with one host (address) per line; default: all on loopback")
+    p.add_argument("--scheduler-host", help="this machine's address as the hosts reach it "
+                   "(default: 127.0.0.1 without --hosts, else the address of the route to the first host)")
+    p.add_argument("--port", type=int, help="scheduler port (DMLC_PS_ROOT_PORT; default: a free one)")
+    p.add_argument("--ssh", default="ssh", help="ssh client used for --hosts")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds servers and scheduler get to end after the last worker")
+    return p
+
+
+def parse(argv):
+    """(options, COMMAND) from `[options] -- COMMAND...`."""
+    if "--" not in argv:
+        raise UsageError("give the command after --, e.g. -- python -m manual_dp.train --backend dist_sync")
+    cut = argv.index("--")
+    args, command = build_parser().parse_args(argv[:cut]), argv[cut + 1:]
+    if not command:
+        raise UsageError("no command after --")
+    for name in ("workers", "servers"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.port is not None and not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    return args, command
+
+
+def read_hosts(path):
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise UsageError(f"--hosts {path}: {e.strerror}") from None
+    hosts = [ln.split("#")[0].strip() for ln in lines]
+    hosts = [h for h in hosts if h]
+    if not hosts:
+        raise UsageError(f"--hosts {path} names no host")
+    return hosts
+
+
+def free_port(host=""):
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def route_address(host):
+    """This machine's address on the route to `host` (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def plan(args):
+    """[(name, host or None for here, role environment)] for scheduler, servers and workers."""
+    hosts = read_hosts(args.hosts) if args.hosts else None
+    root = args.scheduler_host or (route_address(hosts[0]) if hosts else LOOPBACK)
+    common = {"DMLC_PS_ROOT_URI": root, "DMLC_PS_ROOT_PORT": str(args.port or free_port(LOOPBACK if not hosts else "")),
+              "DMLC_NUM_SERVER": str(args.servers), "DMLC_NUM_WORKER": str(args.workers),
+              "PYTHONUNBUFFERED": "1"}
+    procs = [("scheduler", None, dict(common, DMLC_ROLE="scheduler", DMLC_NODE_HOST=root))]
+    for i in range(args.servers):
+        host = hosts[i % len(hosts)] if hosts else None
+        procs.append((f"server {i}", host, dict(common, DMLC_ROLE="server", DMLC_NODE_HOST=host or LOOPBACK)))
+    for i in range(args.workers):
+        host = hosts[i % len(hosts)] if hosts else None
+        local_rank = i // len(hosts) if hosts else i
+        procs.append((f"worker {i}", host, dict(common, DMLC_ROLE="worker", DMLC_NODE_HOST=host or LOOPBACK,
+                                                MANUAL_DP_LOCAL_RANK=str(local_rank))))
+    return procs
+
+
+def argv_for(command, host, env, ssh):
+    """The local argv that runs `command` with `env` here, or on `host` through ssh."""
+    if host is None:
+        return command
+    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    remote = f"cd {shlex.quote(os.getcwd())} && env {assignments} {shlex.join(command)}"
+    # -tt: a terminal on the far side, so that ending ssh here hangs up the remote process too.
+    return [*shlex.split(ssh), "-o", "BatchMode=yes", "-tt", host, remote]
+
+
+def forward(name, stream, lock):
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\r\n")
+        with lock:
+            sys.stdout.write(f"[{name}] {line}\n")
+            sys.stdout.flush()
+    stream.close()
+
+
+def describe(code):
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+class Job:
+    """The started processes, each in its own process group, and their output readers."""
+
+    def __init__(self):
+        self.procs, self.readers, self.lock = [], [], threading.Lock()
+
+    def start(self, procs, command, ssh):
+        for name, host, env in procs:
+            p = subprocess.Popen(argv_for(command, host, env, ssh), env=dict(os.environ, **env),
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs.append((name, p))
+            reader = threading.Thread(target=forward, args=(name, p.stdout, self.lock), daemon=True)
+            reader.start()
+            self.readers.append(reader)
+
+    def supervise(self, grace):
+        """Wait until every worker has ended; returns (exit status, what went wrong or None).
+
+        A server or the scheduler may end cleanly while the last workers finalise; if the
+        workers have not all ended `grace` seconds after that, the job has lost a part.
+        """
+        workers = [p for name, p in self.procs if name.startswith("worker")]
+        done_at = early = None
+        while True:
+            for name, p in self.procs:
+                code = p.poll()
+                if code is None or code == 0 and name.startswith("worker"):
+                    continue
+                if code != 0 and (name.startswith("worker") or done_at is None):
+                    return (code if code > 0 else 1), f"{name} {describe(code)}"
+                if done_at is None and early is None:
+                    early = (name, time.monotonic())
+            if done_at is None and all(p.poll() == 0 for p in workers):
+                done_at = time.monotonic()
+            if done_at is None and early and time.monotonic() - early[1] > grace:
+                return 1, f"{early[0]} ended while workers still ran"
+            if done_at is not None and (all(p.poll() is not None for _, p in self.procs)
+                                        or time.monotonic() - done_at > grace):
+                return 0, None  # servers that linger after a finished job are stopped
+            time.sleep(0.05)
+
+    def stop(self, wait=3.0):
+        """SIGTERM every process group that is still there, SIGKILL what remains after `wait` s."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for _, p in self.procs:
+                if p.poll() is None:
+                    for s in (sig, signal.SIGCONT):  # SIGCONT: a stopped process takes its SIGTERM
+                        try:
+                            os.killpg(p.pid, s)
+                        except ProcessLookupError:
+                            pass
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and any(p.poll() is None for _, p in self.procs):
+                time.sleep(0.05)
+        for r in self.readers:
+            r.join(timeout=1)
+
+
+def main(argv=None):
+    """`python -m manual_dp.launch [options] -- COMMAND...`: the job's exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, command = parse(argv)
+        procs = plan(args)
+    except (UsageError, OSError) as e:
+        print(f"manual_dp.launch: error: {e}", file=sys.stderr)
+        return 2
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    job = Job()
+    try:
+        job.start(procs, command, args.ssh)
+        code, reason = job.supervise(args.grace)
+    except KeyboardInterrupt:
+        code, reason = 130, "interrupted"
+    except OSError as e:
+        code, reason = 1, f"could not start {command[0]}: {e}"
+    if reason:
+        print(f"manual_dp.launch: error: {reason}; stopping the job", file=sys.stderr, flush=True)
+    job.stop()
+    signal.signal(signal.SIGTERM, previous)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""This process's place in a multi-process job: rank, size, collectives, a watchdog.
+
+By itself a process is the single-process job (World); under horovodrun or the parameter-server
+launcher it is a Cluster whose collectives come from that engine (manual_dp.multiprocess.horovod,
+.kvstore; manual_dp.multiprocess.connect picks one). A World composes with any strategy in two places:
+
+    world.reducer(allreduce_fn)   the strategy's all-reduce, summing across processes as well
+    world.wrap(model)             the strategy fed this process's rows of every global batch
+"""
+import threading
+import time
+
+from .distributed import CrossProcessAllreduce, MultiProcess
+
+
+class Watchdog:
+    """Calls `on_timeout(message)` when no progress is reported for `timeout` seconds.
+
+    A collective whose peer died blocks inside MXNet's engine, where no Python exception can reach
+    the waiting thread; this thread notices. The command line's `on_timeout` ends the process.
+    """
+
+    def __init__(self, timeout, who, on_timeout):
+        self.timeout, self.who, self.on_timeout = timeout, who, on_timeout
+        self.last, self.stopped = time.monotonic(), threading.Event()
+        threading.Thread(target=self._watch, name="manual_dp-watchdog", daemon=True).start()
+
+    def progress(self):
+        self.last = time.monotonic()
+
+    def stop(self):
+        self.stopped.set()
+
+    def _watch(self):
+        while not self.stopped.wait(min(1.0, self.timeout / 4)):
+            if time.monotonic() - self.last > self.timeout:
+                self.on_timeout(f"{self.who()}: no progress for {self.timeout:g} s (another process "
+                                f"died or hangs); giving up; rank 0's last checkpoint resumes with --resume")
+                return
+
+
+class World:
+    """This process's place in the job; by itself, the single-process job (rank 0 of 1)."""
+    backend, rank, size, local_rank = "local", 0, 1, 0
+    how = "one process"
+
+    @property
+    def is_root(self):
+        return self.rank == 0
+
+    def describe(self):
+        return f"rank {self.rank} of {self.size} ({self.backend})"
+
+    def summary(self):
+        return f"backend {self.backend}: {self.size} process(es); {self.how}"
+
+    def reducer(self, allreduce_fn):
+        """The all-reduce a strategy of this process should use: `allreduce_fn` alone here."""
+        return allreduce_fn
+
+    def wrap(self, model):
+        """The strategy as this process should run it: `model` itself here."""
+        return model
+
+    def share(self, fn):
+        """fn() computed on rank 0, its value (or its exception) on every rank."""
+        return fn()
+
+    def progress(self):
+        pass
+
+    def close(self, failed=False):
+        pass
+
+
+class Cluster(World):
+    """A process of a multi-process job: collectives from the engine, a watchdog on every one."""
+
+    def __init__(self, timeout, on_timeout):
+        self.watchdog = Watchdog(timeout, self.describe, on_timeout)
+
+    def reducer(self, allreduce_fn):
+        return CrossProcessAllreduce(allreduce_fn, self)
+
+    def wrap(self, model):
+        return MultiProcess(model, self)
+
+    def share(self, fn):
+        result = None
+        if self.is_root:
+            try:
+                result = ("ok", fn())
+            except Exception as e:  # handed to every rank, raised there
+                result = ("error", e)
+        self.progress()
+        kind, value = self.broadcast_object(result)
+        self.progress()
+        if kind == "error":
+            raise value
+        return value
+
+    def progress(self):
+        self.watchdog.progress()
+
+    def close(self, failed=False):
+        self.watchdog.stop()
+
+    # Collectives each engine provides.
+    def allreduce(self, array, key):
+        """Afterwards `array` holds the elementwise sum of every process's `array` (same key)."""
+        raise NotImplementedError
+
+    def broadcast_object(self, obj):
+        """rank 0's `obj` (picklable), on every rank."""
+        raise NotImplementedError

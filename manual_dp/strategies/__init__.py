@@ -1,0 +1,9 @@
+"""Parallel strategies, one file each, all keeping the contract written in base.py:
+
+    base           Strategy: backward, update, step, correct, state_dict ... (read this first)
+    data_parallel  DataParallel: replicas in lock-step; the lesson's step or the fast one
+    accum          GradAccum: N batches, one update, around any strategy
+    async_dp       AsyncDataParallel: a master copy and stale replicas (parameter-server style)
+    stages         LeNet cut in two stages, the boundary copy, GPipe's schedule
+    pipeline       PipelineParallel: model, pipeline (GPipe) and hybrid parallelism
+"""

@@ -1,0 +1,84 @@
+"""The contract every parallel strategy keeps. The training loop, the checkpoints, the memory report,
+gradient accumulation and the multi-process wrapper rely on these methods and nothing else.
+
+A step is two phases, so that strategies compose:
+
+    backward(X, y)          forward and backward on one batch; its gradients are ADDED to those
+                            the strategy holds since the last update
+    update(lr, n_examples)  one optimiser step on (held gradients) / n_examples, then the held
+                            gradients are zero again
+
+    step(X, y, lr) = backward(X, y) + update(lr, len(X))      (one batch, one update)
+
+GradAccum calls backward on several batches before one update; the multi-process wrapper feeds
+backward this process's rows of every global batch and update the global count.
+"""
+
+
+class Strategy:
+    """Base class: a parallel strategy over the contexts `ctx`.
+
+    Attributes every strategy sets:
+        ctx     the contexts it computes on
+        t       optimiser updates taken so far (from 0; checkpointed)
+    """
+    ctx = ()
+    t = 0
+
+    @property
+    def min_batch(self):
+        """The smallest batch `backward` can take (the loop drops a shorter last batch)."""
+        return len(self.ctx)
+
+    def backward(self, X, y):
+        """Forward and backward on the batch (X, y) (numpy arrays or NDArrays); add its gradients to
+        those held. Returns [(loss sum, number correct)] as NDArrays, one pair per placement,
+        left on their devices (the loop adds them up without waiting)."""
+        raise NotImplementedError
+
+    def update(self, lr, n_examples):
+        """One optimiser step with learning rate `lr` on the held gradients divided by `n_examples`
+        (the examples they were summed over); then zero them and count the update in `t`."""
+        raise NotImplementedError
+
+    def step(self, X, y, lr):
+        """One batch, one update; returns what backward returns."""
+        metrics = self.backward(X, y)
+        self.update(lr, X.shape[0])
+        return metrics
+
+    def correct(self, X, y):
+        """Number of correct predictions on (X, y) with the current parameters, a 1-element NDArray."""
+        raise NotImplementedError
+
+    def job_metrics(self, metrics):
+        """The (loss sum, number correct) pairs of the whole job, from this process's `metrics`:
+        the same list in one process (the multi-process wrapper gathers every process's)."""
+        return metrics
+
+    def end_epoch(self, lr):
+        """Called after an epoch's last batch; returns what the strategy measured ({} if nothing)."""
+        return {}
+
+    def layout(self, batch_size):
+        """[(context, stage, examples)]: for each placement of a stage of the network, how many
+        examples of a `batch_size` batch it holds activations for at the step's peak (stage 0: the
+        convolutions, 1: the dense layers; manual_dp.memory prices them)."""
+        raise NotImplementedError
+
+    def arrays(self):
+        """{"param": [...], "state": [...]}: every parameter array the strategy keeps, and every
+        gradient and optimiser-state array, each on the context that holds it."""
+        raise NotImplementedError
+
+    def state_dict(self):
+        """Host (numpy) copies of what a resumed run needs: {"params": [8 arrays in lenet's
+        order], "opt_state": [[arrays] per parameter], "t": updates, "extra": {name: [arrays]}}.
+        params and opt_state are the same for every strategy, so a checkpoint moves between them;
+        extra holds what only this strategy has (e.g. async's stale replicas)."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state):
+        """Overwrite parameters, optimiser state and t with `state` (from any strategy's
+        state_dict); refuse, with CheckpointError, state this strategy cannot continue from."""
+        raise NotImplementedError

@@ -1,0 +1,130 @@
+"""Synchronous data parallelism: a replica of the parameters on every context, updated in lock-step.
+
+One class for the lesson's step and the fast one. By default a step is fast: each replica's
+parameters, gradients and optimiser state are views of flat buffers (manual_dp.fast.flat), so a step
+does one all-reduce and one optimiser update per device, and forward and backward run as LeNet's
+cached graph (manual_dp.fast.graph). `lesson=True` turns both off and takes the lesson's own
+train_batch, with the lesson's allreduce: one call per gradient.
+"""
+from mxnet import autograd, nd
+
+from ..config import FAST_STEP, LESSON_STEP, RunConfig
+from ..errors import CheckpointError
+from ..fast.collectives import make_allreduce
+from ..fast.flat import FlatReplica
+from ..fast.graph import LeNetGraph
+from ..fast.prefetch import host
+from ..lesson import forward_backward, get_params, lenet, n_correct, shard_sizes, split_and_load, train_batch
+from ..optim import apply_update_and_clear, init_states
+from .base import Strategy
+
+
+def graph_forward_backward(graph, X_shards, y_shards, device_params):
+    """forward_backward through LeNet's cached graph: one call per context, one backward for all."""
+    with autograd.record():
+        metrics = [graph(X, y, W) for X, y, W in zip(X_shards, y_shards, device_params)]
+    autograd.backward([loss_sum for loss_sum, _ in metrics])
+    return metrics
+
+
+def host_state(params, states, t, **extra):
+    """A state_dict (see Strategy.state_dict) from one replica's parameters and optimiser states."""
+    return {"params": [p.asnumpy() for p in params],
+            "opt_state": [[s.asnumpy() for s in st] for st in states], "t": t, "extra": extra}
+
+
+def load_into(params, states, state):
+    """Overwrite one replica's `params` and optimiser `states` in place with saved host values."""
+    if len(state["params"]) != len(params) or any(len(a) != len(b) for a, b in zip(state["opt_state"], states)):
+        raise CheckpointError("the checkpoint's parameters or optimiser state do not fit this run")
+    for p, value in zip(params, state["params"]):
+        p[:] = nd.array(value, ctx=p.context)
+    for st, values in zip(states, state["opt_state"]):
+        for s, value in zip(st, values):
+            s[:] = nd.array(value, ctx=s.context)
+
+
+class DataParallel(Strategy):
+    """A replica on every context; gradients all-reduced with `allreduce_fn`, then the same update.
+
+    allreduce_fn, fuse_grads, graph: None takes the fast step's choice (manual_dp.config.FAST_STEP),
+    or the lesson's with lesson=True.
+    """
+
+    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, allreduce_fn=None,
+                 fuse_grads=None, graph=None, lesson=False):
+        choice = LESSON_STEP if lesson else FAST_STEP
+        fuse_grads = choice["fuse_grads"] if fuse_grads is None else fuse_grads
+        graph = choice["graph"] if graph is None else graph
+        self.ctx, self.optimizer = list(ctx), optimizer
+        self.allreduce_fn = allreduce_fn or make_allreduce(choice["allreduce"])
+        self.graph = LeNetGraph() if graph else None
+        self.flat = [FlatReplica(params, c) for c in self.ctx] if fuse_grads else None
+        if self.flat:
+            self.replicas = [f.params for f in self.flat]
+            self.flat_states = [init_states([f.flat], optimizer)[0] for f in self.flat]
+            self.states = [f.state_views(s) for f, s in zip(self.flat, self.flat_states)]
+        else:
+            self.replicas = [get_params(params, c) for c in self.ctx]
+            for p in (p for W in self.replicas for p in W):
+                p.attach_grad(grad_req="add")     # backward adds up, update zeroes
+            self.states = [init_states(W, optimizer) for W in self.replicas]
+        self.t = 0
+
+    @property
+    def lesson_path(self):
+        return not (self.graph or self.flat)
+
+    def step(self, X, y, lr):
+        """The lesson's train_batch on the lesson's path; backward + update on the fast one."""
+        if not self.lesson_path:
+            return super().step(X, y, lr)
+        self.t += 1
+        states = {id(W): S for W, S in zip(self.replicas, self.states)}
+        return train_batch(X, y, self.replicas, self.ctx, lr, self.allreduce_fn,
+                           update=lambda W, lr, n: apply_update_and_clear(W, states[id(W)], self.optimizer,
+                                                                           lr, self.t, n))
+
+    def backward(self, X, y):
+        X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
+        if self.graph:
+            return graph_forward_backward(self.graph, X_shards, y_shards, self.replicas)
+        return forward_backward(X_shards, y_shards, self.replicas)
+
+    def update(self, lr, n_examples):
+        self.t += 1
+        if self.flat:
+            self.allreduce_fn([f.grad for f in self.flat])
+            for f, s in zip(self.flat, self.flat_states):
+                apply_update_and_clear([f.flat], [s], self.optimizer, lr, self.t, n_examples)
+            return
+        for i in range(len(self.replicas[0])):
+            self.allreduce_fn([W[i].grad for W in self.replicas])
+        for W, S in zip(self.replicas, self.states):
+            apply_update_and_clear(W, S, self.optimizer, lr, self.t, n_examples)
+
+    def correct(self, X, y):
+        """Correct predictions on (X, y), sharded over every context (idle ones if X is tiny)."""
+        ctx = self.ctx[:min(len(self.ctx), len(X))]
+        counts = [n_correct(lenet(Xs, W), ys).copyto(ctx[0]) for Xs, ys, W in
+                  zip(split_and_load(X, ctx), split_and_load(y, ctx), self.replicas)]
+        return nd.add_n(*counts) if len(counts) > 1 else counts[0]
+
+    def layout(self, batch_size):
+        """Every context runs both stages on its shard of the batch."""
+        sizes = shard_sizes(batch_size, len(self.ctx))
+        return [(c, s, n) for c, n in zip(self.ctx, sizes) for s in (0, 1)]
+
+    def arrays(self):
+        params = [p for W in self.replicas for p in W]
+        states = [s for S in self.states for st in S for s in st]
+        return {"param": params, "state": [p.grad for p in params] + states}
+
+    def state_dict(self):
+        """Replica 0's parameters and optimiser state (every replica holds the same)."""
+        return host_state(self.replicas[0], self.states[0], self.t)
+
+    def load_state_dict(self, state):
+        for W, S in zip(self.replicas, self.states):
+            load_into(W, S, state)
+        self.t = state["t"]
