@@ -1,4 +1,5 @@
-"""Every notebook runs top to bottom in smoke mode (MANUAL_DP_SMOKE=1)."""
+"""Every notebook runs top to bottom in smoke mode (MANUAL_DP_SMOKE=1), and is committed with the
+outputs of a full run (regenerate: the command in notebooks/README.md)."""
 import os
 from pathlib import Path
 
@@ -23,3 +24,20 @@ def test_notebook_executes_in_smoke_mode(path, monkeypatch):
 
 def test_there_are_notebooks():
     assert any(p.name.startswith("01_") for p in NOTEBOOKS)
+
+
+def first_output(nb):
+    """The text the first code cell printed when the notebook was last run."""
+    cell = next(c for c in nb.cells if c.cell_type == "code")
+    return "".join(o.get("text", "") for o in cell.get("outputs", []))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_committed_with_the_outputs_of_a_full_run(path):
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.get("execution_count") for c in code), f"{path.name}: not every cell was run"
+    assert sum(bool(c.get("outputs")) for c in code) >= len(code) // 2, f"{path.name}: few outputs"
+    assert not any(o.get("output_type") == "error" for c in code for o in c.get("outputs", []))
+    said = first_output(nb)
+    assert "full" in said and "smoke" not in said, f"{path.name} was last run with {said!r}"

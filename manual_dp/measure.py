@@ -1,0 +1,88 @@
+"""Measuring all-reduce: microseconds and GB/s per algorithm, payload and context count, beside the
+copy bound (one cpu(0) -> cpu(1) copy of the same payload) and the memory floor (k copies at once:
+the traffic no all-reduce over k contexts of one memory can avoid). Each function returns one
+record (a dict); the benchmark (python -m manual_dp.bench) and notebook 02 call them."""
+import time
+
+import mxnet as mx
+import numpy as np
+from mxnet import nd
+
+from .fast.collectives import make_allreduce
+from .lesson import LENET_SHAPES
+
+LENET_SIZES = [int(np.prod(shape)) for _, shape in LENET_SHAPES]   # 129,068 floats, 516 KB
+
+
+def timed(fn, repeats, calls):
+    """Median seconds per call over `repeats` timings of `calls` back-to-back calls; one extra
+    timing first, dropped (warm-up). The engine queue is drained before and after each timing."""
+    times = []
+    for _ in range(repeats + 1):
+        nd.waitall()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        nd.waitall()
+        times.append((time.perf_counter() - start) / calls)
+    return float(np.median(times[1:]))
+
+
+def calls_for(nbytes, budget=4e6):
+    """Back-to-back calls per timing: enough to amortise a waitall, bounded for big payloads."""
+    return int(max(1, min(100, budget // max(nbytes, 1))))
+
+
+def copy_bound(nbytes, repeats):
+    """Record for one copy of nbytes from cpu(0) to cpu(1): no all-reduce can move data faster."""
+    src, dst = nd.zeros((max(1, nbytes // 4),), ctx=mx.cpu(0)), nd.zeros((max(1, nbytes // 4),), ctx=mx.cpu(1))
+    t = timed(lambda: src.copyto(dst), repeats, calls_for(nbytes))
+    return {"bench": "memcpy", "impl": "copyto", "devices": 2, "bytes": nbytes,
+            "us": t * 1e6, "gbps": nbytes / t / 1e9}
+
+
+def memory_floor(k, nbytes, repeats):
+    """Record for k copies of nbytes at once, cpu(i) -> cpu(i) on every context's own worker.
+
+    CPU contexts share one memory bus, and any all-reduce must at least read every replica once
+    and write every replica once: k copies' worth of traffic. Its bus bandwidth (as for an
+    all-reduce) is the best any algorithm could score here at k contexts.
+    """
+    n = max(1, nbytes // 4)
+    src = [nd.zeros((n,), ctx=mx.cpu(i)) for i in range(k)]
+    dst = [nd.zeros((n,), ctx=mx.cpu(i)) for i in range(k)]
+
+    def copies():
+        for s, d in zip(src, dst):
+            s.copyto(d)
+    t = timed(copies, repeats, calls_for(nbytes * k))
+    return {"bench": "memfloor", "impl": f"{k} copies at once", "devices": k, "bytes": nbytes, "us": t * 1e6,
+            "busbw_gbps": nbytes / t / 1e9 * 2 * (k - 1) / k if k > 1 else None}
+
+
+def allreduce_point(name, k, nbytes, repeats):
+    """Record for all-reducing one float32 array of nbytes over cpu(0..k-1) with algorithm `name`.
+
+    algbw = bytes / time; busbw = algbw * 2(k-1)/k, the traffic per link of an optimal all-reduce,
+    which is the figure to hold against the copy bound.
+    """
+    arrays = [nd.zeros((max(1, nbytes // 4),), ctx=mx.cpu(i)) for i in range(k)]
+    fn = make_allreduce(name)
+    t = timed(lambda: fn(arrays), repeats, calls_for(nbytes * k))
+    algbw = nbytes / t / 1e9
+    return {"bench": "allreduce", "impl": name, "devices": k, "bytes": nbytes, "us": t * 1e6,
+            "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (k - 1) / k if k > 1 else None}
+
+
+def lenet_point(name, k, fused, repeats):
+    """Record for all-reducing LeNet's 8 gradients over k contexts, one call each or fused into one."""
+    sizes = [sum(LENET_SIZES)] if fused else LENET_SIZES
+    grads = [[nd.zeros((n,), ctx=mx.cpu(i)) for n in sizes] for i in range(k)]
+    fn = make_allreduce(name)
+
+    def reduce_all():
+        for j in range(len(sizes)):
+            fn([g[j] for g in grads])
+    t = timed(reduce_all, repeats, 20)
+    return {"bench": "allreduce_lenet", "impl": name, "fused": fused, "devices": k,
+            "bytes": 4 * sum(LENET_SIZES), "us": t * 1e6}
