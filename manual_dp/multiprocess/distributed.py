@@ -9,7 +9,7 @@ computes; update normalises by the global batch.
 from mxnet import nd
 
 from ..lesson import shard_sizes
-from ..strategies.base import Strategy
+from ..strategies.base import Wrapper
 
 
 def rank_rows(n, rank, size, k):
@@ -49,16 +49,13 @@ class CrossProcessAllreduce:
             arrays[0].copyto(a)
 
 
-class MultiProcess(Strategy):
+class MultiProcess(Wrapper):
     """`model` as one process of `world`: its backward sees this process's rows of each global
     batch; its all-reduce must already sum across processes (World.reducer)."""
 
     def __init__(self, model, world):
-        self.model, self.world, self.ctx = model, world, model.ctx
-
-    @property
-    def t(self):
-        return self.model.t
+        super().__init__(model)
+        self.world = world
 
     @property
     def min_batch(self):
@@ -73,9 +70,6 @@ class MultiProcess(Strategy):
         self.world.progress()
         start, stop = self.rows(len(X))
         return self.model.backward(X[start:stop], y[start:stop])
-
-    def update(self, lr, n_examples):
-        self.model.update(lr, n_examples)
 
     def correct(self, X, y):
         """Each process counts its share of (X, y); the counts are summed across processes."""
@@ -103,17 +97,6 @@ class MultiProcess(Strategy):
         self.world.allreduce(slots, "metrics")
         return [(slots[g:g + 1], slots[K + g:K + g + 1]) for g in range(K)]
 
-    def end_epoch(self, lr):
-        return self.model.end_epoch(lr)
-
     def layout(self, batch_size):
-        return self.model.layout(self.rows(batch_size)[1] - self.rows(batch_size)[0])
-
-    def arrays(self):
-        return self.model.arrays()
-
-    def state_dict(self):
-        return self.model.state_dict()
-
-    def load_state_dict(self, state):
-        self.model.load_state_dict(state)
+        start, stop = self.rows(batch_size)
+        return self.model.layout(stop - start)

@@ -20,24 +20,20 @@ import numpy as np
 from mxnet import nd
 
 from ..errors import UsageError
-from ..strategies.base import Strategy
+from ..strategies.base import Wrapper
 from .distributed import flatten, rank_rows, unflatten
 from .ps_server import AddDelta
 from .world import Cluster
 
 
-class PushPull(Strategy):
+class PushPull(Wrapper):
     """Asynchronous SGD on a parameter server around a DataParallel `model` (whose all-reduce stays
     inside this process): each process steps on its own rows with its own optimiser state, pushes
     the change of the parameters to the servers and pulls whatever they hold now."""
 
     def __init__(self, model, world):
-        self.model, self.world, self.ctx = model, world, model.ctx
-        self.key, self.rows_seen = None, 0
-
-    @property
-    def t(self):
-        return self.model.t
+        super().__init__(model)
+        self.world, self.key, self.rows_seen = world, None, 0
 
     @property
     def min_batch(self):
@@ -72,12 +68,6 @@ class PushPull(Strategy):
 
     def layout(self, batch_size):
         return self.model.layout(batch_size // self.world.size)
-
-    def arrays(self):
-        return self.model.arrays()
-
-    def state_dict(self):
-        return self.model.state_dict()
 
     def load_state_dict(self, state):
         self.model.load_state_dict(state)

@@ -3,10 +3,10 @@
 Every strategy's backward adds to the gradients it holds and its update normalises by the examples
 it is told (manual_dp.strategies.base), so accumulating is only a matter of when update is called.
 """
-from .base import Strategy
+from .base import Wrapper
 
 
-class GradAccum(Strategy):
+class GradAccum(Wrapper):
     """Wraps `model`: one update per `every` batches, normalised by all their examples.
 
     A window still open at the end of an epoch is applied by `end_epoch`, so epochs (and the
@@ -16,16 +16,8 @@ class GradAccum(Strategy):
     def __init__(self, model, every):
         if every < 1:
             raise ValueError(f"accumulate over at least one batch, got {every}")
-        self.model, self.every, self.ctx = model, every, model.ctx
-        self.batches = self.examples = 0
-
-    @property
-    def t(self):
-        return self.model.t
-
-    @property
-    def min_batch(self):
-        return self.model.min_batch
+        super().__init__(model)
+        self.every, self.batches, self.examples = every, 0, 0
 
     def backward(self, X, y):
         metrics = self.model.backward(X, y)
@@ -48,21 +40,3 @@ class GradAccum(Strategy):
         if self.batches:
             self.update(lr, self.examples)
         return self.model.end_epoch(lr)
-
-    def correct(self, X, y):
-        return self.model.correct(X, y)
-
-    def job_metrics(self, metrics):
-        return self.model.job_metrics(metrics)
-
-    def layout(self, batch_size):
-        return self.model.layout(batch_size)
-
-    def arrays(self):
-        return self.model.arrays()
-
-    def state_dict(self):
-        return self.model.state_dict()
-
-    def load_state_dict(self, state):
-        self.model.load_state_dict(state)

@@ -82,3 +82,46 @@ class Strategy:
         """Overwrite parameters, optimiser state and t with `state` (from any strategy's
         state_dict); refuse, with CheckpointError, state this strategy cannot continue from."""
         raise NotImplementedError
+
+
+class Wrapper(Strategy):
+    """A strategy around another, `model`: every method passes through to it unless overridden
+    (gradient accumulation, the multi-process wrappers)."""
+
+    def __init__(self, model):
+        self.model, self.ctx = model, model.ctx
+
+    @property
+    def t(self):
+        return self.model.t
+
+    @property
+    def min_batch(self):
+        return self.model.min_batch
+
+    def backward(self, X, y):
+        return self.model.backward(X, y)
+
+    def update(self, lr, n_examples):
+        self.model.update(lr, n_examples)
+
+    def correct(self, X, y):
+        return self.model.correct(X, y)
+
+    def job_metrics(self, metrics):
+        return self.model.job_metrics(metrics)
+
+    def end_epoch(self, lr):
+        return self.model.end_epoch(lr)
+
+    def layout(self, batch_size):
+        return self.model.layout(batch_size)
+
+    def arrays(self):
+        return self.model.arrays()
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state)
