@@ -28,6 +28,10 @@ def test_tiny_run_writes_records_with_the_required_keys(tiny_run):
     assert all(r["cores_free"] > 0 for r in records if r["bench"] == "train")
     meta = records[0]
     assert meta["bench"] == "meta" and 0 < meta["cores_free_before"] <= meta["devices"] + 0.5
+    # every record names the CPU model, its vector unit, the cores and the commit it was measured on
+    from manual_dp.fast.runtime import cpuinfo
+    assert {(r["cpu"], r["cores"]) for r in records} == {(cpuinfo("model name") or "unknown CPU", meta["devices"])}
+    assert all(r["vector"] in ("AVX-512", "AVX2", "no AVX2") and r["commit"] for r in records)
     for r in [r for r in records if r["bench"] == "overlap"]:
         assert 0 <= r["overlap"] <= 1 and r["env"] in ("default", "tuned")
     for name in ("allreduce_us.png", "allreduce_bw.png", "train_scaling.png", "costmodel.png"):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..cli.options import OneLineParser
 from ..errors import UsageError
-from ..fast.runtime import thread_env, usable_cores
+from ..fast.runtime import machine, thread_env, usable_cores
 
 KB, MB = 1024, 1024 * 1024
 PLANS = {
@@ -103,11 +103,28 @@ def wait_for_cores(wanted, timeout):
     return free
 
 
+def commit():
+    """The git commit of this checkout, with "+changes" if the tree differs from it; "unknown"
+    outside a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("+changes" if dirty else "")) if head else "unknown"
+
+
 def measure(plan, args):
     """Every record of the plan: machine, all-reduce, training."""
+    where = dict(machine(), commit=commit())
     records = [{"bench": "meta", "impl": "machine", "devices": usable_cores(), "load_before": os.getloadavg(),
-                "cores_free_before": cores_available(), "plan": args.plan, "time": time.strftime("%Y-%m-%d %H:%M:%S")}]
-    print(f"{usable_cores()} cores, {records[0]['cores_free_before']:.2f} of them free for this run, "
+                "cores_free_before": cores_available(), "plan": args.plan, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                **where}]
+    print(f"{where['cpu']} ({where['vector']}), {where['cores']} cores, commit {where['commit']}; "
+          f"{records[0]['cores_free_before']:.2f} cores free for this run, "
           f"load average {records[0]['load_before'][0]:.1f}", flush=True)
     if args.only in (None, "allreduce"):
         spec = {"bench": "allreduce", "impl": "all", "devices": plan["comm_devices"],
@@ -175,6 +192,8 @@ def main(argv=None):
         return
     records = measure(PLANS[args.plan], args)
     records += report(records)
+    where = {k: records[0][k] for k in ("cpu", "vector", "cores", "commit")}
+    records = [dict(r, **where) for r in records]      # every record names its machine and commit
     write(records, out)
     print(report_model(out, records))
 

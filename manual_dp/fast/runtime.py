@@ -22,16 +22,28 @@ import importlib.metadata
 import os
 
 
-def cpu_flags():
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+def cpuinfo(field):
+    """The first value of `field` in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def cpu_flags():
+    """The CPU's feature flags (empty where /proc/cpuinfo has none)."""
+    return set(cpuinfo("flags").split())
+
+
+def machine():
+    """What a measurement ran on: CPU model, its widest vector unit, usable cores."""
+    flags = cpu_flags()
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return {"cpu": cpuinfo("model name") or "unknown CPU", "vector": vector, "cores": usable_cores()}
 
 
 def usable_cores():
