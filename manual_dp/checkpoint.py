@@ -1,21 +1,45 @@
-"""Atomic checkpoints: everything needed to continue a run, written to a temporary file and renamed."""
+"""Checkpoints: everything needed to continue a run, checked as a whole when read back.
+
+    save    writes a temporary file of its own name in the directory, fsyncs it and renames it over
+            checkpoint.npz: a crash or a full disk leaves the previous checkpoint, never half of one
+    load    refuses, with one line, a file that is not a checkpoint, was damaged or changed (a
+            SHA-256 of every array and of the metadata is stored inside), or holds arrays of the
+            wrong shape or type, or values that are not finite
+    lock    one run at a time per directory (an flock, released when the process ends, however)
+"""
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
+import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
-NAME = "checkpoint.npz"
-
-
 from .errors import CheckpointError
+from .lesson import LENET_SHAPES
+
+NAME = "checkpoint.npz"
+LOCK = ".lock"
+TMP_PREFIX = ".checkpoint-"
+
+
+def digest(meta, arrays):
+    """SHA-256 of the metadata (without its own digest) and of every array, by name."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True).encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 def save(directory, model_state, meta):
-    """Write {directory}/checkpoint.npz atomically: a crash leaves the old file or the new, never half."""
+    """Write {directory}/checkpoint.npz atomically; CheckpointError (the previous file kept) if the
+    disk is full, read-only or otherwise refuses."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     arrays = {f"param_{i}": p for i, p in enumerate(model_state["params"])}
     for i, st in enumerate(model_state["opt_state"]):
         arrays.update({f"opt_{i}_{j}": s for j, s in enumerate(st)})
@@ -25,31 +49,97 @@ def save(directory, model_state, meta):
     meta = dict(meta, t=model_state["t"], n_params=len(model_state["params"]),
                 n_opt=[len(st) for st in model_state["opt_state"]],
                 n_extra={name: len(values) for name, values in extra.items()})
-    tmp = directory / (NAME + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / NAME)
-    dir_fd = os.open(directory, os.O_RDONLY)
+    meta["sha256"] = digest(meta, arrays)
+    tmp = None
     try:
-        os.fsync(dir_fd)
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=TMP_PREFIX, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / NAME)
+        tmp = None
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as e:
+        raise CheckpointError(f"could not write a checkpoint in {directory} ({e.strerror}); "
+                              f"the previous one is kept") from None
     finally:
-        os.close(dir_fd)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def load(directory):
-    """(model_state, meta) from {directory}/checkpoint.npz."""
+    """(model_state, meta) from {directory}/checkpoint.npz, checked; CheckpointError if anything is off."""
     path = Path(directory) / NAME
     if not path.is_file():
         raise CheckpointError(f"--resume: no checkpoint at {path}")
     try:
-        with np.load(path) as z:
+        with np.load(path, allow_pickle=False) as z:
             meta = json.loads(z["meta"].tobytes().decode())
-            params = [z[f"param_{i}"] for i in range(meta["n_params"])]
-            opt = [[z[f"opt_{i}_{j}"] for j in range(n)] for i, n in enumerate(meta["n_opt"])]
-            extra = {name: [z[f"extra_{name}_{i}"] for i in range(n)]
-                     for name, n in meta.get("n_extra", {}).items()}
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            arrays = {name: z[name] for name in z.files if name != "meta"}
+    except (OSError, ValueError, KeyError, EOFError, UnicodeDecodeError, zipfile.BadZipFile) as e:
         raise CheckpointError(f"{path}: unreadable checkpoint ({e})") from None
+    problem = check(meta, arrays)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
+    params = [arrays[f"param_{i}"] for i in range(meta["n_params"])]
+    opt = [[arrays[f"opt_{i}_{j}"] for j in range(n)] for i, n in enumerate(meta["n_opt"])]
+    extra = {name: [arrays[f"extra_{name}_{i}"] for i in range(n)] for name, n in meta["n_extra"].items()}
     return {"params": params, "opt_state": opt, "t": meta["t"], "extra": extra}, meta
+
+
+SCHEMA = {"epoch": int, "t": int, "history": list, "config": dict, "rng_state": dict, "n_params": int,
+          "n_opt": list, "n_extra": dict, "sha256": str}
+
+
+def check(meta, arrays):
+    """What is wrong with a checkpoint's contents, in a few words; None if nothing."""
+    if not isinstance(meta, dict):
+        return "not a manual_dp checkpoint (no metadata)"
+    if "sha256" not in meta:
+        return "written by an older manual_dp (no checksum): start a new run or use that version"
+    for key, kind in SCHEMA.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            return f"damaged: '{key}' is missing or not a {kind.__name__}"
+    if digest(meta, arrays) != meta["sha256"]:
+        return "damaged or changed since it was written (checksum mismatch)"
+    if meta["n_params"] != len(LENET_SHAPES) or len(meta["n_opt"]) != len(LENET_SHAPES):
+        return f"holds {meta['n_params']} parameters, LeNet has {len(LENET_SHAPES)}"
+    for i, (name, shape) in enumerate(LENET_SHAPES):
+        for key in [f"param_{i}"] + [f"opt_{i}_{j}" for j in range(meta["n_opt"][i])]:
+            a = arrays.get(key)
+            if a is None or a.shape != shape or a.dtype != np.float32:
+                got = "missing" if a is None else f"{a.dtype} {a.shape}"
+                return f"{name} ({key}) is {got}, expected float32 {shape}"
+            if not np.isfinite(a).all():
+                return f"{name} ({key}) holds values that are not finite (the run it came from diverged)"
+    return None
+
+
+@contextlib.contextmanager
+def lock(directory):
+    """Hold the directory's lock inside the with-block (or until the process ends, however it ends);
+    CheckpointError naming the process that holds it. Left-over temporary files of a killed run are
+    removed once the lock is ours."""
+    directory = Path(directory)
+    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise CheckpointError(f"{directory} is in use by another run (pid {holder}); give each run "
+                              f"its own --checkpoint-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    for stale in directory.glob(TMP_PREFIX + "*.tmp"):
+        stale.unlink(missing_ok=True)
+    try:
+        yield
+    finally:
+        os.close(fd)                                  # closing the last descriptor releases the flock

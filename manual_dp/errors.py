@@ -1,6 +1,7 @@
 """The errors a run can end with, for the library and the command line alike.
 
-The command line reports each as one line: UsageError with exit status 2, the others with 1.
+The command line reports each as one line: UsageError with exit status 2, the others with 1
+(DivergedError with 3, so that a script can tell a diverged run from a broken one).
 """
 
 
@@ -18,3 +19,11 @@ class CheckpointError(Exception):
 
 class DistributedError(Exception):
     """Another process of the job failed or vanished."""
+
+
+class OutputError(Exception):
+    """An output (log, checkpoint directory) cannot be written."""
+
+
+class DivergedError(Exception):
+    """Training went non-finite: the loss or the parameters are NaN or infinite."""

@@ -5,11 +5,15 @@ notebook decides what to show. (It was called `train` before the package took it
 command `python -m manual_dp.train` is the module manual_dp.train.)
 """
 import collections
+import math
 import time
 
+import numpy as np
 from mxnet import nd
 
 from .data import batches
+from .errors import DivergedError
+from .lesson import LENET_SHAPES
 from .fast.prefetch import prefetch
 from .schedule import lr_at
 
@@ -25,7 +29,8 @@ def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2):
     """One pass over (X, y) in `rng`'s order; returns (mean loss, accuracy).
 
     Metrics stay on the devices until the end of the epoch; the host waits only on the batch
-    `lookahead` steps back, so that MXNet's queue stays full but bounded.
+    `lookahead` steps back, so that MXNet's queue stays full but bounded, and reads its running
+    loss: DivergedError at the first step whose loss is not finite.
     """
     totals, seen, pending = None, 0, collections.deque()
     n_batches = -(-len(X) // batch_size)
@@ -35,16 +40,32 @@ def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2):
         metrics = model.step(Xb, yb, lr_at(lr, model.t))
         totals = accumulate(totals, metrics)
         seen += len(Xb)
-        pending.append(totals[0][0])
+        pending.append((i + 1, totals[0][0]))
         if len(pending) > lookahead:
-            pending.popleft().wait_to_read()
+            check_loss(*pending.popleft())
         if on_batch:
             on_batch(i + 1, n_batches)
+    for step, running_loss in pending:
+        check_loss(step, running_loss)
     if not seen:
         return float("nan"), float("nan")
     totals = model.job_metrics(totals)
     return (sum(float(l.asscalar()) for l, _ in totals) / seen,
             sum(float(c.asscalar()) for _, c in totals) / seen)
+
+
+def check_loss(step, running_loss):
+    """DivergedError if the running loss sum (one context's, up to `step`) is not finite."""
+    value = float(running_loss.asscalar())
+    if not math.isfinite(value):
+        raise DivergedError(f"step {step}: the training loss is {value}")
+
+
+def check_params(model):
+    """DivergedError naming the first parameter that holds a NaN or an infinity."""
+    for (name, _), p in zip(LENET_SHAPES, model.state_dict()["params"]):
+        if not np.isfinite(p).all():
+            raise DivergedError(f"parameter {name} holds {'NaN' if np.isnan(p).any() else 'infinite'} values")
 
 
 def accumulate(totals, metrics):
@@ -66,9 +87,16 @@ def fit(model, train_data, test_data, epochs, batch_size, lr, rng,
     (Xtr, ytr), (Xte, yte) = train_data, test_data
     for epoch in range(start_epoch + 1, epochs + 1):
         start = time.perf_counter()
-        train_loss, train_acc = run_epoch(model, Xtr, ytr, batch_size, lr, rng, on_batch)
+        try:
+            train_loss, train_acc = run_epoch(model, Xtr, ytr, batch_size, lr, rng, on_batch)
+        except DivergedError as e:
+            raise DivergedError(f"epoch {epoch}, {e}") from None
         extras = model.end_epoch(lr_at(lr, model.t))   # e.g. an open accumulation window applied
         epoch_sec = time.perf_counter() - start
+        try:
+            check_params(model)
+        except DivergedError as e:
+            raise DivergedError(f"epoch {epoch}: {e}") from None
         test_acc = evaluate(model, Xte, yte, batch_size)
         yield {"epoch": epoch, "train_loss": train_loss, "train_acc": train_acc,
                "test_acc": test_acc, "epoch_sec": epoch_sec,

@@ -16,11 +16,13 @@ def main(argv=None):
     """Exits 0, or with one line on stderr: 2 for bad input, 1 for bad data, checkpoints or peers."""
     try:
         cfg = parse(argv)
+        kind, n = device_request(cfg)
+        configure(n if kind == "cpu" else 0)
+        from .cli.run import run_or_exit   # MXNet loads here, with the settings above
     except UsageError as e:
         sys.exit(fail(e, 2))
-    kind, n = device_request(cfg)
-    configure(n if kind == "cpu" else 0)
-    from .cli.run import run_or_exit   # MXNet loads here, with the settings above
+    except KeyboardInterrupt:             # Ctrl-C while MXNet is still loading
+        sys.exit(fail("interrupted", 130))
     run_or_exit(cfg)
 
 

@@ -2,20 +2,28 @@
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 
 def write_atomic(path, text):
-    """Replace the file at `path` with `text`: a crash leaves the old file or the new, never half."""
+    """Replace the file at `path` with `text`: a crash or a full disk leaves the old file or the
+    new, never half, and no temporary file (each writer its own temporary name)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def write_log(path, history):
-    """The whole history as JSON lines, replaced atomically so it always matches a checkpoint."""
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in history))
+    """The whole history as JSON lines (strict JSON: no NaN), replaced atomically after every
+    checkpoint, so the log matches the checkpoint; --resume rewrites it from the checkpoint."""
+    write_atomic(path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in history))
 
 
 class Progress:

@@ -1,7 +1,9 @@
 """One training run from a RunConfig: devices, data, strategy, resume, then an epoch at a time with
 a checkpoint, a log record and one printed line after each. Rank 0 alone prints and writes."""
+import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import mxnet as mx
@@ -9,7 +11,7 @@ import numpy as np
 
 from .. import checkpoint, config, memory
 from ..data import load_fashion_mnist
-from ..errors import CheckpointError, DataError, DistributedError, UsageError
+from ..errors import CheckpointError, DataError, DistributedError, DivergedError, OutputError, UsageError
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
 from ..lesson import init_lenet_params
 from ..loop import fit
@@ -54,6 +56,47 @@ def build_model(cfg, params, ctx, world):
     return GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
 
 
+def writable(directory, flag):
+    """UsageError unless a file can be created (and removed) in `directory`."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write in {directory} ({e.strerror})") from None
+
+
+def check_outputs(cfg):
+    """Refuse, before any training, output paths that cannot be written or would clobber each
+    other; create the checkpoint directory."""
+    if cfg.checkpoint_dir:
+        d = Path(cfg.checkpoint_dir)
+        if d.exists() and not d.is_dir():
+            raise UsageError(f"--checkpoint-dir {d} is a file, not a directory")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--checkpoint-dir {d}: cannot create it ({e.strerror})") from None
+        writable(d, "--checkpoint-dir")
+    if cfg.log_json:
+        log = Path(cfg.log_json)
+        if log.is_dir():
+            raise UsageError(f"--log-json {log} is a directory, not a file")
+        if not log.parent.is_dir():
+            raise UsageError(f"--log-json {log}: the directory {log.parent} does not exist")
+        if cfg.checkpoint_dir and log.resolve().parent == Path(cfg.checkpoint_dir).resolve() and (
+                log.name in (checkpoint.NAME, checkpoint.LOCK) or log.name.startswith(checkpoint.TMP_PREFIX)):
+            raise UsageError(f"--log-json {log} would overwrite the checkpoint's own files")
+        writable(log.parent, "--log-json")
+
+
+def save_log(cfg, history):
+    """The JSON log, rewritten; OutputError if it cannot be."""
+    try:
+        write_log(cfg.log_json, history)
+    except OSError as e:
+        raise OutputError(f"--log-json {cfg.log_json}: could not write it ({e.strerror})") from None
+
+
 def learning_rate(cfg, n_train):
     """--lr scaled by --scale-lr and ramped by --warmup-epochs: a float or a schedule of the update."""
     return make_lr(cfg.lr, cfg.batch_size * cfg.grad_accum, cfg.scale_lr, cfg.warmup_epochs,
@@ -74,7 +117,10 @@ def resume_from(cfg, world, model, run_config):
     if differ:
         raise CheckpointError(f"{cfg.checkpoint_dir} holds a run with other settings: " + ", ".join(
             f"{k} {old!r} there, {new!r} here" for k, (old, new) in differ.items()))
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except ValueError as e:
+        raise CheckpointError(f"{cfg.checkpoint_dir}: does not fit this run ({e})") from None
     print(f"resumed from {cfg.checkpoint_dir} after epoch {meta['epoch']}")
     return meta["epoch"], meta["history"], meta["rng_state"]
 
@@ -83,12 +129,27 @@ def run_in(cfg, world):
     """The run as one process of `world`; returns the history."""
     ctx = contexts(cfg, world)
     config.check_layout(cfg, len(ctx), world.size)
+    if world.is_root:
+        check_outputs(cfg)
+    with contextlib.ExitStack() as stack:
+        if world.is_root and cfg.checkpoint_dir:
+            stack.enter_context(checkpoint.lock(cfg.checkpoint_dir))
+        return train_in(cfg, world, ctx)
+
+
+def train_in(cfg, world, ctx):
+    """run_in's training, its outputs checked and its checkpoint directory ours."""
     train_data, test_data = load_fashion_mnist(cfg.data_dir, cfg.train_size, cfg.test_size)
     model = build_model(cfg, init_lenet_params(cfg.seed, cfg.init_scale), ctx, world)
+    if len(train_data[0]) < model.min_batch:
+        raise UsageError(f"{len(train_data[0])} training example(s) cannot be split over the "
+                         f"{model.min_batch} devices of a batch: use a larger --train-size")
     lr = learning_rate(cfg, len(train_data[0]))
     mem = memory.per_context(model, cfg.batch_size)
     run_config = {k: getattr(cfg, k) for k in config.RUN_KEYS}
     start_epoch, history, rng_state = resume_from(cfg, world, model, run_config)
+    if history and cfg.log_json and world.is_root:
+        save_log(cfg, history)           # the log matches the checkpoint again, however the last run ended
     rng = np.random.default_rng(cfg.seed)
     if rng_state is not None:
         rng.bit_generator.state = rng_state
@@ -107,7 +168,7 @@ def run_in(cfg, world):
                             {"epoch": epoch, "history": history, "config": run_config,
                              "rng_state": rng.bit_generator.state})
         if cfg.log_json and world.is_root:
-            write_log(cfg.log_json, history)
+            save_log(cfg, history)
         print(format_record(record, cfg.epochs), flush=True)
     if history:
         total = sum(r["epoch_sec"] for r in history)
@@ -132,12 +193,15 @@ def run(cfg):
 
 def run_or_exit(cfg):
     """run(cfg); bad input ends with one line and exit status 2, missing or broken data,
-    checkpoints or peers with 1."""
+    checkpoints, outputs or peers with 1, divergence with 3."""
     try:
         return run(cfg)
     except UsageError as e:
         sys.exit(fail(e, 2))
-    except (DataError, CheckpointError, DistributedError) as e:
+    except (DataError, CheckpointError, DistributedError, OutputError) as e:
         sys.exit(fail(e, 1))
+    except DivergedError as e:
+        kept = " (the last good checkpoint is kept)" if cfg.checkpoint_dir else ""
+        sys.exit(fail(f"training diverged at {e}{kept}; try a lower --lr than {cfg.lr:g}", 3))
     except KeyboardInterrupt:
         sys.exit(fail("interrupted", 130))
