@@ -35,7 +35,15 @@ def split_and_load(data, ctx):
 
 
 def allreduce(data):
-    """Afterwards every `data[i]` holds the elementwise sum of all of them, on its own context."""
+    """Afterwards every `data[i]` holds the elementwise sum of all of them, on its own context
+    (MXNet's shape inference refuses arrays without elements, which hold nothing to add, and
+    0-d ones, which are summed as 1-element views)."""
+    if any(d.shape != data[0].shape for d in data):
+        raise ValueError(f"all-reduce of replicas of different shapes: {', '.join(str(d.shape) for d in data)}")
+    if not data or data[0].size == 0:
+        return
+    if data[0].ndim == 0:
+        data = [d.reshape((1,)) for d in data]
     for i in range(1, len(data)):
         data[0][:] += data[i].copyto(data[0].context)
     for i in range(1, len(data)):
