@@ -3,10 +3,12 @@ import gzip
 import os
 import struct
 import urllib.request
+import zlib
 from pathlib import Path
 
 import numpy as np
 
+from .errors import DataError
 
 FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", 60000),
@@ -19,24 +21,45 @@ HOW_TO_GET = ("install Debian's package (apt-get install -y dataset-fashion-mnis
               "or pass --data-dir DIR holding the four IDX .gz files")
 
 
-from .errors import DataError
+NAMES = [name for imgs, lbls, _ in FILES.values() for name in (imgs, lbls)]
 
 
-def _has_all(d):
-    return all((d / name).is_file() for imgs, lbls, _ in FILES.values() for name in (imgs, lbls))
+def missing_files(d, label):
+    """The names among NAMES that directory `d` lacks (all, if it is no directory); DataError
+    with `label` if `d` cannot be searched."""
+    try:
+        return [n for n in NAMES if not (d / n).is_file()]
+    except OSError as e:
+        raise DataError(f"{label} cannot be read ({e.strerror}); {HOW_TO_GET}") from None
+
+
+def check_dir(d, label):
+    """Returns once directory `d` holds all four files; else DataError saying what `label` lacks."""
+    missing = missing_files(d, label)
+    if missing and not d.is_dir():
+        raise DataError(f"{label} {'is not a directory' if d.exists() else 'does not exist'}; {HOW_TO_GET}")
+    if missing:
+        raise DataError(f"{label} lacks {', '.join(missing)}; {HOW_TO_GET}")
 
 
 def candidate_dirs(data_dir=None):
-    """Where to look, in order: --data-dir, $MANUAL_DP_DATA, Debian's package, MXNet's cache."""
+    """[(directory, label)] to search in order: --data-dir alone if given, else $MANUAL_DP_DATA
+    alone if set (non-empty); else Debian's package, then MXNet's cache."""
     if data_dir is not None:
-        return [Path(data_dir)]
-    dirs = [Path(os.environ["MANUAL_DP_DATA"])] if os.environ.get("MANUAL_DP_DATA") else []
-    return dirs + [Path(DEBIAN_DIR), Path(MXNET_CACHE).expanduser()]
+        return [(Path(data_dir), f"--data-dir {data_dir}")]
+    if os.environ.get("MANUAL_DP_DATA"):
+        return [(Path(os.environ["MANUAL_DP_DATA"]), f"$MANUAL_DP_DATA={os.environ['MANUAL_DP_DATA']}")]
+    return [(Path(DEBIAN_DIR), f"Debian's package {DEBIAN_DIR}"),
+            (Path(MXNET_CACHE).expanduser(), f"MXNet's cache {Path(MXNET_CACHE).expanduser()}")]
 
 
 def download(dest, url=DOWNLOAD_URL, timeout=20):
     """Fetch the four files into `dest` (atomically, one file at a time)."""
-    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"Fashion-MNIST not found locally and {dest} cannot be made for a download "
+                        f"({e.strerror}); {HOW_TO_GET}") from None
     for imgs, lbls, _ in FILES.values():
         for name in (imgs, lbls):
             if (dest / name).is_file():
@@ -52,31 +75,45 @@ def download(dest, url=DOWNLOAD_URL, timeout=20):
             os.replace(tmp, dest / name)
 
 
-def find_data_dir(data_dir=None, allow_download=True):
-    """The first directory holding all four files; an explicit --data-dir must hold them."""
+def locate_data(data_dir=None, allow_download=True):
+    """(directory holding the four files, a label saying where it came from). A --data-dir or a
+    $MANUAL_DP_DATA must hold them (DataError otherwise, no other copy is used)."""
     dirs = candidate_dirs(data_dir)
-    for d in dirs:
-        if _has_all(d):
-            return d
-    if data_dir is not None:
-        if not Path(data_dir).is_dir():
-            raise DataError(f"--data-dir {data_dir} does not exist; {HOW_TO_GET}")
-        missing = [n for i, l, _ in FILES.values() for n in (i, l) if not (Path(data_dir) / n).is_file()]
-        raise DataError(f"--data-dir {data_dir} lacks {', '.join(missing)}; {HOW_TO_GET}")
+    if len(dirs) == 1:
+        check_dir(*dirs[0])
+        return dirs[0]
+    for d, label in dirs:
+        if not missing_files(d, label):
+            return d, label
     if not allow_download:
-        raise DataError(f"Fashion-MNIST not found in {', '.join(map(str, dirs))}; {HOW_TO_GET}")
-    download(dirs[-1])
-    return dirs[-1]
+        raise DataError(f"Fashion-MNIST not found in {', '.join(str(d) for d, _ in dirs)}; {HOW_TO_GET}")
+    cache, label = dirs[-1]
+    download(cache)
+    return cache, f"{label} (downloaded)"
+
+
+def find_data_dir(data_dir=None, allow_download=True):
+    """The directory the data set is loaded from (see locate_data)."""
+    return locate_data(data_dir, allow_download)[0]
+
+
+def read_gzip(path):
+    """The decompressed bytes of `path`; DataError naming it if it cannot be read or unpacked."""
+    try:
+        with open(path, "rb") as f:
+            packed = f.read()
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror})") from None
+    try:
+        return gzip.decompress(packed)
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a readable gzip file ({e})") from None
 
 
 def read_idx(path, magic, expected_shape):
     """The array stored in a gzipped IDX file, after checking magic number and shape."""
     header_len = 8 if magic == 2049 else 16
-    try:
-        with gzip.open(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError) as e:
-        raise DataError(f"{path}: not a readable gzip file ({e})") from None
+    raw = read_gzip(path)
     if len(raw) < header_len:
         raise DataError(f"{path}: truncated header ({len(raw)} bytes)")
     got_magic, *dims = struct.unpack(">" + "I" * (header_len // 4), raw[:header_len])

@@ -73,12 +73,13 @@ def test_missing_dir_and_missing_files(tmp_path):
         load_fashion_mnist(tmp_path)
 
 
-def test_search_order_env_var_first(tmp_path, monkeypatch, data_dir):
+def test_search_order_env_var_first_and_alone(tmp_path, monkeypatch, data_dir):
     monkeypatch.setenv("MANUAL_DP_DATA", str(data_dir))
     assert data.find_data_dir() == data_dir
     monkeypatch.setenv("MANUAL_DP_DATA", str(tmp_path / "empty"))
     monkeypatch.setattr(data, "DEBIAN_DIR", str(data_dir))
-    assert data.find_data_dir() == data_dir
+    with pytest.raises(DataError, match=r"\$MANUAL_DP_DATA=.*empty does not exist"):
+        data.find_data_dir()  # no silent fall back to another copy
 
 
 def test_offline_download_fails_with_instructions_and_leaves_no_partial_file(tmp_path, monkeypatch):

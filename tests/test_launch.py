@@ -117,8 +117,8 @@ def test_hosts_file_goes_round_robin_through_ssh(tmp_path):
     hosts.write_text("# the cluster\nhostA\n\nhostB  # second\n")
     fake_ssh = tmp_path / "fake-ssh"
     fake_ssh.write_text("#!/bin/sh\n"
-                        "[ \"$1 $2 $3\" = \"-o BatchMode=yes -tt\" ] || exit 97\n"
-                        "echo \"on $4\"\nexec sh -c \"$5\"\n")
+                        "[ \"$1 $2 $3 $4 $5\" = \"-o BatchMode=yes -o ConnectTimeout=60 -tt\" ] || exit 97\n"
+                        "echo \"on $6\"\nexec sh -c \"$7\"\n")
     fake_ssh.chmod(fake_ssh.stat().st_mode | stat.S_IEXEC)
     cmd, marker = launcher(tmp_path, "--workers", "3", "--servers", "1", "--hosts", str(hosts),
                            "--scheduler-host", "127.0.0.1", "--port", "7", "--ssh", str(fake_ssh),

@@ -10,7 +10,7 @@ import mxnet as mx
 import numpy as np
 
 from .. import checkpoint, config, memory
-from ..data import load_fashion_mnist
+from ..data import load_fashion_mnist, locate_data
 from ..errors import CheckpointError, DataError, DistributedError, DivergedError, OutputError, UsageError
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
 from ..lesson import init_lenet_params
@@ -139,7 +139,8 @@ def run_in(cfg, world):
 
 def train_in(cfg, world, ctx):
     """run_in's training, its outputs checked and its checkpoint directory ours."""
-    train_data, test_data = load_fashion_mnist(cfg.data_dir, cfg.train_size, cfg.test_size)
+    data_dir, data_label = locate_data(cfg.data_dir)
+    train_data, test_data = load_fashion_mnist(data_dir, cfg.train_size, cfg.test_size)
     model = build_model(cfg, init_lenet_params(cfg.seed, cfg.init_scale), ctx, world)
     if len(train_data[0]) < model.min_batch:
         raise UsageError(f"{len(train_data[0])} training example(s) cannot be split over the "
@@ -154,7 +155,8 @@ def train_in(cfg, world, ctx):
     if rng_state is not None:
         rng.bit_generator.state = rng_state
     print(f"training on {', '.join(map(str, ctx))}: {len(train_data[0])} train / "
-          f"{len(test_data[0])} test images, batch {cfg.batch_size}, {cfg.optimizer} lr {cfg.lr}")
+          f"{len(test_data[0])} test images from {data_label}, batch {cfg.batch_size}, "
+          f"{cfg.optimizer} lr {cfg.lr}")
     print(f"mode {describe(cfg)}; lr {lr}\nmemory per context: {memory.format_report(mem)}")
     show = sys.stderr.isatty() and not cfg.no_progress and world.is_root
     for epoch in range(start_epoch + 1, cfg.epochs + 1):

@@ -16,10 +16,28 @@ devices. MXNet tracks dependencies per array, not per byte range, so transfers t
 the same replica (the ring's, scatter_gather's) wait for each other even when the chunks differ;
 a CPU-to-CPU copy runs on the worker of the context it copies from.
 """
+import functools
+
 import mxnet as mx
 from mxnet import nd
 
 from ..lesson import allreduce as lesson_allreduce
+
+
+def any_shape(algorithm):
+    """`algorithm` for replicas of any one shape: nothing to do without elements ((0,), (0, 3):
+    MXNet's shape inference refuses them), 0-d ones summed as 1-element views; replicas of
+    different shapes are one ValueError."""
+    @functools.wraps(algorithm)
+    def run(*args):                 # (arrays) or, for a method, (self, arrays)
+        arrays = args[-1]
+        if any(a.shape != arrays[0].shape for a in arrays):
+            raise ValueError(f"all-reduce of replicas of different shapes: "
+                             f"{', '.join(str(a.shape) for a in arrays)}")
+        if arrays and arrays[0].size > 0:
+            views = [a.reshape((1,)) for a in arrays] if arrays[0].ndim == 0 else arrays
+            algorithm(*args[:-1], views)
+    return run
 
 
 def chunk_bounds(n, k):
@@ -35,6 +53,7 @@ def fetch(src, ctx):
     return src.copyto(ctx)
 
 
+@any_shape
 def reduce_bcast(arrays):
     """Afterwards every `arrays[i]` holds the sum: added in one add_n on the first context, copied back."""
     home = arrays[0].context
@@ -75,6 +94,7 @@ def send(src, dst, phase):
         src.copyto(dst)
 
 
+@any_shape
 def ring_allreduce(arrays):
     """Afterwards every `arrays[i]` holds the sum, passed around the ring 0 -> 1 -> ... -> k-1 -> 0
     in k chunks: each link carries 2(k-1)/k of the array (see ring_schedule)."""
@@ -90,6 +110,7 @@ def ring_allreduce(arrays):
                 send(chunk[src][c], chunk[dst][c], phase)
 
 
+@any_shape
 def tree_allreduce(arrays):
     """Afterwards every `arrays[i]` holds the sum, added up a binary tree into rank 0 in
     ceil(log2 k) rounds and copied back down it (see tree_schedule)."""
@@ -98,6 +119,7 @@ def tree_allreduce(arrays):
             send(arrays[src], arrays[dst], phase)
 
 
+@any_shape
 def scatter_gather_allreduce(arrays):
     """Afterwards every `arrays[i]` holds the sum. Reduce-scatter in one step: rank i adds up
     chunk i of every replica (one add_n on its own context); all-gather in one step: rank i's
@@ -126,15 +148,18 @@ class KVStoreAllreduce:
     """
 
     def __init__(self, kind="device"):
-        self.kind, self.store, self.keys = kind, None, {}
+        self.kind, self.store, self.keys, self.tried = kind, None, {}, 0
 
+    @any_shape
     def __call__(self, arrays):
+        """Afterwards every `arrays[i]` holds the sum; a key whose init failed is not kept."""
         if self.store is None:
             self.store = mx.kv.create(self.kind)
         sig = (arrays[0].shape, str(arrays[0].dtype), tuple(str(a.context) for a in arrays))
         if sig not in self.keys:
-            self.keys[sig] = len(self.keys)
-            self.store.init(self.keys[sig], nd.zeros(arrays[0].shape, arrays[0].context, arrays[0].dtype))
+            key, self.tried = self.tried, self.tried + 1   # a failed init's number is not reused
+            self.store.init(key, nd.zeros(arrays[0].shape, arrays[0].context, arrays[0].dtype))
+            self.keys[sig] = key
         self.store.pushpull(self.keys[sig], arrays, out=arrays)
 
 
@@ -145,7 +170,7 @@ def kvstore_allreduce(arrays):
 
 
 ALLREDUCE_ALGORITHMS = {
-    "lesson": lesson_allreduce,
+    "lesson": any_shape(lesson_allreduce),
     "reduce_bcast": reduce_bcast,
     "ring": ring_allreduce,
     "tree": tree_allreduce,

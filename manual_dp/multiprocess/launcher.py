@@ -9,8 +9,18 @@ as "[worker 1]". When a process fails, or a server or the scheduler ends before 
 launcher stops all the others and exits non-zero; when every worker succeeds it exits 0.
 With --hosts FILE (one host per line) servers and workers go round-robin over the hosts via ssh
 (keys, no password), the scheduler runs here.
+
+Start-up deadline: a process run here has started once it runs. A process on a host has started
+when its remote shell, after ssh has connected, logged in and entered this directory, prints the
+launcher's start marker (a line of its own, not forwarded) just before running COMMAND; ssh gets
+`-o ConnectTimeout` of the same length. A remote process that has not started within
+--start-timeout seconds stops the job, with one line naming its host, since no trainer there
+would ever reach its own --timeout. --port is checked free here (where the scheduler runs)
+before anything starts.
 """
 import argparse
+import errno
+import math
 import os
 import shlex
 import signal
@@ -24,6 +34,7 @@ from pathlib import Path
 from ..errors import UsageError
 
 LOOPBACK = "127.0.0.1"
+STARTED = "manual_dp.launch: remote command started"  # a remote shell's first own line
 
 
 class Parser(argparse.ArgumentParser):
@@ -41,9 +52,25 @@ def build_parser():
                    "(default: 127.0.0.1 without --hosts, else the address of the route to the first host)")
     p.add_argument("--port", type=int, help="scheduler port (DMLC_PS_ROOT_PORT; default: a free one)")
     p.add_argument("--ssh", default="ssh", help="ssh client used for --hosts")
-    p.add_argument("--grace", type=float, default=10.0,
+    p.add_argument("--grace", type=seconds, default=10.0,
                    help="seconds servers and scheduler get to end after the last worker")
+    p.add_argument("--start-timeout", type=seconds, default=60.0,
+                   help="seconds a process on a host gets to start (ssh connect and login)")
     return p
+
+
+def seconds(text):
+    """A positive, finite float of seconds, or argparse's one-line refusal. (A --grace of 0
+    would leave no time between the last worker's end and the servers' and scheduler's, which
+    end at about the same moment, so a finished job would fail by chance; infinity would wait
+    for ever on a lost part; a --start-timeout of 0 would fail every remote start.)"""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number of seconds, got {text}")
+    return value
 
 
 def parse(argv):
@@ -64,9 +91,12 @@ def parse(argv):
 
 def read_hosts(path):
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_bytes().decode("utf-8").splitlines()
     except OSError as e:
         raise UsageError(f"--hosts {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--hosts {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} "
+                         f"at offset {e.start})") from None
     hosts = [ln.split("#")[0].strip() for ln in lines]
     hosts = [h for h in hosts if h]
     if not hosts:
@@ -78,6 +108,21 @@ def free_port(host=""):
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_port_free(host, port):
+    """Returns once `port` binds on `host` (or on every address, if `host` is not one of this
+    machine's) as the scheduler will bind it; UsageError if another program holds it."""
+    for address in (host, ""):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ does
+            try:
+                return s.bind((address, port))
+            except (socket.gaierror, OSError) as e:
+                if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+                    continue
+                raise UsageError(f"--port {port} cannot be used on {address or 'this machine'}: "
+                                 f"{e.strerror}") from None
 
 
 def route_address(host):
@@ -106,19 +151,27 @@ def plan(args):
     return procs
 
 
-def argv_for(command, host, env, ssh):
-    """The local argv that runs `command` with `env` here, or on `host` through ssh."""
+def argv_for(command, host, env, ssh, start_timeout=60.0):
+    """The local argv that runs `command` with `env` here, or on `host` through ssh (printing
+    STARTED first there)."""
     if host is None:
         return command
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    remote = f"cd {shlex.quote(os.getcwd())} && env {assignments} {shlex.join(command)}"
+    remote = (f"cd {shlex.quote(os.getcwd())} && echo {shlex.quote(STARTED)} && "
+              f"env {assignments} {shlex.join(command)}")
     # -tt: a terminal on the far side, so that ending ssh here hangs up the remote process too.
-    return [*shlex.split(ssh), "-o", "BatchMode=yes", "-tt", host, remote]
+    return [*shlex.split(ssh), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={math.ceil(start_timeout)}",
+            "-tt", host, remote]
 
 
-def forward(name, stream, lock):
+def forward(name, stream, lock, started):
+    """Every line of `stream` written out with its prefix, except the first STARTED line, which
+    sets `started` instead; returns at the end of the stream."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n")
+        if line == STARTED and not started.is_set():
+            started.set()
+            continue
         with lock:
             sys.stdout.write(f"[{name}] {line}\n")
             sys.stdout.flush()
@@ -134,24 +187,40 @@ def describe(code):
 class Job:
     """The started processes, each in its own process group, and their output readers."""
 
-    def __init__(self):
+    def __init__(self, start_timeout=60.0):
         self.procs, self.readers, self.lock = [], [], threading.Lock()
+        self.start_timeout, self.pending, self.started_at = start_timeout, [], None
 
     def start(self, procs, command, ssh):
+        """Every process of `procs` runs, its output forwarded; remote ones wait in `pending`."""
+        self.started_at = time.monotonic()
         for name, host, env in procs:
-            p = subprocess.Popen(argv_for(command, host, env, ssh), env=dict(os.environ, **env),
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-            self.procs.append((name, p))
-            reader = threading.Thread(target=forward, args=(name, p.stdout, self.lock), daemon=True)
+            p = subprocess.Popen(argv_for(command, host, env, ssh, self.start_timeout),
+                                 env=dict(os.environ, **env), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            label, started = (name if host is None else f"{name} on {host}"), threading.Event()
+            self.procs.append((label, p))
+            if host is None:
+                started.set()
+            else:
+                self.pending.append((label, p, started))
+            reader = threading.Thread(target=forward, args=(name, p.stdout, self.lock, started), daemon=True)
             reader.start()
             self.readers.append(reader)
+
+    def late(self):
+        """A remote process still running but not started after start_timeout s, else None."""
+        if time.monotonic() - self.started_at <= self.start_timeout:
+            return None
+        return next((label for label, p, started in self.pending
+                     if not started.is_set() and p.poll() is None), None)
 
     def supervise(self, grace):
         """Wait until every worker has ended; returns (exit status, what went wrong or None).
 
         A server or the scheduler may end cleanly while the last workers finalise; if the
-        workers have not all ended `grace` seconds after that, the job has lost a part.
+        workers have not all ended `grace` seconds after that, the job has lost a part. A
+        remote process not started after start_timeout s fails the job.
         """
         workers = [p for name, p in self.procs if name.startswith("worker")]
         done_at = early = None
@@ -164,6 +233,9 @@ class Job:
                     return (code if code > 0 else 1), f"{name} {describe(code)}"
                 if done_at is None and early is None:
                     early = (name, time.monotonic())
+            late = self.late()
+            if late:
+                return 1, f"{late} did not start within --start-timeout {self.start_timeout:g} s"
             if done_at is None and all(p.poll() == 0 for p in workers):
                 done_at = time.monotonic()
             if done_at is None and early and time.monotonic() - early[1] > grace:
@@ -196,6 +268,8 @@ def main(argv=None):
     try:
         args, command = parse(argv)
         procs = plan(args)
+        if args.port is not None:
+            check_port_free(procs[0][2]["DMLC_PS_ROOT_URI"], args.port)
     except (UsageError, OSError) as e:
         print(f"manual_dp.launch: error: {e}", file=sys.stderr)
         return 2
@@ -204,7 +278,7 @@ def main(argv=None):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupted)
-    job = Job()
+    job = Job(args.start_timeout)
     try:
         job.start(procs, command, args.ssh)
         code, reason = job.supervise(args.grace)
