@@ -105,7 +105,7 @@ def check(meta, arrays):
         return "written by an older manual_dp (no checksum): start a new run or use that version"
     for key, kind in SCHEMA.items():
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
-            return f"damaged: '{key}' is missing or not a {kind.__name__}"
+            return f"damaged: '{key}' is missing or not of type {kind.__name__}"
     if digest(meta, arrays) != meta["sha256"]:
         return "damaged or changed since it was written (checksum mismatch)"
     if meta["n_params"] != len(LENET_SHAPES) or len(meta["n_opt"]) != len(LENET_SHAPES):

@@ -203,7 +203,8 @@ def run_or_exit(cfg):
     except (DataError, CheckpointError, DistributedError, OutputError) as e:
         sys.exit(fail(e, 1))
     except DivergedError as e:
-        kept = " (the last good checkpoint is kept)" if cfg.checkpoint_dir else ""
+        saved = cfg.checkpoint_dir and (Path(cfg.checkpoint_dir) / checkpoint.NAME).is_file()
+        kept = " (the checkpoint of the last good epoch is kept)" if saved else ""
         sys.exit(fail(f"training diverged at {e}{kept}; try a lower --lr than {cfg.lr:g}", 3))
     except KeyboardInterrupt:
         sys.exit(fail("interrupted", 130))

@@ -1,0 +1,272 @@
+"""Every bad input the command line can meet, as a table: each case ends with its exit status, ONE
+line on stderr (no traceback), and the checkpoint directory as it should be afterwards.
+
+Exit statuses: 2 bad flags or outputs found before training, 1 data, checkpoints, outputs that
+fail while training, 3 divergence, 130 Ctrl-C. The launcher's own table is tests/test_launch_faults.py.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from conftest import write_dataset
+from manual_dp import checkpoint
+from manual_dp.train import main
+
+TINY = ["--train-size", "100", "--test-size", "64", "--batch-size", "32", "--no-progress"]
+
+
+def run(capsys, argv):
+    """(exit status, stderr lines) of the CLI run in this process."""
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def good_checkpoint(tmp, data):
+    """A checkpoint directory holding epoch 1 of a real run (and its bytes, to compare later)."""
+    ck = tmp / "ck"
+    assert main_ok(["--cpus", "2", "--data-dir", str(data), "--epochs", "1", "--checkpoint-dir", str(ck), *TINY])
+    return ck
+
+
+def main_ok(argv):
+    try:
+        main(argv)
+    except SystemExit as e:
+        return e.code == 0
+    return True
+
+
+def rewrite(ck, change, resign=True):
+    """Rewrite ck's checkpoint with change(meta, arrays) applied; resign: with a fresh checksum, so
+    that the check behind the checksum is the one that speaks."""
+    path = ck / checkpoint.NAME
+    with np.load(path) as z:
+        meta = json.loads(z["meta"].tobytes().decode())
+        arrays = {k: z[k] for k in z.files if k != "meta"}
+    change(meta, arrays)
+    if resign:
+        meta["sha256"] = checkpoint.digest(meta, arrays)
+    with open(path, "wb") as f:
+        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+
+
+def flip_bytes(ck):
+    raw = bytearray((ck / checkpoint.NAME).read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 8] = b"\xff" * 8
+    (ck / checkpoint.NAME).write_bytes(bytes(raw))
+
+
+# (id, extra argv, exit status, what the one line says)
+FLAGS = [
+    ("lr inf", ["--lr", "inf"], 2, "--lr must be positive and finite, got inf"),
+    ("lr nan", ["--lr", "nan"], 2, "--lr must be positive and finite"),
+    ("lr negative", ["--lr", "-0.1"], 2, "--lr must be positive"),
+    ("init-scale inf", ["--init-scale", "inf"], 2, "--init-scale must be positive and finite"),
+    ("init-scale 0", ["--init-scale", "0"], 2, "--init-scale must be positive"),
+    ("warmup inf", ["--warmup-epochs", "inf"], 2, "--warmup-epochs must be >= 0 and finite"),
+    ("warmup nan", ["--warmup-epochs", "nan"], 2, "--warmup-epochs must be >= 0"),
+    ("seed -1", ["--seed", "-1"], 2, r"--seed must be in 0..2\*\*32-1, got -1"),
+    ("seed 2**32", ["--seed", str(2 ** 32)], 2, "--seed must be in"),
+    ("timeout inf", ["--timeout", "inf"], 2, "--timeout must be positive and finite"),
+    ("timeout 0", ["--timeout", "0"], 2, "--timeout must be positive"),
+    ("epochs -1", ["--epochs", "-1"], 2, "--epochs must be >= 0"),
+    ("epochs two", ["--epochs", "two"], 2, "invalid int value"),
+    ("batch 0", ["--batch-size", "0"], 2, "--batch-size must be >= 1"),
+    ("cpus 0", ["--cpus", "0"], 2, "--cpus must be >= 1"),
+    ("gpus absent", ["--gpus", str(mx.context.num_gpus() + 2)], 2, "found .* --cpus"),
+    ("cpus and gpus", ["--cpus", "2", "--gpus", "1"], 2, "not allowed with"),
+    ("batch below devices", ["--cpus", "3", "--batch-size", "2"], 2, "--batch-size 2 is smaller than the 3 devices"),
+    ("train-size below devices", ["--cpus", "2", "--train-size", "1"], 2,
+     "1 training example.* cannot be split over the 2 devices"),
+    ("model on 3", ["--cpus", "3", "--mode", "model"], 2, "--mode model needs exactly 2 contexts"),
+    ("staleness in sync", ["--staleness", "2"], 2, "--staleness applies only to --mode async"),
+    ("allreduce in async", ["--mode", "async", "--allreduce", "ring"], 2, "--allreduce applies only to --mode sync or hybrid"),
+    ("allreduce unknown", ["--allreduce", "bogus"], 2, "--allreduce bogus: choose from lesson, reduce_bcast"),
+    ("fuse-grads in model", ["--cpus", "2", "--mode", "model", "--fuse-grads"], 2, "--fuse-grads applies only to --mode sync"),
+    ("micro-batches 0", ["--cpus", "2", "--mode", "pipeline", "--micro-batches", "0"], 2, "--micro-batches must be >= 1"),
+    ("horovod async", ["--backend", "horovod", "--mode", "async"], 2, "runs every mode but async"),
+    ("dist_async pipeline", ["--backend", "dist_async", "--mode", "pipeline"], 2, "--backend dist_async runs its own"),
+    ("dist_sync alone", ["--backend", "dist_sync"], 2, "runs as a worker under the launcher"),
+    ("resume without dir", ["--resume"], 2, "--resume needs --checkpoint-dir"),
+    ("unknown flag", ["--no-such-flag"], 2, "unrecognized arguments"),
+]
+
+
+@pytest.mark.parametrize("argv,code,message", [c[1:] for c in FLAGS], ids=[c[0] for c in FLAGS])
+def test_bad_flag(capsys, monkeypatch, data_dir, tmp_path, argv, code, message):
+    for name in [k for k in os.environ if k.startswith("DMLC_")]:
+        monkeypatch.delenv(name)
+    ck = tmp_path / "ck"
+    outputs = [] if "--resume" in argv else ["--checkpoint-dir", str(ck)]
+    got, lines = run(capsys, ["--data-dir", str(data_dir), *TINY, *outputs, *argv])
+    assert got == code and len(lines) == 1 and lines[0].startswith("manual_dp.train: error:"), lines
+    assert re.search(message, lines[0]), lines[0]
+    assert not (ck / checkpoint.NAME).exists()
+
+
+# Outputs, data and checkpoints: (id, setup(tmp, data) -> extra argv, exit status, message,
+# afterwards(tmp) -> None: asserts the state of the checkpoint directory).
+def absent(tmp):
+    assert not (tmp / "ck" / checkpoint.NAME).exists()
+
+
+def epoch_one_kept(tmp):
+    state, meta = checkpoint.load(tmp / "ck")
+    assert meta["epoch"] == 1 and not list((tmp / "ck").glob("*.tmp"))
+
+
+def damaged_kept(tmp):
+    assert (tmp / "ck" / checkpoint.NAME).exists() and not list((tmp / "ck").glob("*.tmp"))
+
+
+def resume(ck, *more):
+    return ["--cpus", "2", "--epochs", "2", "--checkpoint-dir", str(ck), "--resume", *more]
+
+
+CASES = [
+    ("checkpoint-dir is a file", lambda t, d: (t.joinpath("ck").write_text("x"), ["--checkpoint-dir", str(t / "ck")])[1],
+     2, "--checkpoint-dir .* is a file", lambda t: None),
+    ("log-json is a directory", lambda t, d: ["--log-json", str(t)], 2, "--log-json .* is a directory", absent),
+    ("log-json parent missing", lambda t, d: ["--log-json", str(t / "no" / "log.jsonl")], 2, "does not exist", absent),
+    ("log-json onto the checkpoint", lambda t, d: ["--checkpoint-dir", str(t / "ck"), "--log-json", str(t / "ck" / checkpoint.NAME)],
+     2, "would overwrite the checkpoint", absent),
+    ("data dir missing", lambda t, d: ["--data-dir", str(t / "nowhere")], 1, "does not exist", absent),
+    ("data corrupt", lambda t, d: (write_dataset(t / "bad", 40, 20), (t / "bad" / "train-labels-idx1-ubyte.gz").write_bytes(b"junk"),
+                                   ["--data-dir", str(t / "bad")])[-1], 1, "not a readable gzip", absent),
+    ("checkpoint garbage", lambda t, d: (t.joinpath("ck").mkdir(), (t / "ck" / checkpoint.NAME).write_bytes(b"PK\x03\x04 broken"),
+                                         resume(t / "ck"))[-1], 1, "unreadable checkpoint", damaged_kept),
+    ("checkpoint bytes flipped", lambda t, d: (flip_bytes(good_checkpoint(t, d)), resume(t / "ck"))[-1],
+     1, "unreadable checkpoint|checksum mismatch", damaged_kept),
+    ("checkpoint param of wrong shape", lambda t, d: (rewrite(good_checkpoint(t, d), lambda m, a: a.update(param_2=np.zeros((3, 3), np.float32))),
+                                                      resume(t / "ck"))[-1], 1, r"W2 \(param_2\) is float32 \(3, 3\), expected float32 \(50, 20, 5, 5\)", damaged_kept),
+    ("checkpoint without config", lambda t, d: (rewrite(good_checkpoint(t, d), lambda m, a: m.pop("config")), resume(t / "ck"))[-1],
+     1, "'config' is missing", damaged_kept),
+    ("checkpoint epoch a string", lambda t, d: (rewrite(good_checkpoint(t, d), lambda m, a: m.update(epoch="1")), resume(t / "ck"))[-1],
+     1, "'epoch' is missing or not of type int", damaged_kept),
+    ("checkpoint rng state changed", lambda t, d: (rewrite(good_checkpoint(t, d), lambda m, a: m["rng_state"]["state"].update(state=12345), resign=False),
+                                                   resume(t / "ck"))[-1], 1, "checksum mismatch", damaged_kept),
+    ("checkpoint with NaN", lambda t, d: (rewrite(good_checkpoint(t, d), lambda m, a: a["param_4"].__setitem__((0, 0), np.nan)),
+                                          resume(t / "ck"))[-1], 1, "W3 .* not finite", damaged_kept),
+    ("checkpoint of an older version", lambda t, d: (rewrite(good_checkpoint(t, d), lambda m, a: m.pop("sha256"), resign=False),
+                                                     resume(t / "ck"))[-1], 1, "older manual_dp", damaged_kept),
+    ("checkpoint of other settings", lambda t, d: (good_checkpoint(t, d), resume(t / "ck", "--lr", "0.5"))[-1],
+     1, "holds a run with other settings: lr 0.05 there, 0.5 here$", epoch_one_kept),
+    ("diverges at once", lambda t, d: ["--cpus", "2", "--lr", "1e30", "--epochs", "3", "--checkpoint-dir", str(t / "ck"),
+                                       "--log-json", str(t / "log.jsonl")],
+     3, r"diverged at epoch 1, step \d+: the training loss is nan; try a lower --lr than 1e\+30", absent),
+]
+
+
+@pytest.mark.parametrize("setup,code,message,afterwards", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_output_data_or_checkpoint(capsys, data_dir, tmp_path, setup, code, message, afterwards):
+    argv = setup(tmp_path, data_dir)
+    capsys.readouterr()
+    got, lines = run(capsys, ["--data-dir", str(data_dir), *TINY, *argv])
+    assert got == code and len(lines) == 1 and lines[0].startswith("manual_dp.train: error:"), lines
+    assert re.search(message, lines[0]), lines[0]
+    afterwards(tmp_path)
+
+
+def test_missing_manual_dp_data_is_refused_not_replaced(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MANUAL_DP_DATA", str(tmp_path / "nowhere"))
+    got, lines = run(capsys, ["--cpus", "1", *TINY])
+    assert got == 1 and len(lines) == 1 and "$MANUAL_DP_DATA" in lines[0], lines
+
+
+def test_divergence_in_epoch_2_keeps_epoch_1(capsys, monkeypatch, data_dir, tmp_path):
+    """A planted fault: the 6th update (epoch 2 of 4 updates an epoch) writes NaN into W3."""
+    from manual_dp.strategies import data_parallel
+    real, calls = data_parallel.apply_update_and_clear, []
+
+    def faulty(params, *args):
+        real(params, *args)
+        calls.append(1)
+        if len(calls) == 6 * 2:                 # two replicas update per step
+            params[0][:] = float("nan")
+    monkeypatch.setattr(data_parallel, "apply_update_and_clear", faulty)
+    log = tmp_path / "log.jsonl"
+    got, lines = run(capsys, ["--data-dir", str(data_dir), *TINY, "--cpus", "2", "--epochs", "3",
+                              "--checkpoint-dir", str(tmp_path / "ck"), "--log-json", str(log)])
+    assert got == 3 and len(lines) == 1, lines
+    assert re.search(r"diverged at epoch 2.*\(the checkpoint of the last good epoch is kept\)", lines[0]), lines[0]
+    epoch_one_kept(tmp_path)
+    assert [json.loads(r)["epoch"] for r in log.read_text().splitlines()] == [1]
+
+
+@pytest.fixture
+def small_mount(tmp_path):
+    """A 1.5 MB tmpfs at tmp_path/mnt (room for one checkpoint of ~1 MB, not for two), or skip."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_keeps_the_previous_checkpoint_and_no_temporary_file(capsys, data_dir, small_mount):
+    ck = small_mount / "ck"
+    got, lines = run(capsys, ["--data-dir", str(data_dir), *TINY, "--cpus", "2", "--epochs", "3",
+                              "--checkpoint-dir", str(ck)])
+    assert got == 1 and len(lines) == 1, lines
+    assert re.search(r"could not write a checkpoint in .* \(No space left on device\); the previous one is kept", lines[0])
+    state, meta = checkpoint.load(ck)
+    assert meta["epoch"] == 1 and not list(ck.glob("*.tmp"))
+
+
+def test_read_only_file_system_is_refused_before_training(capsys, data_dir, small_mount):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_mount)], check=True)
+    got, lines = run(capsys, ["--data-dir", str(data_dir), *TINY, "--cpus", "1",
+                              "--checkpoint-dir", str(small_mount / "ck")])
+    assert got == 2 and len(lines) == 1 and "Read-only file system" in lines[0], lines
+
+
+def cli(*argv):
+    return [sys.executable, "-m", "manual_dp.train", *map(str, argv)]
+
+
+def test_two_runs_cannot_share_a_checkpoint_dir(tmp_path, data_dir):
+    ck = tmp_path / "ck"
+    first = subprocess.Popen(cli("--cpus", "1", "--data-dir", data_dir, *TINY, "--epochs", "200",
+                                 "--checkpoint-dir", ck), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while not (ck / checkpoint.NAME).exists() and time.time() < deadline:
+            time.sleep(0.05)
+        second = subprocess.run(cli("--cpus", "1", "--data-dir", data_dir, *TINY, "--epochs", "1",
+                                    "--seed", "1", "--checkpoint-dir", ck), capture_output=True, text=True, timeout=120)
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 1 and len(lines) == 1, second.stderr
+        assert f"is in use by another run (pid {first.pid})" in lines[0]
+        assert first.poll() is None                          # the first run goes on, untouched
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    state, meta = checkpoint.load(ck)                         # and its checkpoint is whole
+    assert meta["config"]["seed"] == 0
+
+
+def test_ctrl_c_while_mxnet_loads_is_one_line(tmp_path, data_dir):
+    proc = subprocess.Popen(cli("--cpus", "1", "--data-dir", data_dir, *TINY), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(0.4)                                           # python is up; MXNet is loading
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and lines == ["manual_dp.train: error: interrupted"], err
