@@ -165,3 +165,16 @@ def test_console_script_entry_sets_thread_settings_before_mxnet_loads(data_dir):
     assert out.returncode == 0, out.stderr
     cores = len(os.sched_getaffinity(0))
     assert out.stdout.strip().splitlines()[-1] == f"AT_LOAD 1024 {max(1, cores // 2)}"
+
+
+def test_resume_rewrites_a_log_left_behind_the_checkpoint(capsys, data_dir, tmp_path):
+    """A kill between the checkpoint's rename and the log's leaves the log one epoch behind:
+    --resume rewrites it from the checkpoint before training on."""
+    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    common = ["--cpus", "2", "--data-dir", str(data_dir), *TINY, "--checkpoint-dir", str(ck), "--log-json", str(log)]
+    assert run_main(capsys, *common, "--epochs", "2")[0] == 0
+    records = read_log(log)
+    log.write_text(json.dumps(records[0]) + "\n")             # as if killed before the second write
+    code, out, err = run_main(capsys, *common, "--epochs", "2", "--resume")
+    assert code == 0 and "resumed from" in out, err
+    assert read_log(log) == records
