@@ -24,7 +24,10 @@ def test_tiny_run_writes_records_with_the_required_keys(tiny_run):
     assert records and all({"bench", "impl", "devices"} <= set(r) for r in records)
     assert not [r for r in records if "error" in r]
     kinds = {r["bench"] for r in records}
-    assert {"meta", "memcpy", "memfloor", "allreduce", "allreduce_lenet", "overlap", "train", "summary"} <= kinds
+    assert {"meta", "memcpy", "memfloor", "allreduce", "allreduce_lenet", "overlap", "train", "summary",
+            "peak"} <= kinds
+    # the distance to the machine's peak, beside images/s, for every training measurement
+    assert all(r["gflops"] > 0 and 0 < r["peak_share"] < 1 for r in records if r["bench"] == "train")
     assert all(r["cores_free"] > 0 for r in records if r["bench"] == "train")
     meta = records[0]
     assert meta["bench"] == "meta" and 0 < meta["cores_free_before"] <= meta["devices"] + 0.5

@@ -23,7 +23,7 @@ from ..fast.runtime import machine, thread_env, usable_cores
 
 KB, MB = 1024, 1024 * 1024
 PLANS = {
-    "tiny": dict(payloads=[4 * KB, 64 * KB], comm_devices=[2, 3], lenet_devices=[2], comm_repeats=2,
+    "tiny": dict(payloads=[4 * KB, 64 * KB], comm_devices=[2, 3], lenet_devices=[2], comm_repeats=2, gemm=256,
                  images=256, batch=64, repeats=2, devices=[1, 2], data="synthetic", peers=False, few=True,
                  overlap_steps=2),
     "quick": dict(payloads=[4 * KB, 64 * KB, 1 * MB, 4 * MB, 16 * MB], comm_devices=[2, 4, 8],
@@ -133,6 +133,10 @@ def measure(plan, args):
               f"{plan['comm_devices']} contexts", flush=True)
         records += run_worker(spec, worker_env("tuned", 2), args.timeout)
     if args.only in (None, "train"):
+        spec = {"bench": "peak", "impl": "gemm", "n": plan.get("gemm", 2048), "repeats": 3}
+        records += run_worker(spec, worker_env("tuned", 1), args.timeout)   # every core, one context
+        peak = max([r["gflops"] for r in records if r["bench"] == "peak" and "error" not in r] or [0])
+        print(f"  peak: a float32 GEMM at {peak:.0f} GFLOP/s (MXNet's OpenBLAS and oneDNN, best)", flush=True)
         for env in ("default", "tuned"):  # do cpu(0) and cpu(1) compute at the same time?
             spec = {"bench": "overlap", "env": env, "options": FAST, "steps": plan["overlap_steps"]}
             got = run_worker(spec, worker_env(env, 2), args.timeout)

@@ -6,6 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .. import costmodel
+from ..flops import flops_per_image
 from .plots import allreduce_plots, label, model_plot, scaling_plot
 
 
@@ -14,11 +15,18 @@ def ok(records, bench):
 
 
 def add_efficiency(records):
-    """scaling_efficiency = T1 / (k Tk) = images/s on k / (k * images/s on 1), per implementation."""
+    """scaling_efficiency = T1 / (k Tk) = images/s on k / (k * images/s on 1), per implementation;
+    gflops = the arithmetic LeNet's training needs (manual_dp.flops) done per second, and
+    peak_share = gflops / the GEMM peak measured in the same run."""
     one = {label(r): r["images_per_sec"] for r in ok(records, "train") if r["devices"] == 1}
-    for r in ok(records, "train"):
-        if label(r) in one:
+    peak = max([r["gflops"] for r in ok(records, "peak")] or [0])
+    per_image = flops_per_image()[1]
+    for r in ok(records, "train") + ok(records, "pair"):
+        if label(r) in one and r["bench"] == "train":
             r["scaling_efficiency"] = r["images_per_sec"] / (r["devices"] * one[label(r)])
+        r["gflops"] = r["images_per_sec"] * per_image / 1e9
+        if peak:
+            r["peak_share"] = r["gflops"] / peak
 
 
 def ratio(name, devices, value, target, higher_is_better=True, **extra):
@@ -76,12 +84,16 @@ def targets(records):
 def report(records):
     """Adds efficiencies, prints the tables, returns the summary records."""
     add_efficiency(records)
-    print("\ntraining (median images/s, first pass dropped)")
-    print(f"  {'implementation':42} {'dev':>3} {'img/s':>7} {'s/epoch':>8} {'eff':>5} {'cpu ms/img':>10} {'loss':>7}")
+    peak = max([r["gflops"] for r in ok(records, "peak")] or [0])
+    print(f"\ntraining (median images/s, first pass dropped; {flops_per_image()[1] / 1e6:.2f} MFLOP an image; "
+          f"peak: GEMM at {peak:.0f} GFLOP/s)")
+    print(f"  {'implementation':42} {'dev':>3} {'img/s':>7} {'s/epoch':>8} {'eff':>5} {'cpu ms/img':>10} "
+          f"{'GFLOP/s':>8} {'% peak':>6} {'loss':>7}")
     for r in sorted(ok(records, "train"), key=lambda r: (r["devices"], -r["images_per_sec"])):
-        eff = r.get("scaling_efficiency")
+        eff, share = r.get("scaling_efficiency"), r.get("peak_share")
         print(f"  {label(r):42} {r['devices']:>3} {r['images_per_sec']:>7.0f} {r['sec_per_epoch']:>8.1f} "
-              f"{'' if eff is None else f'{eff:.2f}':>5} {r['cpu_ms_per_image']:>10.3f} {r['final_loss']:>7.4f}")
+              f"{'' if eff is None else f'{eff:.2f}':>5} {r['cpu_ms_per_image']:>10.3f} {r['gflops']:>8.1f} "
+              f"{'' if share is None else f'{share:.0%}':>6} {r['final_loss']:>7.4f}")
     lenet = ok(records, "allreduce_lenet")
     if lenet:
         print("\nall-reduce of LeNet's 8 gradients (516 KB), microseconds: per array / fused")

@@ -44,6 +44,10 @@ def run(spec):
     if spec["bench"] == "overlap":
         from .overlap import run as run_overlap
         return run_overlap(spec)
+    if spec["bench"] == "peak":
+        from ..flops import gemm_peak
+        return [{"bench": "peak", "impl": kernel, "devices": 1, "gflops": g}
+                for kernel, g in gemm_peak(spec["n"], spec["repeats"]).items()]
     X, y = training_data(spec)
     if spec["impl"].startswith("torch"):
         from . import peer_torch
