@@ -70,6 +70,9 @@ class RunConfig:
                                       "speed")
     graph: Optional[bool] = flag(None, "sync only: LeNet as a cached symbolic graph instead of layer "
                                        "by layer (default on)", "speed")
+    no_autotune: bool = flag(False, "sync only: do not measure which padding of the convolutions' "
+                                    "channels is fastest on this CPU (manual_dp/fast/autotune.py); use "
+                                    "none ($MANUAL_DP_CONV_PAD names one)", "speed")
     backend: str = flag("local", "local: this process alone; horovod: under horovodrun; dist_sync, "
                                  "dist_async: MXNet's parameter-server KVStore under python -m "
                                  "manual_dp.launch", "more than one process (see docs/multi-machine.md)",
@@ -86,6 +89,7 @@ APPLIES = {
     "allreduce": ("sync", "hybrid"),
     "fuse_grads": ("sync",),
     "graph": ("sync",),
+    "no_autotune": ("sync",),
 }
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "train_size", "test_size",
@@ -94,13 +98,13 @@ RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "train_size",
 
 def resolve(cfg):
     """`cfg` with every None that the mode decides filled in; refuses flags the mode ignores."""
-    values = {}
+    values, defaults = {}, {f.name: f.default for f in fields()}
     for name, modes in APPLIES.items():
         given = getattr(cfg, name)
-        if given is not None and cfg.mode not in modes:
+        if given != defaults[name] and cfg.mode not in modes:
             raise UsageError(f"--{name.replace('_', '-')} applies only to --mode "
                              f"{' or '.join(modes)}, not --mode {cfg.mode}")
-        default = MODE_DEFAULTS.get(name, FAST_STEP.get(name))
+        default = MODE_DEFAULTS.get(name, FAST_STEP.get(name, defaults[name]))
         values[name] = given if given is not None else (default if cfg.mode in modes else None)
     return dataclasses.replace(cfg, **values)
 

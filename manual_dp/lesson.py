@@ -66,13 +66,14 @@ def conv_block(X, W, b, F=nd, shape=None):
     return F.Pooling(data=relu(h, F), pool_type="avg", kernel=(2, 2), stride=(2, 2))
 
 
-def lenet(X, params, F=nd):
+def lenet(X, params, F=nd, shapes=None):
     """Class scores (B, 10) for images X (B, 1, 28, 28); params live on X's context.
 
-    F=mx.sym builds the same network as a symbolic graph (manual_dp.fast.graph caches it).
+    F=mx.sym builds the same network as a symbolic graph (manual_dp.fast.graph caches it); symbols
+    have no shapes, so theirs are `shapes` (default LENET_SHAPES').
     """
     W1, b1, W2, b2, W3, b3, W4, b4 = params
-    shapes = [getattr(p, "shape", shape) for p, (_, shape) in zip(params, LENET_SHAPES)]
+    shapes = shapes or [getattr(p, "shape", shape) for p, (_, shape) in zip(params, LENET_SHAPES)]
     h = conv_block(X, W1, b1, F, shapes[0])          # (B, 20, 13, 13)
     h = conv_block(h, W2, b2, F, shapes[2])          # (B, 50, 4, 4)
     h = relu(dense(h, W3, b3, F, shapes[4]), F)      # (B, 128)

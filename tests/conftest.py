@@ -1,6 +1,9 @@
 import gzip
+import os
+import tempfile
 import struct
 
+import manual_dp  # noqa: F401  (before mxnet: the thread settings, as a user's program gets them)
 import mxnet as mx
 import numpy as np
 import pytest
@@ -50,3 +53,9 @@ def assert_on(arrays, c):
     """Every array lives on context c (MXNet mixes cpu(0) and cpu(1) silently, so check)."""
     for a in arrays:
         assert a.context == c, f"{a.context} != {c}"
+
+
+# The tests' numbers must not depend on what the autotune measured on this machine (or cached for
+# it): the plain graph unless a test asks for padding; a cache of the test session's own.
+os.environ.setdefault("MANUAL_DP_CONV_PAD", "1")
+os.environ.setdefault("MANUAL_DP_CACHE", os.path.join(tempfile.mkdtemp(prefix="manual_dp_cache_"), "autotune.json"))

@@ -178,3 +178,20 @@ def test_resume_rewrites_a_log_left_behind_the_checkpoint(capsys, data_dir, tmp_
     code, out, err = run_main(capsys, *common, "--epochs", "2", "--resume")
     assert code == 0 and "resumed from" in out, err
     assert read_log(log) == records
+
+
+def test_thread_settings_replace_only_this_processs_own():
+    """configure may replace what manual_dp put in the environment, in this process; not a value
+    the user set, and not one a parent process handed down (its marker names another pid)."""
+    from manual_dp.fast.runtime import configure, thread_env
+    env = {}
+    configure(1, env)
+    assert env["OMP_NUM_THREADS"] == thread_env(1)["OMP_NUM_THREADS"]
+    configure(2, env)                                          # ours: replaced
+    assert env["OMP_NUM_THREADS"] == thread_env(2)["OMP_NUM_THREADS"]
+    user = {"OMP_NUM_THREADS": "7"}
+    configure(2, user)
+    assert user["OMP_NUM_THREADS"] == "7"
+    child = dict(env, MANUAL_DP_SETTINGS=env["MANUAL_DP_SETTINGS"].replace(f"{os.getpid()}:", "1:"), OMP_NUM_THREADS="5")
+    configure(1, child)
+    assert child["OMP_NUM_THREADS"] == "5"

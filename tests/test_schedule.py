@@ -59,6 +59,9 @@ class Recorder(Strategy):
         self.rates.append(lr)
         self.t += 1
 
+    def state_dict(self):
+        return {"params": [], "opt_state": [], "t": self.t, "extra": {}}
+
     def correct(self, X, y):
         return nd.array([0.0])
 

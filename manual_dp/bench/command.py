@@ -23,7 +23,7 @@ from ..fast.runtime import machine, thread_env, usable_cores
 
 KB, MB = 1024, 1024 * 1024
 PLANS = {
-    "tiny": dict(payloads=[4 * KB, 64 * KB], comm_devices=[2, 3], lenet_devices=[2], comm_repeats=2, gemm=256,
+    "tiny": dict(payloads=[4 * KB, 64 * KB], comm_devices=[2, 3], lenet_devices=[2], comm_repeats=2, gemm=1024,
                  images=256, batch=64, repeats=2, devices=[1, 2], data="synthetic", peers=False, few=True,
                  overlap_steps=2),
     "quick": dict(payloads=[4 * KB, 64 * KB, 1 * MB, 4 * MB, 16 * MB], comm_devices=[2, 4, 8],
@@ -62,8 +62,8 @@ def train_specs(plan, full):
 
 def worker_env(env, devices):
     """The environment of a measurement: MXNet's defaults, or runtime's choice for `devices`."""
-    base = {k: v for k, v in os.environ.items() if k not in RUNTIME_KEYS}
-    return base if env == "default" else dict(base, **thread_env(devices))
+    base = {k: v for k, v in os.environ.items() if k not in RUNTIME_KEYS | {"MANUAL_DP_SETTINGS"}}
+    return dict(base, MANUAL_DP_RUNTIME="off") if env == "default" else dict(base, **thread_env(devices))
 
 
 def run_worker(spec, env, timeout):

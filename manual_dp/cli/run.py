@@ -12,6 +12,7 @@ import numpy as np
 from .. import checkpoint, config, memory
 from ..data import load_fashion_mnist, locate_data
 from ..errors import CheckpointError, DataError, DistributedError, DivergedError, OutputError, UsageError
+from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
 from ..lesson import init_lenet_params
 from ..loop import fit
@@ -47,7 +48,11 @@ def build_model(cfg, params, ctx, world):
         raise UsageError(f"--allreduce {name}: choose from {', '.join(ALLREDUCE_ALGORITHMS)}")
     reduce = world.reducer(make_allreduce(name))
     if cfg.mode == "sync":
-        model = DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph)
+        # every process takes rank 0's choice, so that all compute alike
+        pad = world.share(lambda: autotune.conv_pad(enabled=not cfg.no_autotune)) if cfg.graph else 1
+        print(f"convolution channels padded to multiples of {pad} in the cached graph" if pad > 1 else
+              "convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
+        model = DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad)
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
     else:

@@ -10,6 +10,7 @@ from mxnet import autograd, nd
 
 from ..config import FAST_STEP, LESSON_STEP, RunConfig
 from ..errors import CheckpointError
+from ..fast import autotune
 from ..fast.collectives import make_allreduce
 from ..fast.flat import FlatReplica
 from ..fast.graph import LeNetGraph
@@ -48,17 +49,20 @@ class DataParallel(Strategy):
     """A replica on every context; gradients all-reduced with `allreduce_fn`, then the same update.
 
     allreduce_fn, fuse_grads, graph: None takes the fast step's choice (manual_dp.config.FAST_STEP),
-    or the lesson's with lesson=True.
+    or the lesson's with lesson=True. conv_pad: the graph's channel padding (manual_dp.fast.graph);
+    None takes this machine's measured choice (manual_dp.fast.autotune).
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, allreduce_fn=None,
-                 fuse_grads=None, graph=None, lesson=False):
+                 fuse_grads=None, graph=None, lesson=False, conv_pad=None):
         choice = LESSON_STEP if lesson else FAST_STEP
         fuse_grads = choice["fuse_grads"] if fuse_grads is None else fuse_grads
         graph = choice["graph"] if graph is None else graph
         self.ctx, self.optimizer = list(ctx), optimizer
         self.allreduce_fn = allreduce_fn or make_allreduce(choice["allreduce"])
-        self.graph = LeNetGraph() if graph else None
+        if graph and conv_pad is None:
+            conv_pad = autotune.conv_pad()
+        self.graph = LeNetGraph(conv_pad) if graph else None
         self.flat = [FlatReplica(params, c) for c in self.ctx] if fuse_grads else None
         if self.flat:
             self.replicas = [f.params for f in self.flat]
