@@ -25,7 +25,7 @@ def test_tiny_run_writes_records_with_the_required_keys(tiny_run):
     assert not [r for r in records if "error" in r]
     kinds = {r["bench"] for r in records}
     assert {"meta", "memcpy", "memfloor", "allreduce", "allreduce_lenet", "overlap", "train", "summary",
-            "peak"} <= kinds
+            "peak", "autotune"} <= kinds
     # the distance to the machine's peak, beside images/s, for every training measurement
     assert all(r["gflops"] > 0 and 0 < r["peak_share"] < 1 for r in records if r["bench"] == "train")
     assert all(r["cores_free"] > 0 for r in records if r["bench"] == "train")

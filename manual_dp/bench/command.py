@@ -45,6 +45,7 @@ def train_specs(plan, full):
     if plan.get("few"):
         return specs
     specs += [("manual_dp", {}, "tuned", k) for k in (ks if full else two)]
+    specs += [("manual_dp", dict(FAST, conv_pad=1), "tuned", k) for k in two]   # the autotune's gain
     for name in ("ring", "tree", "scatter_gather", "kvstore") + (("lesson",) if full else ()):
         specs += [("manual_dp", dict(FAST, allreduce=name), "tuned", k) for k in (ks if full else two)]
     if full:  # each allreduce unfused, and each half of the fast step alone
@@ -133,6 +134,11 @@ def measure(plan, args):
               f"{plan['comm_devices']} contexts", flush=True)
         records += run_worker(spec, worker_env("tuned", 2), args.timeout)
     if args.only in (None, "train"):
+        tuned = run_worker({"bench": "autotune", "impl": "conv_pad"}, worker_env("tuned", 2), args.timeout)
+        records += tuned
+        if "error" not in tuned[0]:
+            print(f"  autotune: the cached graph pads convolution channels to multiples of {tuned[0]['conv_pad']} "
+                  f"on this machine (CPU ms per image: {tuned[0].get('cpu_ms_per_image')})", flush=True)
         spec = {"bench": "peak", "impl": "gemm", "n": plan.get("gemm", 2048), "repeats": 3}
         records += run_worker(spec, worker_env("tuned", 1), args.timeout)   # every core, one context
         peak = max([r["gflops"] for r in records if r["bench"] == "peak" and "error" not in r] or [0])

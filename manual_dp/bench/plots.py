@@ -46,6 +46,8 @@ def label(r):
     parts = [r["impl"]]
     if r["impl"] == "manual_dp":
         parts += [o.get("allreduce", "lesson")] + [f for f in ("fused", "graph") if o.get(f)]
+        if o.get("graph") and "conv_pad" in o:
+            parts.append(f"pad {o['conv_pad']}")
     if r["impl"] == "gluon" and o.get("hybrid"):
         parts.append("hybrid")
     if r.get("env") == "default":

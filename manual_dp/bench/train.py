@@ -63,8 +63,10 @@ def lesson_trainer(params, ctx, lr, batch):
 
 
 # --- manual_dp
-def manual_trainer(params, ctx, lr, batch, allreduce="lesson", fused=False, graph=False):
-    model = DataParallel(params, ctx, "sgd", make_allreduce(allreduce), fuse_grads=fused, graph=graph)
+def manual_trainer(params, ctx, lr, batch, allreduce="lesson", fused=False, graph=False, conv_pad=None):
+    """conv_pad None: the autotune's choice for this machine (the bench measures it first)."""
+    model = DataParallel(params, ctx, "sgd", make_allreduce(allreduce), fuse_grads=fused, graph=graph,
+                         conv_pad=conv_pad)
     return (lambda X, y: run_epoch(model, X, y, batch, lr, rng=None)), lambda: model.replicas[0]
 
 

@@ -44,6 +44,11 @@ def run(spec):
     if spec["bench"] == "overlap":
         from .overlap import run as run_overlap
         return run_overlap(spec)
+    if spec["bench"] == "autotune":
+        from ..fast import autotune
+        pad = autotune.conv_pad(say=lambda line: print(line, file=sys.stderr))
+        return [{"bench": "autotune", "impl": "conv_pad", "devices": 1, "conv_pad": pad,
+                 "key": autotune.machine_key(), **autotune.read_cache().get(autotune.machine_key(), {})}]
     if spec["bench"] == "peak":
         from ..flops import gemm_peak
         return [{"bench": "peak", "impl": kernel, "devices": 1, "gflops": g}
