@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..cli.options import OneLineParser
+from ..config import FAST_STEP
 from ..errors import UsageError
 from ..fast.runtime import machine, thread_env, usable_cores
 
@@ -33,7 +34,8 @@ PLANS = {
                  lenet_devices=[2, 4, 8], comm_repeats=5, images=256 * 40, batch=256, repeats=5,
                  devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=10, pairs=5),
 }
-FAST = {"allreduce": "reduce_bcast", "fused": True, "graph": True}
+# The fast step's options (manual_dp.config.FAST_STEP) in the bench's spec names.
+FAST = {"allreduce": FAST_STEP["allreduce"], "fused": FAST_STEP["fuse_grads"], "graph": FAST_STEP["graph"]}
 RUNTIME_KEYS = set(thread_env(1, flags={"avx512f"})) | {"OMP_NUM_THREADS"}
 
 
