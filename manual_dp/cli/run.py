@@ -40,6 +40,15 @@ def contexts(cfg, world):
     return [mx.gpu(first + i) for i in range(n)]
 
 
+def conv_pad(cfg):
+    """The graph's channel padding: measured on this machine, unless --no-autotune or the
+    environment says (manual_dp.fast.autotune)."""
+    try:
+        return autotune.conv_pad(enabled=not cfg.no_autotune)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def build_model(cfg, params, ctx, world):
     """The strategy of cfg.mode on `ctx`, composed with the world (the cross-process sum and this
     process's rows) and with gradient accumulation."""
@@ -48,10 +57,10 @@ def build_model(cfg, params, ctx, world):
         raise UsageError(f"--allreduce {name}: choose from {', '.join(ALLREDUCE_ALGORITHMS)}")
     reduce = world.reducer(make_allreduce(name))
     if cfg.mode == "sync":
-        # every process takes rank 0's choice, so that all compute alike
-        pad = world.share(lambda: autotune.conv_pad(enabled=not cfg.no_autotune)) if cfg.graph else 1
-        print(f"convolution channels padded to multiples of {pad} in the cached graph" if pad > 1 else
-              "convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
+        pad = world.share(lambda: conv_pad(cfg)) if cfg.graph else 1   # rank 0's, so all compute alike
+        if cfg.graph:
+            print(f"cached graph: convolution channels padded to multiples of {pad}" if pad > 1 else
+                  "cached graph: convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
         model = DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad)
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
