@@ -27,16 +27,17 @@ from ..lesson import allreduce as lesson_allreduce
 def any_shape(algorithm):
     """`algorithm` for replicas of any one shape: nothing to do without elements ((0,), (0, 3):
     MXNet's shape inference refuses them), 0-d ones summed as 1-element views; replicas of
-    different shapes are one ValueError."""
+    different shapes are one ValueError. (Each .shape is a call into MXNet: asked once a replica.)"""
     @functools.wraps(algorithm)
     def run(*args):                 # (arrays) or, for a method, (self, arrays)
         arrays = args[-1]
-        if any(a.shape != arrays[0].shape for a in arrays):
-            raise ValueError(f"all-reduce of replicas of different shapes: "
-                             f"{', '.join(str(a.shape) for a in arrays)}")
-        if arrays and arrays[0].size > 0:
-            views = [a.reshape((1,)) for a in arrays] if arrays[0].ndim == 0 else arrays
-            algorithm(*args[:-1], views)
+        if not arrays:
+            return
+        shapes = [a.shape for a in arrays]
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError(f"all-reduce of replicas of different shapes: {', '.join(map(str, shapes))}")
+        if 0 not in shapes[0]:
+            algorithm(*args[:-1], [a.reshape((1,)) for a in arrays] if shapes[0] == () else arrays)
     return run
 
 
