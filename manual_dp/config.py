@@ -39,6 +39,9 @@ class RunConfig:
     init_scale: Optional[float] = flag(None, "std of normal(0, s) weights; default He init; "
                                              "0.01 is the lesson's")
     seed: int = flag(0, "seeds the initial weights and the data order")
+    check_replicas: Optional[int] = flag(None, "every N updates, compare checksums of every copy of the "
+                                               "parameters (contexts, stages, processes); stop at the first "
+                                               "difference")
     data_dir: Optional[str] = flag(None, "directory with the four Fashion-MNIST IDX .gz files "
                                          "(default: $MANUAL_DP_DATA, then Debian's package, then "
                                          "MXNet's cache)", "data and outputs")
@@ -90,6 +93,7 @@ APPLIES = {
     "fuse_grads": ("sync",),
     "graph": ("sync",),
     "no_autotune": ("sync",),
+    "check_replicas": ("sync", "model", "pipeline", "hybrid"),
 }
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "train_size", "test_size",
@@ -111,7 +115,8 @@ def resolve(cfg):
 
 def check(cfg):
     """Raise UsageError for values no run can use (before any device, file or MXNet is touched)."""
-    for name in ("batch_size", "gpus", "cpus", "train_size", "test_size", "micro_batches", "grad_accum"):
+    for name in ("batch_size", "gpus", "cpus", "train_size", "test_size", "micro_batches", "grad_accum",
+                 "check_replicas"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

@@ -25,5 +25,9 @@ class OutputError(Exception):
     """An output (log, checkpoint directory) cannot be written."""
 
 
+class ReplicaMismatchError(Exception):
+    """Copies of the parameters that must be identical are not: a reduction went wrong."""
+
+
 class DivergedError(Exception):
     """Training went non-finite: the loss or the parameters are NaN or infinite."""

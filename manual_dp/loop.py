@@ -13,6 +13,7 @@ from mxnet import nd
 
 from .data import batches
 from .errors import DivergedError
+from . import replicas
 from .lesson import LENET_SHAPES
 from .fast.prefetch import prefetch
 from .schedule import lr_at
@@ -25,8 +26,9 @@ def evaluate(model, X, y, batch_size):
     return float(total.asscalar()) / len(X)
 
 
-def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2):
-    """One pass over (X, y) in `rng`'s order; returns (mean loss, accuracy).
+def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2, check_replicas=0):
+    """One pass over (X, y) in `rng`'s order; returns (mean loss, accuracy). With check_replicas N,
+    every copy of the parameters is compared every N updates (manual_dp.replicas).
 
     Metrics stay on the devices until the end of the epoch; the host waits only on the batch
     `lookahead` steps back, so that MXNet's queue stays full but bounded, and reads its running
@@ -37,7 +39,10 @@ def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2):
     for i, (Xb, yb) in enumerate(prefetch(batches(X, y, batch_size, rng))):
         if len(Xb) < model.min_batch:
             break  # a tail smaller than the device count is dropped, never crashes
+        t = model.t
         metrics = model.step(Xb, yb, lr_at(lr, model.t))
+        if check_replicas and model.t != t and model.t % check_replicas == 0:
+            replicas.check(model.fingerprints(), model.t)
         totals = accumulate(totals, metrics)
         seen += len(Xb)
         pending.append((i + 1, totals[0][0]))
@@ -82,13 +87,14 @@ def fold(pairs, home):
 
 
 def fit(model, train_data, test_data, epochs, batch_size, lr, rng,
-        start_epoch=0, on_batch=None):
+        start_epoch=0, on_batch=None, check_replicas=0):
     """Train for epochs start_epoch+1..epochs, yielding one record per epoch (no printing)."""
     (Xtr, ytr), (Xte, yte) = train_data, test_data
     for epoch in range(start_epoch + 1, epochs + 1):
         start = time.perf_counter()
         try:
-            train_loss, train_acc = run_epoch(model, Xtr, ytr, batch_size, lr, rng, on_batch)
+            train_loss, train_acc = run_epoch(model, Xtr, ytr, batch_size, lr, rng, on_batch,
+                                              check_replicas=check_replicas)
         except DivergedError as e:
             raise DivergedError(f"epoch {epoch}, {e}") from None
         extras = model.end_epoch(lr_at(lr, model.t))   # e.g. an open accumulation window applied

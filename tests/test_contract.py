@@ -11,6 +11,7 @@ import pytest
 from mxnet import nd
 
 from conftest import synthetic
+from manual_dp import replicas
 from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParallel, Strategy,
                        init_lenet_params, make_allreduce)
 
@@ -76,6 +77,16 @@ def test_arrays_live_on_the_strategys_contexts_and_layout_covers_the_batch(name)
     assert {a.context for a in held["param"] + held["state"]} <= set(model.ctx)
     for stage in (0, 1):
         assert sum(n for _, s, n in model.layout(13) if s == stage) == 13
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_replica_checks_never_fire_on_a_correct_run(name):
+    model = STRATEGIES[name](init_lenet_params(seed=4), "adam")
+    for step in range(3):
+        model.step(*batch(13, seed=step), 0.05)
+        groups = model.fingerprints()
+        replicas.check(groups, model.t)
+        assert groups and all(len(sums) == len(groups[g][0][1]) for g in groups for _, sums in groups[g])
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

@@ -151,7 +151,8 @@ def test_any_mode_runs_across_dist_sync_workers(data, tmp_path, mode):
     ref_log, ref_ck = local_run(tmp_path, "local", 2 * per_worker, "--data-dir", data, *SMALL, *local)
     log, ck = tmp_path / "kv.jsonl", tmp_path / "kv_ck"
     code, out = run_job(launch_cmd(2, "dist_sync", "--cpus", per_worker, "--data-dir", data, *SMALL, *mode,
-                                   "--log-json", log, "--checkpoint-dir", ck), tmp_path / "out.txt")
+                                   "--check-replicas", 1, "--log-json", log, "--checkpoint-dir", ck),
+                        tmp_path / "out.txt")   # every rank's copies compared after every update
     assert code == 0, out
     assert_same_run(ref_log, ref_ck, log, ck, exact=True)
 

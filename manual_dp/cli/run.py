@@ -11,7 +11,8 @@ import numpy as np
 
 from .. import checkpoint, config, memory
 from ..data import load_fashion_mnist, locate_data
-from ..errors import CheckpointError, DataError, DistributedError, DivergedError, OutputError, UsageError
+from ..errors import (CheckpointError, DataError, DistributedError, DivergedError, OutputError,
+                      ReplicaMismatchError, UsageError)
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
 from ..lesson import init_lenet_params
@@ -176,7 +177,7 @@ def train_in(cfg, world, ctx):
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         bar = Progress(epoch, cfg.epochs, show)
         record, = fit(model, train_data, test_data, epoch, cfg.batch_size, lr, rng,
-                      start_epoch=epoch - 1, on_batch=bar)
+                      start_epoch=epoch - 1, on_batch=bar, check_replicas=cfg.check_replicas or 0)
         bar.close()
         history.append(dict(record, mode=cfg.mode, memory=mem))
         if cfg.checkpoint_dir and world.is_root:
@@ -214,7 +215,7 @@ def run_or_exit(cfg):
         return run(cfg)
     except UsageError as e:
         sys.exit(fail(e, 2))
-    except (DataError, CheckpointError, DistributedError, OutputError) as e:
+    except (DataError, CheckpointError, DistributedError, OutputError, ReplicaMismatchError) as e:
         sys.exit(fail(e, 1))
     except DivergedError as e:
         saved = cfg.checkpoint_dir and (Path(cfg.checkpoint_dir) / checkpoint.NAME).is_file()

@@ -97,6 +97,22 @@ class MultiProcess(Wrapper):
         self.world.allreduce(slots, "metrics")
         return [(slots[g:g + 1], slots[K + g:K + g + 1]) for g in range(K)]
 
+    def fingerprints(self):
+        """Every rank's copies, gathered: each checksum as two 16-bit halves (exact in float32) in
+        the rank's slots of one array, summed across processes."""
+        mine = self.model.fingerprints()
+        flat = [c for copies in mine.values() for _, sums in copies for _, c in sums]
+        n, rank = 2 * len(flat), self.world.rank
+        slots = nd.zeros((self.world.size * n,), ctx=self.ctx[0])
+        slots[rank * n:(rank + 1) * n] = nd.array([h for c in flat for h in divmod(c, 1 << 16)],
+                                                   ctx=self.ctx[0])
+        self.world.allreduce(slots, "fingerprints")
+        halves = slots.asnumpy().astype("int64").reshape(self.world.size, -1, 2)
+        sums = [iter(int(hi) << 16 | int(lo) for hi, lo in halves[r]) for r in range(self.world.size)]
+        return {group: [(f"rank {r} {place}", [(name, next(sums[r])) for name, _ in values])
+                        for r in range(self.world.size) for place, values in copies]
+                for group, copies in mine.items()}
+
     def layout(self, batch_size):
         start, stop = self.rows(batch_size)
         return self.model.layout(stop - start)

@@ -14,6 +14,7 @@ from ..config import RunConfig
 from ..errors import CheckpointError
 from ..lesson import forward_backward, get_params, lenet, n_correct, shard_sizes, split_and_load
 from ..optim import apply_update_and_clear, init_states
+from ..replicas import fingerprint
 from .base import Strategy
 from .data_parallel import host_state, load_into
 
@@ -77,6 +78,10 @@ class AsyncDataParallel(Strategy):
         """Correct predictions of the master's parameters, on the master's context."""
         home = self.ctx[0]
         return n_correct(lenet(X.as_in_context(home), self.master), y.as_in_context(home))
+
+    def fingerprints(self):
+        """Only the master: the replicas differ from it by design (they are stale)."""
+        return {"master": [fingerprint(self.ctx[0], self.master)]}
 
     def layout(self, batch_size):
         """Every device runs both stages on its shard of the batch."""

@@ -56,6 +56,12 @@ class Strategy:
         the same list in one process (the multi-process wrapper gathers every process's)."""
         return metrics
 
+    def fingerprints(self):
+        """{group: [(place, [(parameter, checksum)])]}: a checksum of every parameter of every copy
+        that must be identical to the others of its group (the replicas of data parallelism, one
+        group per pipeline stage), so that a wrong reduction is caught (manual_dp.replicas)."""
+        raise NotImplementedError
+
     def end_epoch(self, lr):
         """Called after an epoch's last batch; returns what the strategy measured ({} if nothing)."""
         return {}
@@ -110,6 +116,9 @@ class Wrapper(Strategy):
 
     def job_metrics(self, metrics):
         return self.model.job_metrics(metrics)
+
+    def fingerprints(self):
+        return self.model.fingerprints()
 
     def end_epoch(self, lr):
         return self.model.end_epoch(lr)

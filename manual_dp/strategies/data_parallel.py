@@ -17,6 +17,7 @@ from ..fast.graph import LeNetGraph
 from ..fast.prefetch import host
 from ..lesson import forward_backward, get_params, lenet, n_correct, shard_sizes, split_and_load, train_batch
 from ..optim import apply_update_and_clear, init_states
+from ..replicas import fingerprint
 from .base import Strategy
 
 
@@ -113,6 +114,9 @@ class DataParallel(Strategy):
         counts = [n_correct(lenet(Xs, W), ys).copyto(ctx[0]) for Xs, ys, W in
                   zip(split_and_load(X, ctx), split_and_load(y, ctx), self.replicas)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
+
+    def fingerprints(self):
+        return {"replica": [fingerprint(c, W) for c, W in zip(self.ctx, self.replicas)]}
 
     def layout(self, batch_size):
         """Every context runs both stages on its shard of the batch."""

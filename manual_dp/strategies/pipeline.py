@@ -4,11 +4,12 @@ from mxnet import autograd, nd
 
 from ..config import FAST_STEP, RunConfig
 from ..fast.collectives import make_allreduce
-from ..lesson import cross_entropy, n_correct, shard_sizes, split_and_load
+from ..lesson import LENET_SHAPES, cross_entropy, n_correct, shard_sizes, split_and_load
 from ..optim import apply_update_and_clear, init_states
+from ..replicas import fingerprint
 from .base import Strategy
 from .data_parallel import host_state, load_into
-from .stages import STAGES, bubble_fraction, gpipe_schedule, send, split_params
+from .stages import STAGE_SLICES, STAGES, bubble_fraction, gpipe_schedule, send, split_params
 
 
 def stage_params(params, ctx):
@@ -114,6 +115,12 @@ class PipelineParallel(Strategy):
                 h = stage(h if s == 0 else h.copyto(c), P[s])
             counts.append(n_correct(h, yr).copyto(self.ctx[0]))
         return nd.add_n(*counts)
+
+    def fingerprints(self):
+        """Per stage, the copy of every pipeline replica."""
+        names = [name for name, _ in LENET_SHAPES]
+        return {f"stage {s}": [fingerprint(row[s], P[s], names[sl]) for row, P in zip(self.grid, self.params)]
+                for s, sl in enumerate(STAGE_SLICES)}
 
     def layout(self, batch_size):
         """(context, stage, examples whose activations it holds at the peak) for each placement.
