@@ -64,7 +64,7 @@ class LeNetGraph:
     def __init__(self, conv_pad=1):
         symbol = lenet_loss_symbol(conv_pad)
         self.conv_pad = conv_pad
-        self.names = [n for n in symbol.list_inputs()]
+        self.names = symbol.list_inputs()
         self.op = nd.CachedOp(symbol, FLAGS)
 
     def __call__(self, X, y, params):

@@ -73,9 +73,12 @@ def thread_env(cpu_contexts, cores=None, flags=None):
 def visible_gpus():
     """How many GPUs MXNet will see, decided without loading it: the NVIDIA devices of this machine
     if a CUDA build of mxnet (mxnet-cu*) is installed, else none."""
+    devices = len(glob.glob("/dev/nvidia[0-9]*"))
+    if not devices:                      # the common case here: no need to scan the installed packages
+        return 0
     cuda = any((d.metadata["Name"] or "").lower().startswith("mxnet-cu")
                for d in importlib.metadata.distributions())
-    return len(glob.glob("/dev/nvidia[0-9]*")) if cuda else 0
+    return devices if cuda else 0
 
 
 def configure(cpu_contexts, environ=None):

@@ -74,6 +74,7 @@ class DataParallel(Strategy):
             for p in (p for W in self.replicas for p in W):
                 p.attach_grad(grad_req="add")     # backward adds up, update zeroes
             self.states = [init_states(W, optimizer) for W in self.replicas]
+        self.states_of = {id(W): S for W, S in zip(self.replicas, self.states)}   # for train_batch's update
         self.t = 0
 
     @property
@@ -85,10 +86,9 @@ class DataParallel(Strategy):
         if not self.lesson_path:
             return super().step(X, y, lr)
         self.t += 1
-        states = {id(W): S for W, S in zip(self.replicas, self.states)}
         return train_batch(X, y, self.replicas, self.ctx, lr, self.allreduce_fn,
-                           update=lambda W, lr, n: apply_update_and_clear(W, states[id(W)], self.optimizer,
-                                                                           lr, self.t, n))
+                           update=lambda W, lr, n: apply_update_and_clear(W, self.states_of[id(W)],
+                                                                           self.optimizer, lr, self.t, n))
 
     def backward(self, X, y):
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
