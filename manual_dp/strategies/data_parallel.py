@@ -63,7 +63,7 @@ class DataParallel(Strategy):
         self.allreduce_fn = allreduce_fn or make_allreduce(choice["allreduce"])
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
-        self.graph = LeNetGraph(conv_pad) if graph else None
+        self.graph = LeNetGraph(conv_pad, [p.shape for p in params]) if graph else None
         self.flat = [FlatReplica(params, c) for c in self.ctx] if fuse_grads else None
         if self.flat:
             self.replicas = [f.params for f in self.flat]
