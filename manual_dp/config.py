@@ -18,6 +18,7 @@ STAGES = 2                    # LeNet cut in two: convolutions | dense layers
 DEFAULT_CPU_CONTEXTS = 2      # contexts when there is no GPU and none are named
 FAST_STEP = dict(allreduce="reduce_bcast", fuse_grads=True, graph=True)
 LESSON_STEP = dict(allreduce="lesson", fuse_grads=False, graph=False)
+PIECE_ROWS = 32               # --deterministic: rows per piece, the unit whose gradient is computed whole
 
 
 def flag(default, help, group="training", **argparse):
@@ -41,6 +42,10 @@ class RunConfig:
     seed: int = flag(0, "seeds the initial weights and the data order")
     width: int = flag(1, "multiply LeNet's channels and hidden units (20, 50, 128) by W: parameters, "
                          "gradients, optimiser state and activations grow (W=16: 32.6M parameters)")
+    deterministic: bool = flag(False, "the same bits on any number of contexts and processes: every "
+                                      f"batch cut into pieces of {PIECE_ROWS} rows whose gradients are "
+                                      "added in one fixed tree; one thread per op "
+                                      "(manual_dp/strategies/deterministic.py)")
     check_replicas: Optional[int] = flag(None, "every N updates, compare checksums of every copy of the "
                                                "parameters (contexts, stages, processes); stop at the first "
                                                "difference")
@@ -96,6 +101,7 @@ APPLIES = {
     "graph": ("sync",),
     "no_autotune": ("sync",),
     "check_replicas": ("sync", "model", "pipeline", "hybrid"),
+    "deterministic": ("sync",),
 }
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
@@ -142,6 +148,11 @@ def check(cfg):
     if cfg.backend in ("horovod", "dist_sync") and cfg.mode == "async":
         raise UsageError(f"--backend {cfg.backend} runs every mode but async (for asynchronous "
                          f"training across processes use --backend dist_async)")
+    if cfg.deterministic and (cfg.allreduce is not None or cfg.fuse_grads is not None):
+        raise UsageError("--deterministic adds the gradients in its own fixed order: without "
+                         "--allreduce and --fuse-grads")
+    if cfg.deterministic and cfg.backend == "dist_async":
+        raise UsageError("--deterministic needs synchronous updates: --backend local, horovod or dist_sync")
     if cfg.backend == "dist_async" and (cfg.mode != "sync" or cfg.grad_accum > 1):
         raise UsageError("--backend dist_async runs its own asynchronous SGD: --mode sync without "
                          "--grad-accum only")

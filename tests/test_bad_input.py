@@ -105,6 +105,8 @@ FLAGS = [
     ("resume without dir", ["--resume"], 2, "--resume needs --checkpoint-dir"),
     ("check-replicas 0", ["--check-replicas", "0"], 2, "--check-replicas must be >= 1"),
     ("width 0", ["--width", "0"], 2, "--width must be >= 1"),
+    ("deterministic async", ["--deterministic", "--mode", "async"], 2, "--deterministic applies only to --mode sync"),
+    ("deterministic ring", ["--deterministic", "--allreduce", "ring"], 2, "--deterministic adds the gradients in its own"),
     ("check-replicas in async", ["--mode", "async", "--check-replicas", "5"], 2, "--check-replicas applies only to"),
     ("unknown flag", ["--no-such-flag"], 2, "unrecognized arguments"),
 ]
@@ -268,8 +270,20 @@ def test_two_runs_cannot_share_a_checkpoint_dir(tmp_path, data_dir):
 def test_ctrl_c_while_mxnet_loads_is_one_line(tmp_path, data_dir):
     proc = subprocess.Popen(cli("--cpus", "1", "--data-dir", data_dir, *TINY), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(0.4)                                           # python is up; MXNet is loading
+    maps, deadline = f"/proc/{proc.pid}/maps", time.monotonic() + 60
+    while time.monotonic() < deadline and "libmxnet" not in open(maps).read():
+        time.sleep(0.01)                                      # until MXNet's library is being loaded
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     lines = err.strip().splitlines()
     assert proc.returncode == 130 and lines == ["manual_dp.train: error: interrupted"], err
+
+
+def test_ctrl_c_while_training_is_one_line_and_exit_130(tmp_path, data_dir):
+    proc = subprocess.Popen(cli("--cpus", "2", "--data-dir", data_dir, *TINY, "--epochs", "100000"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while "epoch 1/" not in proc.stdout.readline():          # training has begun
+        assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["manual_dp.train: error: interrupted"], err

@@ -13,6 +13,7 @@ from mxnet import nd
 from conftest import synthetic
 from manual_dp import replicas
 from manual_dp.loop import evaluate
+from manual_dp.strategies.deterministic import DeterministicDataParallel
 from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParallel, Strategy,
                        init_lenet_params, make_allreduce)
 
@@ -32,6 +33,7 @@ STRATEGIES = {
     "model": lambda p, opt: PipelineParallel(p, cpus(2), opt, 1),
     "pipeline M=3": lambda p, opt: PipelineParallel(p, cpus(2), opt, 3),
     "hybrid 2x2": lambda p, opt: PipelineParallel(p, cpus(4), opt, 2),
+    "deterministic x3": lambda p, opt: DeterministicDataParallel(p, cpus(3), opt, piece=4),
 }
 
 

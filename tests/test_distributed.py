@@ -17,7 +17,8 @@ from conftest import write_dataset
 from jobs import (Job, assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, train_cmd,
                   trainer_pids, wait_for)
 from manual_dp import checkpoint
-from manual_dp.multiprocess.distributed import flatten, rank_rows, unflatten
+from manual_dp.multiprocess.distributed import flatten, unflatten
+from manual_dp.strategies.base import rank_rows
 from manual_dp.lesson import shard_sizes
 from manual_dp.train import main
 

@@ -45,14 +45,18 @@ class Progress:
 
 def describe(cfg):
     """One line on what the mode does with these settings."""
-    return {"sync": f"sync: replicas in lock-step, gradients all-reduced ({cfg.allreduce}"
+    line = {"sync": f"sync: replicas in lock-step, gradients all-reduced ({cfg.allreduce}"
                     f"{', fused' if cfg.fuse_grads else ''}{', cached graph' if cfg.graph else ''})",
             "async": f"async: master on the first context, replicas up to {cfg.staleness} updates stale",
             "model": "model: convs on the first context, dense layers on the second",
             "pipeline": f"pipeline: model split, {cfg.micro_batches} GPipe micro-batches",
             "hybrid": f"hybrid: data parallel over 2-stage pipelines, {cfg.micro_batches} micro-batches "
                       f"each ({cfg.allreduce})",
-            }[cfg.mode] + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
+            }[cfg.mode]
+    if cfg.deterministic:
+        line = ("sync, deterministic: pieces of the batch added in one fixed tree, the same bits on any "
+                "number of contexts and processes")
+    return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
         f", LeNet x{cfg.width} wide" if cfg.width > 1 else "")
 
 
@@ -65,6 +69,15 @@ def format_record(r, epochs):
     if "bubble_fraction" in r:
         line += f"  bubble {r['bubble_fraction']:.2f}"
     return line
+
+
+def interrupted():
+    """Ctrl-C: one line, then exit 130 at once. By now every `with` block has closed (the
+    checkpoint lock released, no file half-written); exiting through the interpreter's shutdown
+    instead let MXNet's engine end the process by SIGINT about one time in three."""
+    print("manual_dp.train: error: interrupted", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
 
 
 def fail(message, code):
