@@ -99,23 +99,26 @@ class ZeroRedundancy(Strategy):
         self.all_gather(full, pieces, bounds)
         return [views(f, shapes) for f in full]
 
-    def reduce_layer(self, l, params, grads):
+    def reduce_layer(self, l, grads, params):
         """Layer l's gradients reduce-scattered and added into the gradient shards they overlap."""
         start, end, _ = self.layer_range(l)
         bounds, pieces = self.overlap(start, end, self.grad_shards)
         sums = empty_shards(end - start, self.ctx, bounds=bounds)
+        self.note(params, grads + [s for s in sums if s is not None])
         self.reduce_scatter(grads, sums, bounds)
         for piece, total in zip(pieces, sums):
             if piece is not None:
                 nd.elemwise_add(piece, total, out=piece)
-        gathered = [p for Wb in params for p in Wb] if self.stage == 3 else []
-        self.peak.note(gathered, grads + [s for s in sums if s is not None])
+
+    def note(self, params, grads):
+        """What the step holds besides arrays(): gathered parameters (stage 3) and gradients."""
+        self.peak.note([p for Wb in params for p in Wb] if self.stage == 3 else [], grads)
 
     def backward(self, X, y):
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
         if self.stage == 1:
             return forward_backward(X_shards, y_shards, [r.params for r in self.replicas])
-        return zero_layers.forward_backward(X_shards, y_shards, self.layer_params, self.reduce_layer)
+        return zero_layers.forward_backward(X_shards, y_shards, self.layer_params, self.reduce_layer, self.note)
 
     def owned_grads(self):
         """Per context, the gradient of its shard summed over every context (and process)."""
