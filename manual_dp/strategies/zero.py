@@ -89,7 +89,7 @@ class ZeroRedundancy(Strategy):
         return bounds, [shard[lo + start - a:hi + start - a] if hi > lo else None
                         for shard, a, lo, hi in zip(shards, self.bounds, bounds, bounds[1:])]
 
-    def layer_params(self, l):
+    def fetch(self, l):
         """[[W, b]] per context, new arrays each call: stage 2 views of the replica, stage 3 all-gathered."""
         start, end, shapes = self.layer_range(l)
         if self.stage == 2:
@@ -99,16 +99,20 @@ class ZeroRedundancy(Strategy):
         self.all_gather(full, pieces, bounds)
         return [views(f, shapes) for f in full]
 
-    def reduce_layer(self, l, grads, params):
-        """Layer l's gradients reduce-scattered and added into the gradient shards they overlap."""
+    def reduce(self, l, grad_of):
+        """Layer l's gradient summed one shard's part at a time: the part [lo, hi) that context i
+        owns made on every context (grad_of), reduced onto context i, added into its shard."""
         start, end, _ = self.layer_range(l)
         bounds, pieces = self.overlap(start, end, self.grad_shards)
-        sums = empty_shards(end - start, self.ctx, bounds=bounds)
-        self.note(params, grads + [s for s in sums if s is not None])
-        self.reduce_scatter(grads, sums, bounds)
-        for piece, total in zip(pieces, sums):
-            if piece is not None:
-                nd.elemwise_add(piece, total, out=piece)
+        for i, piece in enumerate(pieces):
+            if piece is None:
+                continue
+            lo, hi = bounds[i], bounds[i + 1]
+            local = grad_of(lo, hi)                                             # (hi - lo,) per context
+            total = [nd.empty((hi - lo,), ctx=c) if j == i else None for j, c in enumerate(self.ctx)]
+            self.note([], local + [total[i]])
+            self.reduce_scatter(local, total, [0] * (i + 1) + [hi - lo] * (len(self.ctx) - i))
+            nd.elemwise_add(piece, total[i], out=piece)
 
     def note(self, params, grads):
         """What the step holds besides arrays(): gathered parameters (stage 3) and gradients."""
@@ -118,7 +122,7 @@ class ZeroRedundancy(Strategy):
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
         if self.stage == 1:
             return forward_backward(X_shards, y_shards, [r.params for r in self.replicas])
-        return zero_layers.forward_backward(X_shards, y_shards, self.layer_params, self.reduce_layer, self.note)
+        return zero_layers.forward_backward(X_shards, y_shards, self)
 
     def owned_grads(self):
         """Per context, the gradient of its shard summed over every context (and process)."""
@@ -148,7 +152,7 @@ class ZeroRedundancy(Strategy):
         ctx = self.ctx[:min(len(self.ctx), len(X))]
         X_shards, y_shards = split_and_load(X, ctx), split_and_load(y, ctx)
         scores = ([lenet(Xs, r.params) for Xs, r in zip(X_shards, self.replicas)] if self.stage == 1
-                  else zero_layers.scores(X_shards, self.layer_params))
+                  else zero_layers.scores(X_shards, self.fetch))
         counts = [n_correct(s, ys).copyto(ctx[0]) for s, ys in zip(scores, y_shards)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 

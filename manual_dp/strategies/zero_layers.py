@@ -14,7 +14,6 @@ at the granularity of a layer: one more forward of layers 0..2) is what lets the
 layer's forward is recorded once, in the backward pass, since its backward follows at once.
 The same operations as lesson.lenet run on the same inputs, so the gradients are the same.
 """
-import numpy as np
 from mxnet import autograd, nd
 
 from ..fast.flat import views
@@ -96,42 +95,50 @@ def dense_input_grads(l, acts, params, heads, y_shards):
     return [leaf.grad for leaf in leaves], metrics
 
 
-def dense_param_grad(h, g, shapes):
-    """Flat gradient of dense(h, W, b) for W, b of `shapes`, from the gradient g (B, out) at its
-    output: W's = h^T g (h flattened to (B, in)), b's = the sum of g over the batch."""
-    grad = nd.empty((sum(int(np.prod(s)) for s in shapes),), ctx=g.context, dtype=g.dtype)
-    gW, gb = views(grad, shapes)
-    nd.dot(h.reshape((h.shape[0], -1)), g, transpose_a=True, out=gW)  # (in, out)
-    nd.sum(g, axis=0, out=gb)                                          # (out,)
-    return grad
+def dense_grad_piece(h, g, lo, hi):
+    """Elements [lo, hi) of the flat gradient [W's (in, out) | b's (out,)] of dense(h, W, b), from
+    its input h and the gradient g (B, out) at its output, computed for those rows only: row r of
+    W's is h[:, r]^T g, b's the sum of g over the batch."""
+    h = h.reshape((h.shape[0], -1))                                    # (B, in)
+    n_w, n_out = h.shape[1] * g.shape[1], g.shape[1]
+    parts = []
+    if min(hi, n_w) > lo:
+        r0, r1 = lo // n_out, -(-min(hi, n_w) // n_out)
+        rows = nd.dot(nd.slice_axis(h, axis=1, begin=r0, end=r1), g, transpose_a=True)   # (r1 - r0, out)
+        parts.append(rows.reshape((-1,))[lo - r0 * n_out:min(hi, n_w) - r0 * n_out])
+    if hi > n_w:
+        parts.append(nd.sum(g, axis=0)[max(lo - n_w, 0):hi - n_w])
+    return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=0)
 
 
-def layer_backward(l, acts, fetch, heads, y_shards, note, reduce):
-    """Layer l's backward on every context; its parameter gradient goes to reduce(l, grads,
-    params still held). A dense layer's parameters are let go before its parameter gradient
-    exists, as that needs only the layer's input and output gradient (so at most one layer's
-    parameters or its gradient is held, except for the small convolutions). Returns (the input
-    gradient per context or None for layer 0, metrics of the last layer or None)."""
-    params = fetch(l)
+def layer_backward(l, acts, heads, y_shards, sink):
+    """Layer l's backward on every context. Its parameters' gradient goes to
+    sink.reduce(l, grad_of), where grad_of(lo, hi) gives elements [lo, hi) of the layer's flat
+    gradient per context. A dense layer's parameters are let go first: its parameter gradient
+    needs only its input and output gradient, and is made a piece at a time, so at most one
+    layer's parameters or a piece of its gradient is held (the small convolutions hold both).
+    Returns (the input gradient per context or None for layer 0, metrics of the last layer or None)."""
+    params = sink.fetch(l)
     if l < 2:
-        reduce(l, conv_backward(l, acts, params, heads), params)
+        grads = conv_backward(l, acts, params, heads)
+        sink.note(params, grads)
+        sink.reduce(l, lambda lo, hi: [g[lo:hi] for g in grads])
         return ([h[l].grad for h in acts] if l else None), None
-    shapes = [params[0][0].shape, params[0][1].shape]
     outs, metrics = dense_input_grads(l, acts, params, heads, y_shards)
-    note(params, [])
+    sink.note(params, [])
     del params
-    reduce(l, [dense_param_grad(h[l], g, shapes) for h, g in zip(acts, outs)], [])
+    sink.reduce(l, lambda lo, hi: [dense_grad_piece(h[l], g, lo, hi) for h, g in zip(acts, outs)])
     return [h[l].grad for h in acts], metrics
 
 
-def forward_backward(X_shards, y_shards, fetch, reduce, note=lambda params, grads: None):
-    """Forward and backward of the batch shards, layer by layer; fetch(l) gives layer l's [W, b]
-    per context, reduce(l, grads, params) receives their gradients (one flat array per context, of
-    the loss summed over the shard), note(params, grads) what is held at a moment. Returns per
-    context (loss sum, number correct), left on the devices."""
-    acts = forward(X_shards, fetch, note)
+def forward_backward(X_shards, y_shards, sink):
+    """Forward and backward of the batch shards, layer by layer, with `sink` (a ZeRO strategy):
+    sink.fetch(l) gives layer l's [W, b] per context, sink.reduce(l, grad_of) takes their
+    gradients (of the loss summed over each shard), sink.note(params, grads) learns what is held
+    at a moment. Returns per context (loss sum, number correct), left on the devices."""
+    acts = forward(X_shards, sink.fetch, sink.note)
     heads, metrics = [None] * len(acts), None
     for l in reversed(range(N_LAYERS)):
-        heads, last = layer_backward(l, acts, fetch, heads, y_shards, note, reduce)
+        heads, last = layer_backward(l, acts, heads, y_shards, sink)
         metrics = metrics or last
     return metrics
