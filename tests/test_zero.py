@@ -4,6 +4,7 @@ the command line trains it, alone and across dist_sync workers.
 
 Tolerances as in test_contract.py: the k-context runs add the same float32 gradients in another
 order (adam magnifies that near zero gradients: 1e-3 absolute)."""
+import importlib.util
 import re
 
 import mxnet as mx
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from mxnet import nd
 
-from jobs import assert_same_run, launch_cmd, read_log, run_job, train_cmd
+from jobs import assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, train_cmd
 from manual_dp import DataParallel, ZeroRedundancy, checkpoint, init_lenet_params
 from manual_dp.fast.collectives import chunk_bounds
 from manual_dp.memory import per_context
@@ -145,18 +146,32 @@ def test_cli_trains_zero3_wide_and_resumes_on_two_contexts_as_stage_1(data_dir, 
     assert [r["epoch"] for r in read_log(log)] == [1, 2]
 
 
-def test_two_dist_sync_workers_of_two_contexts_equal_one_process_of_four(data_dir, tmp_path):
-    """ZeRO-3 inside each worker, the owned gradient shards summed across workers: the run of one
-    process with 4 contexts, up to the order of the float sums; every rank's copy compared every
-    update (--check-replicas 1)."""
-    args = ["--data-dir", data_dir, "--train-size", "200", "--test-size", "64", "--batch-size", "50",
-            "--epochs", "2", "--mode", "zero", "--zero-stage", "3", "--optimizer", "adam", "--lr", "0.01"]
+ACROSS = ["--train-size", "200", "--test-size", "64", "--batch-size", "50", "--epochs", "2",
+          "--mode", "zero", "--optimizer", "adam", "--lr", "0.01"]
+
+
+def across_processes(cmd, data_dir, tmp_path, stage, per_process):
+    """A job of 2 processes x `per_process` contexts against one process with all of them: the
+    same run, up to the order of the float sums; every rank's copy compared every update."""
+    args = ["--data-dir", data_dir, *ACROSS, "--zero-stage", stage]
     ref_log, ref_ck = tmp_path / "local.jsonl", tmp_path / "local_ck"
-    code, out = run_job(train_cmd("--cpus", 4, *args, "--log-json", ref_log, "--checkpoint-dir", ref_ck),
-                        tmp_path / "local.txt")
+    code, out = run_job(train_cmd("--cpus", 2 * per_process, *args, "--log-json", ref_log,
+                                  "--checkpoint-dir", ref_ck), tmp_path / "local.txt")
     assert code == 0, out
-    log, ck = tmp_path / "kv.jsonl", tmp_path / "kv_ck"
-    code, out = run_job(launch_cmd(2, "dist_sync", "--cpus", 2, *args, "--check-replicas", 1,
-                                   "--log-json", log, "--checkpoint-dir", ck), tmp_path / "out.txt")
+    log, ck = tmp_path / "job.jsonl", tmp_path / "job_ck"
+    code, out = run_job(cmd("--cpus", per_process, *args, "--check-replicas", 1, "--log-json", log,
+                            "--checkpoint-dir", ck), tmp_path / "out.txt")
     assert code == 0, out
     assert_same_run(ref_log, ref_ck, log, ck, exact=False)
+
+
+def test_two_dist_sync_workers_of_two_contexts_equal_one_process_of_four(data_dir, tmp_path):
+    """ZeRO-3 inside each worker, the owned gradient shards summed across the workers."""
+    across_processes(lambda *argv: launch_cmd(2, "dist_sync", *argv), data_dir, tmp_path, 3, 2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("horovod") is None or
+                    importlib.util.find_spec("horovod.mxnet") is None, reason="horovod.mxnet is not importable")
+def test_two_horovod_processes_equal_one_process_of_their_contexts(data_dir, tmp_path):
+    """ZeRO-2 inside each process, the owned gradient shards summed by Horovod."""
+    across_processes(lambda *argv: horovod_cmd(2, *argv), data_dir, tmp_path, 2, 2)
