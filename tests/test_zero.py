@@ -128,6 +128,18 @@ def test_a_checkpoint_of_another_shape_is_refused():
         ZeroRedundancy(init_lenet_params(seed=0), cpus(2), "adam", 1).load_state_dict(state)
 
 
+def test_zero_memory_table_orders_the_stages():
+    """python -m manual_dp.bench.zero_memory's table, at width 1 (x16 in docs/design.md): every
+    stage holds less than the one before; stage 3 a quarter of sync plus one layer's parameters."""
+    from manual_dp.bench.zero_memory import format_table, table
+    rows, n = table(width=1, cpus=4, optimizer="adam")
+    totals = {name: total for name, _, _, total in rows}
+    assert totals["sync"] == 4 * 4 * n                        # parameters, gradients, Adam's m and v
+    assert totals["sync"] > totals["zero1"] > totals["zero2"] > totals["zero3"]
+    assert totals["zero3"] == 4 * (4 * 32267 + 800 * 128 + 128)        # 129068 / 4 = 32267
+    assert "zero3" in format_table(rows, n, 1, 4, "adam")
+
+
 TINY = ["--train-size", "96", "--test-size", "64", "--batch-size", "32", "--no-progress"]
 
 
