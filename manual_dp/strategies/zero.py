@@ -64,9 +64,9 @@ class ZeroRedundancy(Strategy):
         self.ctx, self.optimizer, self.stage, self.cross_sum, self.t = list(ctx), optimizer, stage, cross_sum, 0
         self.shapes = [p.shape for p in params]
         self.offsets = offsets(self.shapes)                  # each parameter's start, then N
-        self.bounds = chunk_bounds(int(self.offsets[-1]), len(self.ctx))
         if not 0 < len(self.ctx) <= self.offsets[-1]:
             raise ValueError(f"{len(self.ctx)} contexts cannot each own a shard of {self.offsets[-1]} parameters")
+        self.bounds = chunk_bounds(int(self.offsets[-1]), len(self.ctx))
         self.reduce_scatter, self.all_gather = REDUCE_SCATTER[collective], ALL_GATHER[collective]
         flat = np.concatenate([p.asnumpy().reshape(-1) for p in params])    # (N,)
         self.replicas = [FlatReplica(params, c) for c in self.ctx] if stage == 1 else None
@@ -100,8 +100,9 @@ class ZeroRedundancy(Strategy):
         return [views(f, shapes) for f in full]
 
     def reduce(self, l, grad_of):
-        """Layer l's gradient summed one shard's part at a time: the part [lo, hi) that context i
-        owns made on every context (grad_of), reduced onto context i, added into its shard."""
+        """Layer l's gradient reduce-scattered one shard's part at a time (so that only that part
+        exists): the part [lo, hi) context i owns, made on every context by grad_of, summed onto
+        context i (a reduce-scatter whose other chunks are empty), added into its gradient shard."""
         start, end, _ = self.layer_range(l)
         bounds, pieces = self.overlap(start, end, self.grad_shards)
         for i, piece in enumerate(pieces):

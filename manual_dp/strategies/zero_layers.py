@@ -1,18 +1,22 @@
 """LeNet one layer at a time, on every context in lock-step, for ZeRO stages 2 and 3: a layer's
-parameters are fetched just before it runs and dropped after it; a layer's gradient is handed on
-as soon as its backward is done, and dropped.
+parameters are fetched just before it runs and let go after it; a layer's gradient is handed on,
+a shard's piece at a time, as soon as its backward is done.
 
     forward    layers 0, 1, 2 run without recording; each context keeps each layer's input
     backward   layer 3, 2, 1, 0: its parameters fetched again, the layer recorded from its kept
-               input and differentiated with the gradient arriving from the layer above; its
-               parameters' gradient (one new flat array per context) goes to `reduce`
+               input and differentiated with the gradient arriving from the layer above; the
+               strategy's reduce(l, grad_of) asks grad_of(lo, hi) for each shard's piece of the
+               layer's parameter gradient, per context
 
 MXNet's autograd keeps every array a recorded operation read until the backward pass, so a layer
 recorded during the forward pass would keep its (gathered) parameters and gradient buffers alive
 for the whole step. Recording each layer again during the backward pass (activation recomputation
 at the granularity of a layer: one more forward of layers 0..2) is what lets them go. The last
 layer's forward is recorded once, in the backward pass, since its backward follows at once.
-The same operations as lesson.lenet run on the same inputs, so the gradients are the same.
+A dense layer is recorded with its parameters as constants, for its input's gradient only; its
+parameters' gradient (h^T g and the sum of g) is computed by hand afterwards, a piece at a time,
+once the parameters are gone. The convolutions' gradients come from autograd. The gradients equal
+lesson.lenet's up to the order of float additions.
 """
 from mxnet import autograd, nd
 
