@@ -88,6 +88,21 @@ def test_stage3_peak_holds_its_shards_and_one_layers_parameters():
         assert report[str(c)]["state_bytes"] == 4 * 3 * shard[i]          # gradient, Adam's m and v
 
 
+def test_stage3_gathers_each_layer_before_its_forward_and_again_before_its_backward():
+    ctx = cpus(3)
+    model = ZeroRedundancy(init_lenet_params(seed=0), ctx, "sgd", 3)
+    gathered, real = [], model.all_gather
+
+    def counting(outs, shards=None, bounds=None):
+        assert [o.context for o in outs] == ctx
+        gathered.append(outs[0].size)
+        real(outs, shards, bounds)
+    model.all_gather = counting
+    run(model, steps=1)
+    layer = [model.layer_range(l)[1] - model.layer_range(l)[0] for l in range(N_LAYERS)]
+    assert gathered == layer[:3] + layer[::-1]     # forward 0, 1, 2; backward 3 (its only gather), 2, 1, 0
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_backward_adds_into_the_gradient_shards(stage):
     """Two backward calls then one update == one step on both batches (what GradAccum builds on)."""
