@@ -7,10 +7,8 @@ order (adam magnifies that near zero gradients: 1e-3 absolute)."""
 import importlib.util
 import re
 
-import mxnet as mx
 import numpy as np
 import pytest
-from mxnet import nd
 
 from jobs import assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, train_cmd
 from manual_dp import DataParallel, ZeroRedundancy, checkpoint, init_lenet_params
