@@ -11,7 +11,7 @@ from typing import Optional
 from .errors import UsageError
 from .fast.runtime import visible_gpus
 
-MODES = ("sync", "async", "model", "pipeline", "hybrid")
+MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
 STAGES = 2                    # LeNet cut in two: convolutions | dense layers
@@ -62,11 +62,15 @@ class RunConfig:
     mode: str = flag("sync", "sync: data parallel; async: parameter server with stale replicas; "
                              "model: convs on one context, dense layers on the next; pipeline: "
                              "model + GPipe micro-batches; hybrid: data parallel over 2-context "
-                             "pipelines", "parallelism", choices=MODES)
+                             "pipelines; zero: data parallel with ZeRO's sharding (--zero-stage)",
+                "parallelism", choices=MODES)
     staleness: Optional[int] = flag(None, "async only: replicas refreshed every S+1 updates "
                                           "(default 0)", "parallelism")
     micro_batches: Optional[int] = flag(None, "pipeline and hybrid only: micro-batches per batch and "
                                               "pipeline (default 4)", "parallelism")
+    zero_stage: Optional[int] = flag(None, "zero only: ZeRO shards over the contexts 1: the optimiser state, "
+                                           "2: also the gradients, 3: also the parameters (default 1)",
+                                     "parallelism", choices=(1, 2, 3))
     grad_accum: int = flag(1, "batches per update", "parallelism")
     scale_lr: str = flag("none", "linear: lr x batch-size x grad-accum / 256 (Goyal et al.)",
                          "parallelism", choices=("none", "linear"))
@@ -92,7 +96,7 @@ class RunConfig:
 
 
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
-MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4}
+MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "zero_stage": 1}
 APPLIES = {
     "staleness": ("async",),
     "micro_batches": ("pipeline", "hybrid"),
@@ -100,8 +104,9 @@ APPLIES = {
     "fuse_grads": ("sync",),
     "graph": ("sync",),
     "no_autotune": ("sync",),
-    "check_replicas": ("sync", "model", "pipeline", "hybrid"),
     "deterministic": ("sync",),
+    "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero"),
+    "zero_stage": ("zero",),
 }
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",

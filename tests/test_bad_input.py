@@ -109,6 +109,12 @@ FLAGS = [
     ("deterministic ring", ["--deterministic", "--allreduce", "ring"], 2, "--deterministic adds the gradients in its own"),
     ("check-replicas in async", ["--mode", "async", "--check-replicas", "5"], 2, "--check-replicas applies only to"),
     ("unknown flag", ["--no-such-flag"], 2, "unrecognized arguments"),
+    ("zero-stage in sync", ["--zero-stage", "2"], 2, "--zero-stage applies only to --mode zero, not --mode sync"),
+    ("zero-stage in pipeline", ["--cpus", "2", "--mode", "pipeline", "--zero-stage", "3"], 2, "--zero-stage applies only to --mode zero"),
+    ("zero-stage 4", ["--mode", "zero", "--zero-stage", "4"], 2, r"--zero-stage: invalid choice: 4 \(choose from 1, 2, 3\)"),
+    ("zero-stage 0", ["--mode", "zero", "--zero-stage", "0"], 2, "--zero-stage: invalid choice: 0"),
+    ("zero on dist_async", ["--backend", "dist_async", "--mode", "zero"], 2, "--backend dist_async runs its own"),
+    ("zero batch below devices", ["--cpus", "3", "--mode", "zero", "--batch-size", "2"], 2, "--batch-size 2 is smaller than the 3 devices"),
 ]
 
 

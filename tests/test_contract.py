@@ -16,6 +16,7 @@ from manual_dp.loop import evaluate
 from manual_dp.strategies.deterministic import DeterministicDataParallel
 from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParallel, Strategy,
                        init_lenet_params, make_allreduce)
+from manual_dp import ZeroRedundancy
 
 
 def cpus(n):
@@ -34,6 +35,10 @@ STRATEGIES = {
     "pipeline M=3": lambda p, opt: PipelineParallel(p, cpus(2), opt, 3),
     "hybrid 2x2": lambda p, opt: PipelineParallel(p, cpus(4), opt, 2),
     "deterministic x3": lambda p, opt: DeterministicDataParallel(p, cpus(3), opt, piece=4),
+    "zero1 x3": lambda p, opt: ZeroRedundancy(p, cpus(3), opt, stage=1),
+    "zero2 x4": lambda p, opt: ZeroRedundancy(p, cpus(4), opt, stage=2),
+    "zero3 x3": lambda p, opt: ZeroRedundancy(p, cpus(3), opt, stage=3),
+    "zero3 naive x2": lambda p, opt: ZeroRedundancy(p, cpus(2), opt, stage=3, collective="naive"),
 }
 
 

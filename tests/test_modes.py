@@ -18,6 +18,9 @@ MODES = {
     "pipeline": ["--cpus", "2", "--mode", "pipeline", "--micro-batches", "5"],
     "hybrid": ["--cpus", "4", "--mode", "hybrid", "--micro-batches", "2"],
     "hybrid-warmup": ["--cpus", "4", "--mode", "hybrid", "--warmup-epochs", "1", "--scale-lr", "linear"],
+    "zero1": ["--cpus", "3", "--mode", "zero", "--zero-stage", "1"],
+    "zero2-accum": ["--cpus", "2", "--mode", "zero", "--zero-stage", "2", "--grad-accum", "2"],
+    "zero3": ["--cpus", "3", "--mode", "zero", "--zero-stage", "3", "--check-replicas", "1"],
 }
 
 
@@ -120,3 +123,14 @@ def test_resume_refuses_another_mode(capsys, tmp_path, data_dir):
         main(["--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "run"), *TINY,
               *MODES["pipeline"], "--epochs", "2", "--resume"])
     assert e.value.code == 1 and "holds a run with" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["zero1", "zero3"])
+def test_zero_trains_like_one_device(capsys, tmp_path, data_dir, mode):
+    one = train(capsys, tmp_path, data_dir, "one", "--cpus", "1", "--epochs", "2")
+    assert_same_run(train(capsys, tmp_path, data_dir, mode, *MODES[mode], "--epochs", "2"), one)
+
+
+def test_zero_with_grad_accum_equals_the_doubled_batch(capsys, tmp_path, data_dir):
+    big = train(capsys, tmp_path, data_dir, "big", "--cpus", "1", "--epochs", "2", "--batch-size", "64")
+    assert_same_run(train(capsys, tmp_path, data_dir, "acc", *MODES["zero2-accum"], "--epochs", "2"), big)

@@ -52,6 +52,9 @@ def describe(cfg):
             "pipeline": f"pipeline: model split, {cfg.micro_batches} GPipe micro-batches",
             "hybrid": f"hybrid: data parallel over 2-stage pipelines, {cfg.micro_batches} micro-batches "
                       f"each ({cfg.allreduce})",
+            "zero": f"zero: ZeRO stage {cfg.zero_stage}, " + {
+                1: "optimiser state", 2: "optimiser state and gradients",
+                3: "optimiser state, gradients and parameters"}.get(cfg.zero_stage, "") + " sharded over the contexts",
             }[cfg.mode]
     if cfg.deterministic:
         line = ("sync, deterministic: pieces of the batch added in one fixed tree, the same bits on any "

@@ -24,6 +24,7 @@ from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.pipeline import PipelineParallel
+from ..strategies.zero import ZeroRedundancy
 from .output import Progress, describe, fail, format_record, interrupted, write_log
 
 
@@ -70,6 +71,9 @@ def build_model(cfg, params, ctx, world):
             DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad)
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
+    elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
+        model = ZeroRedundancy(params, ctx, cfg.optimizer, cfg.zero_stage,
+                               cross_sum=world.allreduce if world.size > 1 else None)
     else:
         model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce)
     model = world.wrap(model)

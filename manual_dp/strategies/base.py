@@ -92,6 +92,12 @@ class Strategy:
         gradient and optimiser-state array, each on the context that holds it."""
         raise NotImplementedError
 
+    def peak_arrays(self):
+        """arrays() and, where a strategy holds arrays only during a step (ZeRO's gathered parameters
+        and per-layer gradients), those held at the step's largest moment: NDArrays or records
+        with .context, .shape, .size, .dtype."""
+        return self.arrays()
+
     def state_dict(self):
         """Host (numpy) copies of what a resumed run needs: {"params": [8 arrays in lenet's
         order], "opt_state": [[arrays] per parameter], "t": updates, "extra": {name: [arrays]}}.
@@ -146,6 +152,9 @@ class Wrapper(Strategy):
 
     def arrays(self):
         return self.model.arrays()
+
+    def peak_arrays(self):
+        return self.model.peak_arrays()
 
     def state_dict(self):
         return self.model.state_dict()
