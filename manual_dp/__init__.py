@@ -29,6 +29,7 @@ _EXPORTS = {
     "loop": ["fit", "evaluate"],
     "schedule": ["make_lr", "scaled_lr", "Warmup", "lr_at", "updates_per_epoch"],
     "memory": ["per_context"],
+    "strategies.local_sgd": ["LocalSGD"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

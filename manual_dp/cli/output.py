@@ -52,6 +52,10 @@ def describe(cfg):
             "pipeline": f"pipeline: model split, {cfg.micro_batches} GPipe micro-batches",
             "hybrid": f"hybrid: data parallel over 2-stage pipelines, {cfg.micro_batches} micro-batches "
                       f"each ({cfg.allreduce})",
+            "local": f"local: replicas step alone, every {cfg.sync_every} steps their average change is "
+                     f"applied by outer {cfg.outer_optimizer} lr {cfg.outer_lr:g}"
+                     + (f" momentum {cfg.outer_momentum:g}" if cfg.outer_optimizer == "nesterov" else "")
+                     + f" ({cfg.allreduce})",
             }[cfg.mode] + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "")
 
 
@@ -63,6 +67,8 @@ def format_record(r, epochs):
         line += f"  staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})"
     if "bubble_fraction" in r:
         line += f"  bubble {r['bubble_fraction']:.2f}"
+    if "comm_rounds" in r:
+        line += f"  {r['comm_rounds']} comm rounds"
     return line
 
 

@@ -23,6 +23,7 @@ from ..strategies.accum import GradAccum
 from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.pipeline import PipelineParallel
+from ..strategies.local_sgd import LocalSGD
 from .output import Progress, describe, fail, format_record, write_log
 
 
@@ -65,6 +66,9 @@ def build_model(cfg, params, ctx, world):
         model = DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad)
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
+    elif cfg.mode == "local":
+        model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
+                         cfg.outer_momentum, reduce)
     else:
         model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce)
     model = world.wrap(model)
