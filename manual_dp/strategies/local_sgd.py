@@ -129,7 +129,8 @@ class LocalSGD(Strategy):
     def state_dict(self):
         """params: G; opt_state: the replicas' mean inner state; extra: every replica's parameters
         and inner state, the outer momentum and where the period stands (resumes exactly)."""
-        inner = [np.mean([S[j].asnumpy() for S in self.inner], axis=0) for j in range(len(self.inner[0]))]
+        inner = [np.mean([S[j].asnumpy() for S in self.inner], axis=0, dtype=np.float64).astype(np.float32)
+                 for j in range(len(self.inner[0]))]                   # equal states: their value exactly
         per_param = [views_np(s, self.flat[0].shapes) for s in inner]
         return {"params": [p.asnumpy() for p in self.outer_views[0]],
                 "opt_state": [list(st) for st in zip(*per_param)] if per_param else [[] for _ in self.outer_views[0]],
@@ -137,7 +138,8 @@ class LocalSGD(Strategy):
                 "extra": {"local_replicas": [f.flat.asnumpy() for f in self.flat],
                           "local_inner_state": [s.asnumpy() for S in self.inner for s in S],
                           "local_outer_momentum": [self.momentum[0].asnumpy()],
-                          "local_period": [np.array([self.steps, self.examples] + self.counts, dtype=np.int64)]}}
+                          "local_period": [np.array([self.steps, self.examples, self.rounds] + self.counts,
+                                                    dtype=np.int64)]}}
 
     def load_state_dict(self, state):
         """Exactly this strategy's run from its own state_dict with as many replicas; from any other
@@ -157,7 +159,7 @@ class LocalSGD(Strategy):
 
     def load_period(self, extra):
         """The replicas, their inner state and the period's counters, from this strategy's extra."""
-        steps, examples, *counts = (int(v) for v in extra["local_period"][0])
+        steps, examples, rounds, *counts = (int(v) for v in extra["local_period"][0])
         if len(counts) != len(self.ctx):
             if steps:
                 raise CheckpointError(f"the checkpoint was taken between syncs of {len(counts)} local SGD "
@@ -168,7 +170,7 @@ class LocalSGD(Strategy):
         saved = iter(extra["local_inner_state"])
         for s in (s for S in self.inner for s in S):
             s[:] = nd.array(next(saved), ctx=s.context)
-        self.steps, self.examples, self.counts = steps, examples, counts
+        self.steps, self.examples, self.rounds, self.counts = steps, examples, rounds, counts
 
 
 def views_np(flat, shapes):
