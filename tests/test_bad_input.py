@@ -106,6 +106,20 @@ FLAGS = [
     ("check-replicas 0", ["--check-replicas", "0"], 2, "--check-replicas must be >= 1"),
     ("check-replicas in async", ["--mode", "async", "--check-replicas", "5"], 2, "--check-replicas applies only to"),
     ("unknown flag", ["--no-such-flag"], 2, "unrecognized arguments"),
+    ("sync-every 0", ["--mode", "local", "--sync-every", "0"], 2, "--sync-every must be >= 1, got 0"),
+    ("outer-lr 0", ["--mode", "local", "--outer-lr", "0"], 2, "--outer-lr must be positive and finite, got 0"),
+    ("outer-lr inf", ["--mode", "local", "--outer-lr", "inf"], 2, "--outer-lr must be positive and finite"),
+    ("outer-momentum 1", ["--mode", "local", "--outer-optimizer", "nesterov", "--outer-momentum", "1"], 2,
+     r"--outer-momentum must be in \[0, 1\), got 1"),
+    ("outer-momentum with sgd", ["--mode", "local", "--outer-momentum", "0.5"], 2,
+     "--outer-momentum applies only to --outer-optimizer nesterov"),
+    ("outer-optimizer unknown", ["--mode", "local", "--outer-optimizer", "adam"], 2, "invalid choice: 'adam'"),
+    ("sync-every in sync", ["--sync-every", "4"], 2, "--sync-every applies only to --mode local, not --mode sync"),
+    ("outer-lr in async", ["--mode", "async", "--outer-lr", "0.7"], 2, "--outer-lr applies only to --mode local"),
+    ("outer-optimizer in hybrid", ["--cpus", "2", "--mode", "hybrid", "--outer-optimizer", "nesterov"], 2,
+     "--outer-optimizer applies only to --mode local"),
+    ("outer-momentum in sync", ["--outer-momentum", "0.9"], 2, "--outer-momentum applies only to --mode local"),
+    ("local on dist_async", ["--backend", "dist_async", "--mode", "local"], 2, "--backend dist_async runs its own"),
 ]
 
 

@@ -192,3 +192,25 @@ def test_cli_logs_communication_rounds_and_resumes_exactly(tmp_path, data_dir):
     assert [r["comm_rounds"] for r in straight] == [2, 2]
     keys = ("epoch", "train_loss", "train_acc", "test_acc", "comm_rounds")
     assert [[r[k] for k in keys] for r in straight] == [[r[k] for k in keys] for r in resumed]
+
+
+def test_two_dist_sync_workers_equal_one_process_with_two_contexts(tmp_path, data_dir):
+    """Local SGD composes with the world like every strategy: World.reducer sums the weighted
+    parameters across processes, MultiProcess feeds each process its rows. 2 workers x 1 context
+    against 1 process x 2: each average is one sum of two terms, so bit for bit; every rank's
+    global parameters compared after every update. (Plain sgd inner: a checkpoint holds rank 0's
+    replicas' inner state, see docs/design.md.)"""
+    from jobs import assert_same_run, launch_cmd, run_job, train_cmd
+    small = ["--data-dir", data_dir, "--train-size", "300", "--test-size", "100", "--batch-size", "30",
+             "--optimizer", "sgd", "--lr", "0.05", "--epochs", "2", "--mode", "local", "--sync-every", "3",
+             "--outer-optimizer", "nesterov", "--outer-lr", "0.7"]
+    ref_log, ref_ck = tmp_path / "one.jsonl", tmp_path / "one_ck"
+    code, out = run_job(train_cmd("--cpus", 2, *small, "--log-json", ref_log, "--checkpoint-dir", ref_ck),
+                        tmp_path / "one.txt")
+    assert code == 0, out
+    log, ck = tmp_path / "kv.jsonl", tmp_path / "kv_ck"
+    code, out = run_job(launch_cmd(2, "dist_sync", "--cpus", 1, *small, "--check-replicas", 1,
+                                   "--log-json", log, "--checkpoint-dir", ck), tmp_path / "kv.txt")
+    assert code == 0, out
+    assert_same_run(ref_log, ref_ck, log, ck, exact=True)
+    assert [r["comm_rounds"] for r in map(json.loads, log.read_text().splitlines())] == [4, 4]
