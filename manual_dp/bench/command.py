@@ -237,7 +237,7 @@ def build_parser():
                         "until this many cores are free, e.g. 1.8 of 2")
     p.add_argument("--local-sgd", action="store_true",
                    help="instead: local SGD at H = 1, 4, 16 side by side, test accuracy and communication "
-                        "rounds per epoch (OUT/local_sgd.json, local_sgd.png; --timeout is per run)")
+                        "rounds per epoch (OUT/local_sgd.json, local_sgd.png; --timeout is per epoch)")
     return p
 
 

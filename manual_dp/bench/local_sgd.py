@@ -37,10 +37,12 @@ def train_argv(plan, H, outer, outer_lr, log, data_dir):
 
 
 def run_one(plan, H, outer, outer_lr, out, data_dir, timeout):
-    """The record of one run: its epochs from --log-json, or the one line it failed with."""
+    """The record of one run: its epochs from --log-json, or the one line it failed with (`timeout`
+    seconds allowed per epoch)."""
     log = Path(out) / f"local_sgd_H{H}_{outer}{outer_lr:g}.jsonl"
     spec = {"bench": "local_sgd", "impl": f"H={H} outer {outer} lr {outer_lr:g}", "devices": plan["cpus"],
             "sync_every": H, "outer_optimizer": outer, "outer_lr": outer_lr}
+    timeout *= plan["epochs"]
     try:
         done = subprocess.run(train_argv(plan, H, outer, outer_lr, log, data_dir), capture_output=True,
                               text=True, timeout=timeout)
@@ -81,7 +83,7 @@ def plot(records, out):
     plt.close(fig)
 
 
-def run(plan_name, out, data_dir=None, timeout=3600, commit="unknown"):
+def run(plan_name, out, data_dir=None, timeout=300, commit="unknown"):
     """Every run of the plan, side by side; the records, also written to OUT/local_sgd.json."""
     plan, where = PLANS[plan_name], dict(machine(), commit=commit)
     sizes = f"{plan['train_size'] or 'all'} train / {plan['test_size'] or 'all'} test images"

@@ -53,8 +53,8 @@ def describe(cfg):
             "hybrid": f"hybrid: data parallel over 2-stage pipelines, {cfg.micro_batches} micro-batches "
                       f"each ({cfg.allreduce})",
             "local": f"local: replicas step alone, every {cfg.sync_every} steps their average change is "
-                     f"applied by outer {cfg.outer_optimizer} lr {cfg.outer_lr:g}"
-                     + (f" momentum {cfg.outer_momentum:g}" if cfg.outer_optimizer == "nesterov" else "")
+                     f"applied by outer {cfg.outer_optimizer} lr {cfg.outer_lr}"
+                     + (f" momentum {cfg.outer_momentum}" if cfg.outer_optimizer == "nesterov" else "")
                      + f" ({cfg.allreduce})",
             }[cfg.mode] + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "")
 

@@ -74,7 +74,8 @@ class LocalSGD(Strategy):
         for f, s, n in zip(self.flat, self.inner, self.pending):
             apply_update_and_clear([f.flat], [s], self.optimizer, lr, self.t, n)
         self.counts = [c + n for c, n in zip(self.counts, self.pending)]
-        self.pending, self.steps, self.examples = [0] * len(self.ctx), self.steps + 1, self.examples + n_examples
+        self.pending, self.steps = [0] * len(self.ctx), self.steps + 1
+        self.examples += n_examples                # every process's: update is told the global count
         if self.steps == self.sync_every:
             self.sync()
 
@@ -129,17 +130,21 @@ class LocalSGD(Strategy):
     def state_dict(self):
         """params: G; opt_state: the replicas' mean inner state; extra: every replica's parameters
         and inner state, the outer momentum and where the period stands (resumes exactly)."""
-        inner = [np.mean([S[j].asnumpy() for S in self.inner], axis=0, dtype=np.float64).astype(np.float32)
-                 for j in range(len(self.inner[0]))]                   # equal states: their value exactly
-        per_param = [views_np(s, self.flat[0].shapes) for s in inner]
-        return {"params": [p.asnumpy() for p in self.outer_views[0]],
-                "opt_state": [list(st) for st in zip(*per_param)] if per_param else [[] for _ in self.outer_views[0]],
+        period = [self.steps, self.examples, self.rounds] + self.counts
+        return {"params": [p.asnumpy() for p in self.outer_views[0]], "opt_state": self.mean_inner_state(),
                 "t": self.t,
                 "extra": {"local_replicas": [f.flat.asnumpy() for f in self.flat],
                           "local_inner_state": [s.asnumpy() for S in self.inner for s in S],
                           "local_outer_momentum": [self.momentum[0].asnumpy()],
-                          "local_period": [np.array([self.steps, self.examples, self.rounds] + self.counts,
-                                                    dtype=np.int64)]}}
+                          "local_period": [np.array(period, dtype=np.int64)]}}
+
+    def mean_inner_state(self):
+        """[[arrays] per parameter]: the replicas' inner optimiser state, averaged in float64 (so
+        that equal states give exactly their own value)."""
+        shapes = self.flat[0].shapes
+        per_state = [views_np(np.mean([S[j].asnumpy() for S in self.inner], axis=0, dtype=np.float64)
+                              .astype(np.float32), shapes) for j in range(len(self.inner[0]))]
+        return [list(st) for st in zip(*per_state)] if per_state else [[] for _ in shapes]
 
     def load_state_dict(self, state):
         """Exactly this strategy's run from its own state_dict with as many replicas; from any other
@@ -152,8 +157,9 @@ class LocalSGD(Strategy):
         self.t, self.rounds = state["t"], 0
         self.reset_period()
         extra = state.get("extra", {})
+        saved = extra.get("local_outer_momentum")
         for m in self.momentum:
-            m[:] = nd.array(extra["local_outer_momentum"][0], ctx=m.context) if "local_outer_momentum" in extra else 0
+            m[:] = nd.array(saved[0], ctx=m.context) if saved else 0
         if "local_replicas" in extra:
             self.load_period(extra)
 
