@@ -8,6 +8,7 @@
                                stepping on its own shards with its own optimiser state, the outer
                                step in numpy float64 (so the tolerance covers float32 rounding of G)
 """
+import importlib.util
 import json
 
 import mxnet as mx
@@ -194,13 +195,16 @@ def test_cli_logs_communication_rounds_and_resumes_exactly(tmp_path, data_dir):
     assert [[r[k] for k in keys] for r in straight] == [[r[k] for k in keys] for r in resumed]
 
 
-def test_two_dist_sync_workers_equal_one_process_with_two_contexts(tmp_path, data_dir):
+@pytest.mark.parametrize("backend", ["dist_sync", "horovod"])
+def test_two_workers_equal_one_process_with_two_contexts(tmp_path, data_dir, backend):
     """Local SGD composes with the world like every strategy: World.reducer sums the weighted
     parameters across processes, MultiProcess feeds each process its rows. 2 workers x 1 context
     against 1 process x 2: each average is one sum of two terms, so bit for bit; every rank's
     global parameters compared after every update. (Plain sgd inner: a checkpoint holds rank 0's
     replicas' inner state, see docs/design.md.)"""
-    from jobs import assert_same_run, launch_cmd, run_job, train_cmd
+    from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, train_cmd
+    if backend == "horovod" and importlib.util.find_spec("horovod") is None:
+        pytest.skip("horovod is not installed (bash setup.sh --test installs it)")
     small = ["--data-dir", data_dir, "--train-size", "300", "--test-size", "100", "--batch-size", "30",
              "--optimizer", "sgd", "--lr", "0.05", "--epochs", "2", "--mode", "local", "--sync-every", "3",
              "--outer-optimizer", "nesterov", "--outer-lr", "0.7"]
@@ -209,8 +213,9 @@ def test_two_dist_sync_workers_equal_one_process_with_two_contexts(tmp_path, dat
                         tmp_path / "one.txt")
     assert code == 0, out
     log, ck = tmp_path / "kv.jsonl", tmp_path / "kv_ck"
-    code, out = run_job(launch_cmd(2, "dist_sync", "--cpus", 1, *small, "--check-replicas", 1,
-                                   "--log-json", log, "--checkpoint-dir", ck), tmp_path / "kv.txt")
+    argv = ["--cpus", 1, *small, "--check-replicas", 1, "--log-json", log, "--checkpoint-dir", ck]
+    cmd = launch_cmd(2, "dist_sync", *argv) if backend == "dist_sync" else horovod_cmd(2, *argv)
+    code, out = run_job(cmd, tmp_path / "kv.txt")
     assert code == 0, out
     assert_same_run(ref_log, ref_ck, log, ck, exact=True)
     assert [r["comm_rounds"] for r in map(json.loads, log.read_text().splitlines())] == [4, 4]
