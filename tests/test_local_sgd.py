@@ -161,7 +161,8 @@ def test_checkpoints_move_between_sync_and_local():
     two.load_state_dict(local.state_dict())
     sync.load_state_dict(local.state_dict())
     for x, y, z in zip(two.state_dict()["params"], sync.state_dict()["params"], local.state_dict()["params"]):
-        np.testing.assert_array_equal(x, z), np.testing.assert_array_equal(y, z)
+        np.testing.assert_array_equal(x, z)
+        np.testing.assert_array_equal(y, z)
 
 
 def test_grad_accum_adds_each_replicas_shards_then_steps():
