@@ -30,6 +30,7 @@ _EXPORTS = {
     "schedule": ["make_lr", "scaled_lr", "Warmup", "lr_at", "updates_per_epoch"],
     "memory": ["per_context"],
     "strategies.zero": ["ZeroRedundancy"],
+    "strategies.local_sgd": ["LocalSGD"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -11,7 +11,7 @@ from typing import Optional
 from .errors import UsageError
 from .fast.runtime import visible_gpus
 
-MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero")
+MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
 STAGES = 2                    # LeNet cut in two: convolutions | dense layers
@@ -62,7 +62,8 @@ class RunConfig:
     mode: str = flag("sync", "sync: data parallel; async: parameter server with stale replicas; "
                              "model: convs on one context, dense layers on the next; pipeline: "
                              "model + GPipe micro-batches; hybrid: data parallel over 2-context "
-                             "pipelines; zero: data parallel with ZeRO's sharding (--zero-stage)",
+                             "pipelines; zero: data parallel with ZeRO's sharding (--zero-stage); "
+                             "local: local SGD / DiLoCo, replicas meet every --sync-every steps",
                 "parallelism", choices=MODES)
     staleness: Optional[int] = flag(None, "async only: replicas refreshed every S+1 updates "
                                           "(default 0)", "parallelism")
@@ -76,8 +77,8 @@ class RunConfig:
                          "parallelism", choices=("none", "linear"))
     warmup_epochs: float = flag(0.0, "ramp the lr up linearly over this many epochs, per update",
                                 "parallelism")
-    allreduce: Optional[str] = flag(None, "sync and hybrid: how gradients are summed over the "
-                                          "contexts (manual_dp.fast.collectives; default "
+    allreduce: Optional[str] = flag(None, "sync, hybrid and local: how gradients (local: parameters) are "
+                                          "summed over the contexts (manual_dp.fast.collectives; default "
                                           f"{FAST_STEP['allreduce']})", "speed")
     fuse_grads: Optional[bool] = flag(None, "sync only: one flat gradient buffer per device, one "
                                             "all-reduce and one optimiser update a step (default on)",
@@ -93,24 +94,39 @@ class RunConfig:
                         choices=BACKENDS)
     timeout: float = flag(120.0, "seconds without progress after which a process of a multi-process "
                                  "job gives up", "more than one process (see docs/multi-machine.md)")
+    sync_every: Optional[int] = flag(None, "local only: inner optimiser steps each replica takes on its own "
+                                           "shards between syncs (H; default 4)", "parallelism")
+    outer_optimizer: Optional[str] = flag(None, "local only: what applies the averaged change at a sync "
+                                                "(default sgd; nesterov as in DiLoCo)", "parallelism",
+                                          choices=("sgd", "nesterov"))
+    outer_lr: Optional[float] = flag(None, "local only: the outer optimiser's learning rate (default 1: "
+                                           "sgd then averages the replicas)", "parallelism")
+    outer_momentum: Optional[float] = flag(None, "local with --outer-optimizer nesterov only: its momentum "
+                                                 "(default 0.9)", "parallelism")
 
 
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
-MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "zero_stage": 1}
+MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "zero_stage": 1, "sync_every": 4,
+                 "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.9}
 APPLIES = {
     "staleness": ("async",),
     "micro_batches": ("pipeline", "hybrid"),
-    "allreduce": ("sync", "hybrid"),
+    "allreduce": ("sync", "hybrid", "local"),
     "fuse_grads": ("sync",),
     "graph": ("sync",),
     "no_autotune": ("sync",),
     "deterministic": ("sync",),
-    "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero"),
+    "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local"),
     "zero_stage": ("zero",),
+    "sync_every": ("local",),
+    "outer_optimizer": ("local",),
+    "outer_lr": ("local",),
+    "outer_momentum": ("local",),
 }
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
-            "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs")
+            "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
+            "sync_every", "outer_optimizer", "outer_lr", "outer_momentum")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
 DEFAULTS_OF_NEWER_KEYS = {"width": 1}
@@ -161,6 +177,19 @@ def check(cfg):
     if cfg.backend == "dist_async" and (cfg.mode != "sync" or cfg.grad_accum > 1):
         raise UsageError("--backend dist_async runs its own asynchronous SGD: --mode sync without "
                          "--grad-accum only")
+    check_local(cfg)
+
+
+def check_local(cfg):
+    """UsageError for local SGD's values no run can use (the flags' modes are resolve's concern)."""
+    if cfg.sync_every is not None and cfg.sync_every < 1:
+        raise UsageError(f"--sync-every must be >= 1, got {cfg.sync_every}")
+    if cfg.outer_lr is not None and not (cfg.outer_lr > 0 and math.isfinite(cfg.outer_lr)):
+        raise UsageError(f"--outer-lr must be positive and finite, got {cfg.outer_lr}")
+    if cfg.outer_momentum is not None and not 0 <= cfg.outer_momentum < 1:
+        raise UsageError(f"--outer-momentum must be in [0, 1), got {cfg.outer_momentum}")
+    if cfg.mode == "local" and cfg.outer_momentum is not None and cfg.outer_optimizer != "nesterov":
+        raise UsageError("--outer-momentum applies only to --outer-optimizer nesterov")
 
 
 def check_layout(cfg, n_contexts, n_processes=1):

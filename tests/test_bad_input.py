@@ -115,6 +115,20 @@ FLAGS = [
     ("zero-stage 0", ["--mode", "zero", "--zero-stage", "0"], 2, "--zero-stage: invalid choice: 0"),
     ("zero on dist_async", ["--backend", "dist_async", "--mode", "zero"], 2, "--backend dist_async runs its own"),
     ("zero batch below devices", ["--cpus", "3", "--mode", "zero", "--batch-size", "2"], 2, "--batch-size 2 is smaller than the 3 devices"),
+    ("sync-every 0", ["--mode", "local", "--sync-every", "0"], 2, "--sync-every must be >= 1, got 0"),
+    ("outer-lr 0", ["--mode", "local", "--outer-lr", "0"], 2, "--outer-lr must be positive and finite, got 0"),
+    ("outer-lr inf", ["--mode", "local", "--outer-lr", "inf"], 2, "--outer-lr must be positive and finite"),
+    ("outer-momentum 1", ["--mode", "local", "--outer-optimizer", "nesterov", "--outer-momentum", "1"], 2,
+     r"--outer-momentum must be in \[0, 1\), got 1"),
+    ("outer-momentum with sgd", ["--mode", "local", "--outer-momentum", "0.5"], 2,
+     "--outer-momentum applies only to --outer-optimizer nesterov"),
+    ("outer-optimizer unknown", ["--mode", "local", "--outer-optimizer", "adam"], 2, "invalid choice: 'adam'"),
+    ("sync-every in sync", ["--sync-every", "4"], 2, "--sync-every applies only to --mode local, not --mode sync"),
+    ("outer-lr in async", ["--mode", "async", "--outer-lr", "0.7"], 2, "--outer-lr applies only to --mode local"),
+    ("outer-optimizer in hybrid", ["--cpus", "2", "--mode", "hybrid", "--outer-optimizer", "nesterov"], 2,
+     "--outer-optimizer applies only to --mode local"),
+    ("outer-momentum in sync", ["--outer-momentum", "0.9"], 2, "--outer-momentum applies only to --mode local"),
+    ("local on dist_async", ["--backend", "dist_async", "--mode", "local"], 2, "--backend dist_async runs its own"),
 ]
 
 

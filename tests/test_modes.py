@@ -21,6 +21,9 @@ MODES = {
     "zero1": ["--cpus", "3", "--mode", "zero", "--zero-stage", "1"],
     "zero2-accum": ["--cpus", "2", "--mode", "zero", "--zero-stage", "2", "--grad-accum", "2"],
     "zero3": ["--cpus", "3", "--mode", "zero", "--zero-stage", "3", "--check-replicas", "1"],
+    "local1": ["--cpus", "2", "--mode", "local", "--sync-every", "1"],   # momentum is linear: sync's step
+    "local3-nesterov": ["--cpus", "3", "--mode", "local", "--sync-every", "3", "--outer-optimizer", "nesterov",
+                        "--outer-lr", "0.7", "--outer-momentum", "0.8", "--grad-accum", "2"],
 }
 
 
@@ -45,7 +48,7 @@ def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("mode", ["model", "pipeline", "hybrid", "async0"])
+@pytest.mark.parametrize("mode", ["model", "pipeline", "hybrid", "async0", "local1"])
 def test_mode_trains_like_one_device(capsys, tmp_path, data_dir, mode):
     one = train(capsys, tmp_path, data_dir, "one", "--cpus", "1", "--epochs", "2")
     assert_same_run(train(capsys, tmp_path, data_dir, mode, *MODES[mode], "--epochs", "2"), one)

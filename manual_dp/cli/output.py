@@ -55,6 +55,10 @@ def describe(cfg):
             "zero": f"zero: ZeRO stage {cfg.zero_stage}, " + {
                 1: "optimiser state", 2: "optimiser state and gradients",
                 3: "optimiser state, gradients and parameters"}.get(cfg.zero_stage, "") + " sharded over the contexts",
+            "local": f"local: replicas step alone, every {cfg.sync_every} steps their average change is "
+                     f"applied by outer {cfg.outer_optimizer} lr {cfg.outer_lr}"
+                     + (f" momentum {cfg.outer_momentum}" if cfg.outer_optimizer == "nesterov" else "")
+                     + f" ({cfg.allreduce})",
             }[cfg.mode]
     if cfg.deterministic:
         line = ("sync, deterministic: pieces of the batch added in one fixed tree, the same bits on any "
@@ -71,6 +75,8 @@ def format_record(r, epochs):
         line += f"  staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})"
     if "bubble_fraction" in r:
         line += f"  bubble {r['bubble_fraction']:.2f}"
+    if "comm_rounds" in r:
+        line += f"  {r['comm_rounds']} comm rounds"
     return line
 
 

@@ -24,6 +24,7 @@ from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.pipeline import PipelineParallel
+from ..strategies.local_sgd import LocalSGD
 from ..strategies.zero import ZeroRedundancy
 from .output import Progress, describe, fail, format_record, interrupted, write_log
 
@@ -74,6 +75,9 @@ def build_model(cfg, params, ctx, world):
     elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
         model = ZeroRedundancy(params, ctx, cfg.optimizer, cfg.zero_stage,
                                cross_sum=world.allreduce if world.size > 1 else None)
+    elif cfg.mode == "local":
+        model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
+                         cfg.outer_momentum, reduce)
     else:
         model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce)
     model = world.wrap(model)
