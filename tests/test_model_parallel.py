@@ -11,8 +11,8 @@ from manual_dp.memory import per_context, stage_activation_elems
 from manual_dp.lesson import LENET_SHAPES, conv_block
 from manual_dp.optim import apply_update, init_states
 from manual_dp.strategies.pipeline import PipelineParallel, cut
-from manual_dp.strategies.stages import (STAGE_SLICES, bubble_fraction, conv_stage, dense_stage,
-                              gpipe_schedule, split_params)
+from manual_dp.strategies.schedules import bubble_fraction, gpipe_schedule
+from manual_dp.strategies.stages import STAGE_SLICES, conv_stage, dense_stage, split_params
 
 
 def batch(n, seed=0):
