@@ -130,7 +130,9 @@ def test_end_epoch_reports_the_mean_bubble():
     for n in (16, 16, 3):   # the short last batch has only 3 micro-batches
         model.step(*batch(n), 0.01)
     want = np.mean([1 / 5, 1 / 5, 1 / 4])
-    assert model.end_epoch(0.01) == {"bubble_fraction": pytest.approx(want)}
+    stats = model.end_epoch(0.01)
+    assert stats["bubble_fraction"] == pytest.approx(want)
+    assert set(stats) == {"bubble_fraction", "activation_peak_bytes"}     # the peaks: tests/test_stages.py
     assert model.end_epoch(0.01) == {}
 
 

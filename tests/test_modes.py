@@ -18,6 +18,10 @@ MODES = {
     "pipeline": ["--cpus", "2", "--mode", "pipeline", "--micro-batches", "5"],
     "hybrid": ["--cpus", "4", "--mode", "hybrid", "--micro-batches", "2"],
     "hybrid-warmup": ["--cpus", "4", "--mode", "hybrid", "--warmup-epochs", "1", "--scale-lr", "linear"],
+    "pipeline-s4-1f1b-recompute": ["--cpus", "4", "--mode", "pipeline", "--stages", "4", "--schedule", "1f1b",
+                                   "--micro-batches", "3", "--recompute"],
+    "hybrid-s3-1f1b": ["--cpus", "6", "--mode", "hybrid", "--stages", "3", "--schedule", "1f1b",
+                       "--micro-batches", "2"],
 }
 
 
@@ -42,7 +46,8 @@ def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("mode", ["model", "pipeline", "hybrid", "async0"])
+@pytest.mark.parametrize("mode", ["model", "pipeline", "hybrid", "async0", "pipeline-s4-1f1b-recompute",
+                                  "hybrid-s3-1f1b"])
 def test_mode_trains_like_one_device(capsys, tmp_path, data_dir, mode):
     one = train(capsys, tmp_path, data_dir, "one", "--cpus", "1", "--epochs", "2")
     assert_same_run(train(capsys, tmp_path, data_dir, mode, *MODES[mode], "--epochs", "2"), one)

@@ -193,3 +193,21 @@ def test_recompute_holds_less_where_activations_outweigh_inputs(name):
 def test_hybrid_peaks_are_per_replica():
     peaks, priced = measured_peaks(6, 3, 4, "1f1b", True, n=30)
     assert peaks == priced and peaks[:3] == peaks[3:]
+
+
+def test_bench_prints_the_counted_peaks_and_the_times():
+    """python -m manual_dp.bench.stages: its peaks are the strategy's counts (GPipe's stage 0 holds
+    all 8 examples' activations of conv1), 1F1B's below GPipe's after stage 0, and a time for each setting."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.stages", "--stages", "4", "--micro-batches",
+                           "4", "--batch-size", "8", "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["gpipe"], ["1f1b"])]
+    peaks = {(r[0], r[1]): [int(v.replace(",", "")) for v in r[2:]] for r in rows[:4]}
+    i, k = piece_activation_elems()[0]
+    assert peaks["gpipe", "no"][0] == 8 * (i + k) * 4
+    assert peaks["1f1b", "no"][0] == peaks["gpipe", "no"][0]        # M = S: stage 0 holds all 4 on both
+    assert all(f < g for f, g in zip(peaks["1f1b", "no"][1:], peaks["gpipe", "no"][1:]))
+    assert peaks["gpipe", "yes"][-1] < peaks["gpipe", "no"][-1]
+    assert [r[-2:] for r in rows[4:]] == [["ms", "1.00x"], rows[5][-2:], ["ms", "1.00x"], rows[7][-2:]]
