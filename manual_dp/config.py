@@ -14,7 +14,8 @@ from .fast.runtime import visible_gpus
 MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
-STAGES = 2                    # LeNet cut in two: convolutions | dense layers
+STAGES = 2                    # LeNet cut in two by default: convolutions | dense layers
+MAX_STAGES = 4                # its layers: conv1 | conv2 | dense1 | dense2 (strategies/stages.py CUTS)
 DEFAULT_CPU_CONTEXTS = 2      # contexts when there is no GPU and none are named
 FAST_STEP = dict(allreduce="reduce_bcast", fuse_grads=True, graph=True)
 LESSON_STEP = dict(allreduce="lesson", fuse_grads=False, graph=False)
@@ -103,11 +104,21 @@ class RunConfig:
                                            "sgd then averages the replicas)", "parallelism")
     outer_momentum: Optional[float] = flag(None, "local with --outer-optimizer nesterov only: its momentum "
                                                  "(default 0.9)", "parallelism")
+    stages: Optional[int] = flag(None, "model, pipeline and hybrid: LeNet cut into S stages, one context "
+                                       "each: 2 convs | dense, 3 conv1 | conv2 | dense, 4 conv1 | conv2 | "
+                                       "dense1 | dense2 (default 2)", "parallelism")
+    schedule: Optional[str] = flag(None, "pipeline and hybrid: gpipe (every forward, then every backward) "
+                                         "or 1f1b (one forward, one backward: stage s holds at most S - s "
+                                         "micro-batches) (default gpipe)", "parallelism",
+                                   choices=("gpipe", "1f1b"))
+    recompute: bool = flag(False, "model, pipeline and hybrid: keep only each stage's input per "
+                                  "micro-batch, recompute its activations in the backward (less memory, "
+                                  "more time)", "parallelism")
 
 
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
-MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "zero_stage": 1, "sync_every": 4,
-                 "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.9}
+MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "stages": STAGES, "schedule": "gpipe", "zero_stage": 1,
+                 "sync_every": 4, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.9}
 APPLIES = {
     "staleness": ("async",),
     "micro_batches": ("pipeline", "hybrid"),
@@ -122,6 +133,9 @@ APPLIES = {
     "outer_optimizer": ("local",),
     "outer_lr": ("local",),
     "outer_momentum": ("local",),
+    "stages": ("model", "pipeline", "hybrid"),
+    "schedule": ("pipeline", "hybrid"),
+    "recompute": ("model", "pipeline", "hybrid"),
 }
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
@@ -162,6 +176,9 @@ def check(cfg):
             raise UsageError(f"--{name.replace('_', '-')} must be positive and finite, got {value}")
     if not (cfg.warmup_epochs >= 0 and math.isfinite(cfg.warmup_epochs)):
         raise UsageError(f"--warmup-epochs must be >= 0 and finite, got {cfg.warmup_epochs}")
+    if cfg.stages is not None and not 1 <= cfg.stages <= MAX_STAGES:
+        raise UsageError(f"--stages must be 1 to {MAX_STAGES} (LeNet has {MAX_STAGES} layers to cut "
+                         f"between), got {cfg.stages}")
     if not 0 <= cfg.seed < 2 ** 32:
         raise UsageError(f"--seed must be in 0..2**32-1, got {cfg.seed}")
     if cfg.resume and not cfg.checkpoint_dir:
@@ -194,14 +211,14 @@ def check_local(cfg):
 
 def check_layout(cfg, n_contexts, n_processes=1):
     """Raise UsageError if the mode cannot be laid out on n_contexts contexts per process."""
-    n = n_contexts
-    if cfg.mode in ("model", "pipeline") and n != STAGES:
-        raise UsageError(f"--mode {cfg.mode} needs exactly {STAGES} contexts (convs on the first, dense "
-                         f"layers on the second), got {n}: use --cpus {STAGES} or --mode hybrid")
-    if cfg.mode == "hybrid" and n % STAGES:
-        raise UsageError(f"--mode hybrid needs a multiple of {STAGES} contexts (replicas x {STAGES} "
+    n, S = n_contexts, cfg.stages or STAGES
+    if cfg.mode in ("model", "pipeline") and n != S:
+        raise UsageError(f"--mode {cfg.mode} needs exactly {S} contexts (one per stage of --stages {S}), "
+                         f"got {n}: use --cpus {S} or --mode hybrid")
+    if cfg.mode == "hybrid" and n % S:
+        raise UsageError(f"--mode hybrid needs a multiple of {S} contexts (replicas x {S} "
                          f"stages), got {n}")
-    replicas = (n // STAGES if cfg.mode in ("model", "pipeline", "hybrid") else n) * n_processes
+    replicas = (n // S if cfg.mode in ("model", "pipeline", "hybrid") else n) * n_processes
     if cfg.batch_size < replicas:
         raise UsageError(f"--batch-size {cfg.batch_size} is smaller than the {replicas} devices it is "
                          f"split over")

@@ -129,6 +129,21 @@ FLAGS = [
      "--outer-optimizer applies only to --mode local"),
     ("outer-momentum in sync", ["--outer-momentum", "0.9"], 2, "--outer-momentum applies only to --mode local"),
     ("local on dist_async", ["--backend", "dist_async", "--mode", "local"], 2, "--backend dist_async runs its own"),
+    ("stages 5", ["--cpus", "5", "--mode", "pipeline", "--stages", "5"], 2, "--stages must be 1 to 4 .*got 5"),
+    ("stages 0", ["--cpus", "2", "--mode", "model", "--stages", "0"], 2, "--stages must be 1 to 4"),
+    ("stages in sync", ["--cpus", "2", "--stages", "2"], 2, "--stages applies only to --mode model or pipeline or hybrid"),
+    ("stages in async", ["--cpus", "2", "--mode", "async", "--stages", "3"], 2, "--stages applies only to"),
+    ("schedule in model", ["--cpus", "2", "--mode", "model", "--schedule", "1f1b"], 2,
+     "--schedule applies only to --mode pipeline or hybrid, not --mode model"),
+    ("schedule in sync", ["--cpus", "2", "--schedule", "gpipe"], 2, "--schedule applies only to"),
+    ("schedule unknown", ["--cpus", "2", "--mode", "pipeline", "--schedule", "zigzag"], 2, "invalid choice"),
+    ("recompute in sync", ["--cpus", "2", "--recompute"], 2, "--recompute applies only to --mode model or pipeline"),
+    ("recompute in async", ["--cpus", "2", "--mode", "async", "--recompute"], 2, "--recompute applies only to"),
+    ("pipeline S=3 on 2", ["--cpus", "2", "--mode", "pipeline", "--stages", "3"], 2,
+     "--mode pipeline needs exactly 3 contexts .*got 2"),
+    ("model S=4 on 3", ["--cpus", "3", "--mode", "model", "--stages", "4"], 2, "--mode model needs exactly 4 contexts"),
+    ("hybrid 4 over S=3", ["--cpus", "4", "--mode", "hybrid", "--stages", "3"], 2,
+     "--mode hybrid needs a multiple of 3 contexts .*got 4"),
 ]
 
 

@@ -24,6 +24,10 @@ MODES = {
     "local1": ["--cpus", "2", "--mode", "local", "--sync-every", "1"],   # momentum is linear: sync's step
     "local3-nesterov": ["--cpus", "3", "--mode", "local", "--sync-every", "3", "--outer-optimizer", "nesterov",
                         "--outer-lr", "0.7", "--outer-momentum", "0.8", "--grad-accum", "2"],
+    "pipeline-s4-1f1b-recompute": ["--cpus", "4", "--mode", "pipeline", "--stages", "4", "--schedule", "1f1b",
+                                   "--micro-batches", "3", "--recompute"],
+    "hybrid-s3-1f1b": ["--cpus", "6", "--mode", "hybrid", "--stages", "3", "--schedule", "1f1b",
+                       "--micro-batches", "2"],
 }
 
 
@@ -48,7 +52,8 @@ def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("mode", ["model", "pipeline", "hybrid", "async0", "local1"])
+@pytest.mark.parametrize("mode", ["model", "pipeline", "hybrid", "async0", "local1", "pipeline-s4-1f1b-recompute",
+                                  "hybrid-s3-1f1b"])
 def test_mode_trains_like_one_device(capsys, tmp_path, data_dir, mode):
     one = train(capsys, tmp_path, data_dir, "one", "--cpus", "1", "--epochs", "2")
     assert_same_run(train(capsys, tmp_path, data_dir, mode, *MODES[mode], "--epochs", "2"), one)

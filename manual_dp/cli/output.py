@@ -48,9 +48,11 @@ def describe(cfg):
     line = {"sync": f"sync: replicas in lock-step, gradients all-reduced ({cfg.allreduce}"
                     f"{', fused' if cfg.fuse_grads else ''}{', cached graph' if cfg.graph else ''})",
             "async": f"async: master on the first context, replicas up to {cfg.staleness} updates stale",
-            "model": "model: convs on the first context, dense layers on the second",
-            "pipeline": f"pipeline: model split, {cfg.micro_batches} GPipe micro-batches",
-            "hybrid": f"hybrid: data parallel over 2-stage pipelines, {cfg.micro_batches} micro-batches "
+            "model": "model: convs on the first context, dense layers on the second" if (cfg.stages or 2) == 2
+                     else "model: one stage per context",
+            "pipeline": f"pipeline: model split, {cfg.micro_batches} "
+                        f"{'1F1B' if cfg.schedule == '1f1b' else 'GPipe'} micro-batches",
+            "hybrid": f"hybrid: data parallel over {cfg.stages or 2}-stage pipelines, {cfg.micro_batches} micro-batches "
                       f"each ({cfg.allreduce})",
             "zero": f"zero: ZeRO stage {cfg.zero_stage}, " + {
                 1: "optimiser state", 2: "optimiser state and gradients",
@@ -64,7 +66,14 @@ def describe(cfg):
         line = ("sync, deterministic: pieces of the batch added in one fixed tree, the same bits on any "
                 "number of contexts and processes")
     return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
-        f", LeNet x{cfg.width} wide" if cfg.width > 1 else "")
+        f", LeNet x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg)
+
+
+def pipeline_settings(cfg):
+    """What --stages, --schedule and --recompute change, if given."""
+    return ((f", {cfg.stages} stages" if (cfg.stages or 2) != 2 and cfg.mode != "hybrid" else "")
+            + (", 1F1B schedule" if cfg.schedule == "1f1b" and cfg.mode == "hybrid" else "")
+            + (", activations recomputed in the backward" if cfg.recompute else ""))
 
 
 def format_record(r, epochs):

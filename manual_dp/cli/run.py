@@ -79,7 +79,8 @@ def build_model(cfg, params, ctx, world):
         model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
                          cfg.outer_momentum, reduce)
     else:
-        model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce)
+        model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce,
+                                 cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute)
     model = world.wrap(model)
     return GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
 
