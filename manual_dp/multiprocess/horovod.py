@@ -36,7 +36,7 @@ class HorovodWorld(Cluster):
         except Exception:
             self.watchdog.stop()
             raise
-        self.rank, self.size = self.hvd.rank(), self.hvd.size()
+        self.rank, self.size, self.joined = self.hvd.rank(), self.hvd.size(), True
         self.local_rank = self.hvd.local_rank()
         # Names key Horovod's collectives; a fresh one per call, since evaluation may have
         # several counts in flight at once and Horovod refuses two live tensors of one name.
@@ -47,9 +47,11 @@ class HorovodWorld(Cluster):
         return f"manual_dp.{what}.{next(self.calls)}"
 
     def allreduce(self, array, key):
+        self.enter(f"allreduce {key}")
         self.hvd.allreduce_(array, op=self.hvd.Sum, name=self.name(key))
 
     def broadcast_object(self, obj):
+        self.enter("broadcast")
         return self.hvd.broadcast_object(obj, root_rank=0, name=self.name("object"))
 
     def close(self, failed=False):
