@@ -78,9 +78,10 @@ class Elastic:
             if not remaining:
                 return self.end(code, f"{reason}; no worker left to restart on")
             self.restarts, self.workers = self.restarts + 1, remaining
-            print(f"manual_dp.launch: {reason}; restart {self.restarts} of {self.args.max_restarts}: "
-                  f"{len(remaining)} worker(s) ({', '.join(map(str, remaining))}) resume from the "
-                  f"last checkpoint", file=sys.stderr, flush=True)
+            without = f" without {', '.join(f'worker {w}' for w in lost)}" if lost else ""
+            print(f"manual_dp.launch: {reason}; restart {self.restarts} of {self.args.max_restarts}"
+                  f"{without}: {len(remaining)} worker(s) resume from the last checkpoint",
+                  file=sys.stderr, flush=True)
 
     def end(self, code, reason):
         if reason:
