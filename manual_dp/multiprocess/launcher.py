@@ -6,7 +6,10 @@
 Every process runs COMMAND with the DMLC_* environment of its role: MXNet turns a server or the
 scheduler into its server loop as soon as COMMAND imports mxnet. Output lines get a prefix such
 as "[worker 1]". When a process fails, or a server or the scheduler ends before the workers, the
-launcher stops all the others and exits non-zero; when every worker succeeds it exits 0.
+launcher stops all the others and exits non-zero (or, with --max-restarts, starts the job again
+on the workers that remain: manual_dp.multiprocess.elastic, which runs the jobs); when every
+worker succeeds it exits 0. Workers get $MANUAL_DP_WORKER ("worker 1") and the address of the
+progress board (manual_dp.multiprocess.board), to which they report the collectives they enter.
 With --hosts FILE (one host per line) servers and workers go round-robin over the hosts via ssh
 (keys, no password), the scheduler runs here.
 
