@@ -3,6 +3,7 @@
 Stand-in programs check the launcher's restarts quickly; dist_sync workers on 127.0.0.1 check a
 real job that loses a worker, by kill -9 or by SIGSTOP. Every job is bounded in time.
 """
+import importlib.util
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import write_dataset
-from jobs import Job, assert_same_run, launch_cmd, read_log, run_job, train_cmd, trainer_pids, wait_for
+from jobs import Job, assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, train_cmd, trainer_pids, wait_for
 from manual_dp import checkpoint
 from manual_dp.multiprocess.board import Board, Reporter, verdict
 from test_launch import launcher, leftovers
@@ -199,3 +200,27 @@ def test_a_stopped_worker_is_named_by_the_watchdog_and_left_out_at_the_restart(d
     assert [r["epoch"] for r in read_log(log)] == [1, 2, 3]
     assert 3 <= took < 30
     print(f"dist_sync: SIGSTOP of a worker to the watchdog's line naming it (--timeout 3): {took:.2f} s")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod is not installed")
+def test_under_horovodrun_rank_0s_board_names_a_stopped_rank(data, tmp_path):
+    """No launcher of ours: rank 0 keeps the board. SIGSTOP of rank 1; rank 0's watchdog names it."""
+    ck = tmp_path / "ck"
+    job = Job(horovod_cmd(2, *ARGS, "--data-dir", data, "--checkpoint-dir", ck, "--timeout", 3),
+              tmp_path / "out.txt")
+    try:
+        wait_for(lambda: (ck / checkpoint.NAME).exists(), 120, "the first checkpoint")
+        victim, = wait_for(lambda: trainer_pids(str(ck), HOROVOD_RANK="1"), 30, "rank 1")
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.time()
+        line = wait_for(lambda: next((l for l in job.output().splitlines()
+                                      if "no progress for 3 s" in l), None), 60, "the watchdog")
+        took = time.time() - stopped_at
+        assert job.wait(60) != 0
+    finally:
+        job.close()
+    assert re.search(r"rank 0 of 2 \(horovod\): no progress for 3 s; last entered collective #\d+ "
+                     r"\(\w+ \S+, step \d+\); rank 1 \(on localhost\) stopped: silent for \d+\.\d s, "
+                     r"last entered collective #\d+", line), line
+    assert 3 <= took < 30
+    print(f"horovod: SIGSTOP of rank 1 to rank 0's watchdog line naming it (--timeout 3): {took:.2f} s")

@@ -7,8 +7,10 @@ it enters a collective (rank, its sequence number, the training step, the operat
 heartbeat with the same fingerprint from its watchdog thread every BEAT seconds or so. A stopped
 or killed process sends nothing more; one that only waits for a peer keeps beating. A watchdog
 that gives up asks the board (`Reporter.ask`) and `verdict` names the silent ranks, else the
-ranks whose last collective is behind the others'. Best effort: a lost datagram or no board
-(horovodrun, a firewall) leaves the message with this rank's own fingerprint only.
+ranks whose last collective is behind the others'. Under horovodrun, which has no launcher of
+ours, rank 0 keeps the board (as $HOROVOD_HOSTNAME, the name horovodrun gave its host); it cannot
+then name itself. Best effort: a lost datagram, a firewall or a board that does not answer leaves
+the message with this rank's own fingerprint only.
 """
 import json
 import os
@@ -75,7 +77,10 @@ class Reporter:
         self.target, self.sock = None, None
         if address:
             host, _, port = address.rpartition(":")
-            self.target = (host, int(port))
+            try:
+                self.target = (socket.gethostbyname(host), int(port))   # resolved once
+            except (OSError, ValueError):
+                return
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.sock.setblocking(False)
 
@@ -99,6 +104,15 @@ class Reporter:
             except OSError:
                 return None
         return {int(r): tuple(v) for r, v in json.loads(data).items()}
+
+
+def bind_address(host):
+    """Where a board reachable as `host` listens: loopback if `host` is this machine's loopback,
+    else every interface."""
+    try:
+        return "127.0.0.1" if socket.gethostbyname(host).startswith("127.") else "0.0.0.0"
+    except OSError:
+        return "0.0.0.0"
 
 
 def fingerprint(seq, step, op):

@@ -4,8 +4,10 @@ Run under horovodrun, which starts the processes and ends the job when one of th
     horovodrun -np 2 -H localhost:2 --gloo python -m manual_dp.train --backend horovod --cpus 1
 """
 import itertools
+import os
 
 from ..errors import UsageError
+from .board import Board, Reporter, bind_address
 from .world import Cluster
 
 INSTALL = ("HOROVOD_WITH_MXNET=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
@@ -41,7 +43,15 @@ class HorovodWorld(Cluster):
         # Names key Horovod's collectives; a fresh one per call, since evaluation may have
         # several counts in flight at once and Horovod refuses two live tensors of one name.
         self.calls = itertools.count()
+        self.open_board()
         self.progress()
+
+    def open_board(self):
+        """Rank 0 keeps the job's progress board (there is no launcher of ours); every rank reports to it."""
+        host = os.environ.get("HOROVOD_HOSTNAME", "127.0.0.1")
+        self.board = Board(bind_address(host)) if self.is_root else None
+        address = self.broadcast_object(f"{host}:{self.board.port}" if self.board else None)
+        self.reporter = Reporter(address, slot=f"on {host}")
 
     def name(self, what):
         return f"manual_dp.{what}.{next(self.calls)}"
@@ -58,5 +68,7 @@ class HorovodWorld(Cluster):
         try:
             if not failed:
                 self.hvd.shutdown()
+            if getattr(self, "board", None) is not None:
+                self.board.close()
         finally:
             super().close(failed)
