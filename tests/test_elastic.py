@@ -92,6 +92,16 @@ def test_restarts_run_out(tmp_path):
     assert not leftovers(marker)
 
 
+def test_a_failed_server_restarts_the_job_with_every_worker(tmp_path):
+    cmd, marker = launcher(tmp_path, "--workers", "2", "--max-restarts", "1", "--grace", "1",
+                           behaviour=["server=0.3,1", "worker=5", "scheduler=5"])
+    code, out = run_job(cmd, tmp_path / "out.txt", timeout=60)
+    assert code == 1, out
+    assert ("manual_dp.launch: server 0 exited with status 1; restart 1 of 1: 2 worker(s) resume "
+            "from the last checkpoint") in out.splitlines(), out
+    assert "stopping the job after 1 restart(s)" in out and not leftovers(marker)
+
+
 @pytest.mark.parametrize("status", [2, 3])
 def test_bad_input_and_divergence_are_not_restarted(tmp_path, status):
     cmd, marker = launcher(tmp_path, "--workers", "2", "--max-restarts", "3", "--grace", "1",
