@@ -41,7 +41,8 @@ def test_verdict_names_the_silent_rank_else_the_one_behind():
     level = {0: (52, 17, "x", "", 0.4), 1: (52, 17, "x", "", 0.3)}
     assert "every rank is alive and entered collective #52" in verdict(level, 2, 0, 1.9)
     assert verdict({0: level[0]}, 3, 0, 1.9) == "rank 1, rank 2 never reported to the board"
-    assert verdict(None, 2, 0, 1.9) == "the other ranks' progress is unknown here (no board)"
+    assert verdict(None, 2, 0, 1.9) == "the board did not answer: the other ranks' progress is unknown here"
+    assert verdict(None, 2, 1, 1.9, "no board here").startswith("no board here: ")
 
 
 def test_reports_reach_the_board_and_come_back():
@@ -213,15 +214,22 @@ def test_a_stopped_worker_is_named_by_the_watchdog_and_left_out_at_the_restart(d
 
 
 @pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod is not installed")
-def test_under_horovodrun_rank_0s_board_names_a_stopped_rank(data, tmp_path):
-    """No launcher of ours: rank 0 keeps the board. SIGSTOP of rank 1; rank 0's watchdog names it."""
+@pytest.mark.parametrize("victim,named", [
+    (1, r"rank 0 of 2 \(horovod\): no progress for 3 s; last entered collective #\d+ \(\w+ \S+, step "
+        r"\d+\); rank 1 \(on localhost\) stopped: silent for \d+\.\d s, last entered collective #\d+"),
+    (0, r"rank 1 of 2 \(horovod\): no progress for 3 s; last entered collective #\d+ \(\w+ \S+, step "
+        r"\d+\); the board on rank 0 did not answer: rank 0 has probably stopped"),
+])
+def test_under_horovodrun_rank_0s_board_names_a_stopped_rank(data, tmp_path, victim, named):
+    """No launcher of ours: rank 0 keeps the board. SIGSTOP of one rank; the other's watchdog
+    names it (rank 0, stopped, names itself by not answering)."""
     ck = tmp_path / "ck"
     job = Job(horovod_cmd(2, *ARGS, "--data-dir", data, "--checkpoint-dir", ck, "--timeout", 3),
               tmp_path / "out.txt")
     try:
         wait_for(lambda: (ck / checkpoint.NAME).exists(), 120, "the first checkpoint")
-        victim, = wait_for(lambda: trainer_pids(str(ck), HOROVOD_RANK="1"), 30, "rank 1")
-        os.kill(victim, signal.SIGSTOP)
+        pid, = wait_for(lambda: trainer_pids(str(ck), HOROVOD_RANK=str(victim)), 30, "the victim")
+        os.kill(pid, signal.SIGSTOP)
         stopped_at = time.time()
         line = wait_for(lambda: next((l for l in job.output().splitlines()
                                       if "no progress for 3 s" in l), None), 60, "the watchdog")
@@ -229,8 +237,6 @@ def test_under_horovodrun_rank_0s_board_names_a_stopped_rank(data, tmp_path):
         assert job.wait(60) != 0
     finally:
         job.close()
-    assert re.search(r"rank 0 of 2 \(horovod\): no progress for 3 s; last entered collective #\d+ "
-                     r"\(\w+ \S+, step \d+\); rank 1 \(on localhost\) stopped: silent for \d+\.\d s, "
-                     r"last entered collective #\d+", line), line
+    assert re.search(named, line), line
     assert 3 <= took < 30
-    print(f"horovod: SIGSTOP of rank 1 to rank 0's watchdog line naming it (--timeout 3): {took:.2f} s")
+    print(f"horovod: SIGSTOP of rank {victim} to the other's watchdog line (--timeout 3): {took:.2f} s")

@@ -123,10 +123,11 @@ def name(rank, slot):
     return f"rank {rank}" + (f" ({slot})" if slot else "")
 
 
-def verdict(reports, size, rank, silent_after):
-    """One clause naming who holds the job up, from the board's `reports`, as rank `rank` sees it."""
+def verdict(reports, size, rank, silent_after, unanswered="the board did not answer"):
+    """One clause naming who holds the job up, from the board's `reports` (None: `unanswered`
+    says why there are none), as rank `rank` sees it."""
     if reports is None:
-        return "the other ranks' progress is unknown here (no board)"
+        return f"{unanswered}: the other ranks' progress is unknown here"
     missing = [r for r in range(size) if r not in reports]
     if missing:
         return f"{', '.join(f'rank {r}' for r in missing)} never reported to the board"

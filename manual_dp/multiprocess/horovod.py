@@ -52,6 +52,7 @@ class HorovodWorld(Cluster):
         self.board = Board(bind_address(host)) if self.is_root else None
         address = self.broadcast_object(f"{host}:{self.board.port}" if self.board else None)
         self.reporter = Reporter(address, slot=f"on {host}")
+        self.unanswered = "the board on rank 0 did not answer: rank 0 has probably stopped"
 
     def name(self, what):
         return f"manual_dp.{what}.{next(self.calls)}"

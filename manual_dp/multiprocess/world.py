@@ -93,6 +93,7 @@ class Cluster(World):
     def __init__(self, timeout, on_timeout):
         self.seq, self.step, self.op, self.reporter = 0, 0, "start-up", Reporter()
         self.joined = False                               # True once the engine gave rank and size
+        self.unanswered = "the board did not answer"      # what a silent board means here
         self.watchdog = Watchdog(timeout, self.describe, on_timeout, self.situation, self.beat)
 
     def enter(self, op):
@@ -110,8 +111,9 @@ class Cluster(World):
         if not self.joined:
             return "waiting for every process of the job to join"
         silent_after = 2.5 * self.watchdog.tick            # a live rank beats every tick
+        unanswered = self.unanswered if self.reporter.target else "no board here"
         return (f"last entered {fingerprint(self.seq, self.step, self.op)}; "
-                f"{verdict(self.reporter.ask(), self.size, self.rank, silent_after)}")
+                f"{verdict(self.reporter.ask(), self.size, self.rank, silent_after, unanswered)}")
 
     def reducer(self, allreduce_fn):
         return CrossProcessAllreduce(allreduce_fn, self)
