@@ -18,6 +18,8 @@ from conftest import write_dataset
 from jobs import Job, assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, train_cmd, trainer_pids, wait_for
 from manual_dp import checkpoint
 from manual_dp.multiprocess.board import Board, Reporter, verdict
+from manual_dp.multiprocess import launcher as launch
+from manual_dp.multiprocess.elastic import Elastic
 from test_launch import launcher, leftovers
 
 # A synchronous step that keeps learning (plain SGD, small lr) over 3 epochs of 37 batches.
@@ -240,3 +242,27 @@ def test_under_horovodrun_rank_0s_board_names_a_stopped_rank(data, tmp_path, vic
     assert re.search(named, line), line
     assert 3 <= took < 30
     print(f"horovod: SIGSTOP of rank {victim} to the other's watchdog line (--timeout 3): {took:.2f} s")
+
+
+
+def test_a_signal_while_the_job_starts_waits_until_the_process_is_recorded(tmp_path, monkeypatch):
+    """SIGTERM's handler runs just after a process was forked, before the launcher recorded it:
+    the interruption comes once every started process is in the job, so that all are stopped."""
+    args, command = launch.parse(["--workers", "2", "--", sys.executable, "-c",
+                                  "import time; time.sleep(60)", f"marker={tmp_path}"])
+    elastic, started, real = Elastic(args, command), [], subprocess.Popen
+
+    def popen(*a, **k):
+        started.append(real(*a, **k))
+        if len(started) == 2:
+            elastic.interrupt(signal.SIGTERM, None)   # as the handler would, inside Popen
+        return started[-1]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            elastic.attempt()
+        assert len(started) == 4 and [p for _, p in elastic.job.procs] == started
+    finally:
+        elastic.stop()
+    assert all(p.poll() is not None for p in started)

@@ -49,6 +49,7 @@ class Elastic:
 
     def __init__(self, args, command):
         self.args, self.command, self.job = args, command, None
+        self.starting = self.interrupted = False      # a signal while starting waits for the end of it
         self.workers, self.restarts = list(range(args.workers)), 0
         self.board = Board(LOOPBACK if not args.hosts else "0.0.0.0")
 
@@ -60,7 +61,13 @@ class Elastic:
                 env[ENV] = f"{env['DMLC_PS_ROOT_URI']}:{self.board.port}"
         self.board.reset()
         self.job = Job(self.args.start_timeout)
-        self.job.start(procs, self.command, self.args.ssh)
+        self.starting = True
+        try:
+            self.job.start(procs, self.command, self.args.ssh)
+        finally:
+            self.starting = False
+        if self.interrupted:
+            raise KeyboardInterrupt
         code, reason = self.job.supervise(self.args.grace)
         silent = [worker_number(slot) for slot in self.board.silent(SILENT)]
         failed = worker_number(self.job.failed)
@@ -82,6 +89,13 @@ class Elastic:
             print(f"manual_dp.launch: {reason}; restart {self.restarts} of {self.args.max_restarts}"
                   f"{without}: {len(remaining)} worker(s) resume from the last checkpoint",
                   file=sys.stderr, flush=True)
+
+    def interrupt(self, signum, frame):
+        """SIGTERM, SIGINT: KeyboardInterrupt, once every process being started is in self.job
+        (a process started but not yet recorded would outlive the launcher)."""
+        self.interrupted = True
+        if not self.starting:
+            raise KeyboardInterrupt
 
     def end(self, code, reason):
         if reason:
@@ -109,11 +123,8 @@ def main(argv=None):
         print(f"manual_dp.launch: error: {e}", file=sys.stderr)
         return 2
 
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupted)
     elastic = Elastic(args, command)
+    previous = {s: signal.signal(s, elastic.interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = elastic.run()
     except KeyboardInterrupt:
@@ -121,5 +132,6 @@ def main(argv=None):
     except OSError as e:
         code = elastic.end(1, f"could not start {command[0]}: {e}")
     elastic.stop()
-    signal.signal(signal.SIGTERM, previous)
+    for s, handler in previous.items():
+        signal.signal(s, handler)
     return code
