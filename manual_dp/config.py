@@ -82,6 +82,12 @@ class RunConfig:
                         choices=BACKENDS)
     timeout: float = flag(120.0, "seconds without progress after which a process of a multi-process "
                                  "job gives up", "more than one process (see docs/multi-machine.md)")
+    bucket_mb: Optional[float] = flag(None, "sync only: gradients in buckets of this many MB, last layer "
+                                            "first, each all-reduced as soon as backward has written it "
+                                            "(0: one per parameter; default: one fused buffer)", "speed")
+    trace: Optional[str] = flag(None, "sync only: record a few steps (MXNet's profiler and the "
+                                      "trainer's spans) as a Chrome trace to this file; draw it with "
+                                      "python -m manual_dp.timeline", "data and outputs")
 
 
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
@@ -94,6 +100,8 @@ APPLIES = {
     "graph": ("sync",),
     "no_autotune": ("sync",),
     "check_replicas": ("sync", "model", "pipeline", "hybrid"),
+    "bucket_mb": ("sync",),
+    "trace": ("sync",),
 }
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "train_size", "test_size",
@@ -130,6 +138,13 @@ def check(cfg):
             raise UsageError(f"--{name.replace('_', '-')} must be positive and finite, got {value}")
     if not (cfg.warmup_epochs >= 0 and math.isfinite(cfg.warmup_epochs)):
         raise UsageError(f"--warmup-epochs must be >= 0 and finite, got {cfg.warmup_epochs}")
+    if cfg.bucket_mb is not None and not (cfg.bucket_mb >= 0 and math.isfinite(cfg.bucket_mb)):
+        raise UsageError(f"--bucket-mb must be >= 0 and finite, got {cfg.bucket_mb}")
+    if (cfg.bucket_mb is not None or cfg.trace) and cfg.fuse_grads is False:
+        raise UsageError("--bucket-mb and --trace cut the fused gradient buffer into buckets: not with "
+                         "--no-fuse-grads")
+    if cfg.trace and cfg.backend != "local":
+        raise UsageError("--trace records the steps of one process: --backend local only")
     if not 0 <= cfg.seed < 2 ** 32:
         raise UsageError(f"--seed must be in 0..2**32-1, got {cfg.seed}")
     if cfg.resume and not cfg.checkpoint_dir:

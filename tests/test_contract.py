@@ -31,6 +31,8 @@ STRATEGIES = {
     "model": lambda p, opt: PipelineParallel(p, cpus(2), opt, 1),
     "pipeline M=3": lambda p, opt: PipelineParallel(p, cpus(2), opt, 3),
     "hybrid 2x2": lambda p, opt: PipelineParallel(p, cpus(4), opt, 2),
+    "buckets 0.001 MB ring x3": lambda p, opt: DataParallel(p, cpus(3), opt, make_allreduce("ring"), bucket_mb=0.001),
+    "buckets 0 MB no graph x2": lambda p, opt: DataParallel(p, cpus(2), opt, graph=False, bucket_mb=0),
 }
 
 

@@ -62,7 +62,11 @@ def build_model(cfg, params, ctx, world):
         if cfg.graph:
             print(f"cached graph: convolution channels padded to multiples of {pad}" if pad > 1 else
                   "cached graph: convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
-        model = DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad)
+        bucket_mb = float("inf") if cfg.trace and cfg.bucket_mb is None else cfg.bucket_mb  # inf: one buffer
+        model = DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad,
+                             bucket_mb=bucket_mb)
+        if cfg.trace:
+            model.trace(cfg.trace)
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
     else:
@@ -102,6 +106,12 @@ def check_outputs(cfg):
                 log.name in (checkpoint.NAME, checkpoint.LOCK) or log.name.startswith(checkpoint.TMP_PREFIX)):
             raise UsageError(f"--log-json {log} would overwrite the checkpoint's own files")
         writable(log.parent, "--log-json")
+    if cfg.trace:
+        trace = Path(cfg.trace)
+        if trace.is_dir() or not trace.parent.is_dir():
+            raise UsageError(f"--trace {trace}: " + ("is a directory, not a file" if trace.is_dir() else
+                                                     f"the directory {trace.parent} does not exist"))
+        writable(trace.parent, "--trace")
 
 
 def save_log(cfg, history):
