@@ -12,40 +12,7 @@ from mxnet import nd, profiler
 from ..fast.collectives import make_allreduce
 from ..lesson import init_lenet_params
 from ..strategies.data_parallel import DataParallel
-
-
-def busy_intervals(trace, pid):
-    """Merged [start, end] microsecond intervals of the operators on profiler process `pid`."""
-    open_at, spans = {}, []
-    for e in trace["traceEvents"]:
-        if e.get("pid") != pid:
-            continue
-        key = (e.get("tid"), e.get("name"))
-        if e.get("ph") == "B":
-            open_at.setdefault(key, []).append(e["ts"])
-        elif e.get("ph") == "E" and open_at.get(key):
-            spans.append((open_at[key].pop(), e["ts"]))
-        elif e.get("ph") == "X":
-            spans.append((e["ts"], e["ts"] + e["dur"]))
-    merged = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return merged
-
-
-def overlap(u, v):
-    """Total length of the intersection of two sorted lists of disjoint intervals."""
-    i = j = total = 0
-    while i < len(u) and j < len(v):
-        total += max(0, min(u[i][1], v[j][1]) - max(u[i][0], v[j][0]))
-        if u[i][1] < v[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+from ..timeline import busy_intervals, overlap
 
 
 def run(spec):

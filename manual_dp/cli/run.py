@@ -66,7 +66,7 @@ def build_model(cfg, params, ctx, world):
         model = DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad,
                              bucket_mb=bucket_mb)
         if cfg.trace:
-            model.trace(cfg.trace)
+            model.trace(cfg.trace, algorithm=name)
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
     else:

@@ -15,8 +15,10 @@ after its all-reduce) and parameters (after the update) give, per context and st
 A marker costs a wake-up of MXNet's custom-operator thread (tens of microseconds), and the
 all-reduce after a "ready" marker waits for it: traced steps run a little slower than others.
 """
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -29,7 +31,7 @@ from ..errors import OutputError
 
 OP = "manual_dp_mark"
 TRAINER_PID = 1_000_000            # pid of context i's trainer lane in the trace: TRAINER_PID + i
-_noted, _lock, _registered = [], threading.Lock(), []
+_noted, _lock, _registered, _profile_file = [], threading.Lock(), [], []
 
 
 class Mark(mx.operator.CustomOp):
@@ -76,9 +78,9 @@ class Tracer:
     The strategy calls step_begins(X_shards) before its forward, forward_done(losses) between
     forward and backward, and step_ends() after its update; its Buckets call bucket(...)."""
 
-    def __init__(self, path, ctx, buckets, skip=2, steps=3):
-        self.path, self.ctx, self.buckets = Path(path), [str(c) for c in ctx], buckets
-        self.skip, self.steps, self.updates, self.tmp = skip, steps, 0, None
+    def __init__(self, path, ctx, buckets, skip=2, steps=3, algorithm=None):
+        self.path, self.ctx, self.buckets, self.algorithm = Path(path), [str(c) for c in ctx], buckets, algorithm
+        self.skip, self.steps, self.updates, self.tmp, self.offset = skip, steps, 0, None, 0
 
     @property
     def active(self):
@@ -106,10 +108,17 @@ class Tracer:
             self.finish()
 
     def start_profiler(self):
+        """MXNet 1.9 takes one profiler configuration per process (a second set_config fails after
+        a dump), and each dump appends a trace to the file: this trace starts at its current end."""
         nd.waitall()
-        self.tmp = tempfile.mkdtemp(prefix="manual_dp_trace_")
-        mx.profiler.set_config(profile_all=True, aggregate_stats=False,
-                               filename=os.path.join(self.tmp, "mxnet.json"))
+        with _lock:
+            if not _profile_file:
+                where = tempfile.mkdtemp(prefix="manual_dp_trace_")
+                atexit.register(shutil.rmtree, where, True)
+                _profile_file.append(os.path.join(where, "mxnet.json"))
+                mx.profiler.set_config(profile_all=True, aggregate_stats=False, filename=_profile_file[0])
+        self.tmp = _profile_file[0]
+        self.offset = os.path.getsize(self.tmp) if os.path.exists(self.tmp) else 0
         _noted.clear()
         mx.profiler.set_state("run")
 
@@ -118,14 +127,29 @@ class Tracer:
         nd.waitall()
         mx.profiler.set_state("stop")
         mx.profiler.dump()
-        trace = json.loads(Path(self.tmp, "mxnet.json").read_text())
+        trace = read_dump(self.tmp, self.offset)
         trace["traceEvents"] += trainer_events(list(_noted), self.ctx, self.buckets.names)
         trace["otherData"] = {"manual_dp": {"contexts": self.ctx, "steps": self.steps,
-                                            "buckets": self.buckets.names, "bytes": self.buckets.bytes}}
+                                            "buckets": self.buckets.names, "bytes": self.buckets.bytes,
+                                            "algorithm": self.algorithm}}
         try:
             self.path.write_text(json.dumps(trace))
         except OSError as e:
             raise OutputError(f"--trace {self.path}: could not write it ({e.strerror})") from None
+
+
+def read_dump(path, offset):
+    """The trace MXNet's profiler dumped into `path` from `offset` on. Its first dump is a JSON
+    document; a later one appends ", {event}, ... ], ...}" to it, without the process names, which
+    are taken from the first."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    first, _ = json.JSONDecoder().raw_decode(text)
+    if not offset:
+        return first
+    trace = json.loads('{"traceEvents": [' + text[offset:].lstrip().lstrip(","))
+    trace["traceEvents"] = [e for e in first["traceEvents"] if e.get("ph") == "M"] + trace["traceEvents"]
+    return trace
 
 
 def trainer_events(noted, contexts, bucket_names):

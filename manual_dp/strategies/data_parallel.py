@@ -89,12 +89,13 @@ class DataParallel(Strategy):
         self.states_of = {id(W): S for W, S in zip(self.replicas, self.states)}   # for train_batch's update
         self.t, self.tracer = 0, None
 
-    def trace(self, path, skip=2, steps=3):
-        """Record updates skip+1 .. skip+steps as a Chrome trace in `path` (manual_dp.fast.trace);
-        needs buckets (bucket_mb=float("inf") is the one fused buffer)."""
+    def trace(self, path, skip=2, steps=3, algorithm=None):
+        """Record updates skip+1 .. skip+steps as a Chrome trace in `path` (manual_dp.fast.trace;
+        `algorithm` names the all-reduce for the cost model); needs buckets (bucket_mb=float("inf")
+        is the one fused buffer)."""
         if not self.buckets:
             raise ValueError("tracing a step needs its gradients in buckets: give bucket_mb")
-        self.tracer = Tracer(path, self.ctx, self.buckets, skip, steps)
+        self.tracer = Tracer(path, self.ctx, self.buckets, skip, steps, algorithm)
         self.buckets.marks = self.tracer.bucket
 
     @property
