@@ -151,6 +151,14 @@ def measure(plan, args):
             records += got
             if "error" not in got[0]:
                 print(f"  overlap of cpu(0) and cpu(1), {env} env: {got[0]['overlap']:.0%} of busy time", flush=True)
+        for k in plan["lenet_devices"]:      # gradient buckets overlapping backward, side by side
+            spec = {"bench": "buckets", "devices": k, "steps": plan["overlap_steps"], "batch": plan["batch"]}
+            got = run_worker(spec, worker_env("tuned", k), args.timeout)
+            records += got
+            for r in got:
+                print(f"  {k} contexts, {r.get('impl', 'buckets'):22} " + (r["error"] if "error" in r else
+                      f"{r['step_ms']:7.1f} ms a step, {r['overlap']:.0%} of all-reduce time under compute"),
+                      flush=True)
         for impl, options, env, k in train_specs(plan, args.plan == "full"):
             records += train_point(plan, args, impl, options, env, k)
         for i, (impl, options, k) in enumerate(pair_specs(plan)):

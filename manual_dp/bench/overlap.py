@@ -3,6 +3,7 @@ ran on which context; the fraction of one context's busy time during which the o
 too answers it, whatever else the machine is doing (a loaded machine stretches both alike)."""
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import mxnet as mx
@@ -43,3 +44,51 @@ def run(spec):
     return [{"bench": "overlap", "impl": "manual_dp", "devices": 2, "env": spec["env"], "options": o,
              "busy_ms_per_step": [t / 1e3 / spec["steps"] for t in total],
              "both_busy_ms_per_step": both / 1e3 / spec["steps"], "overlap": both / min(total)}]
+
+
+# The step variants of the buckets bench: (name, bucket_mb, the cached graph's backward bulked).
+BUCKET_VARIANTS = [("one buffer", None, True), ("one buffer, unbulked", None, False),
+                   ("buckets 0.1 MB", 0.1, False), ("bucket per parameter", 0, False)]
+
+
+def bucket_model(k, bucket_mb, bulk, pad):
+    """The fast step on cpu(0..k-1) with `bucket_mb` buckets and the graph's backward bulked or not."""
+    from ..fast.graph import LeNetGraph
+    model = DataParallel(init_lenet_params(0), [mx.cpu(i) for i in range(k)], "momentum", conv_pad=pad,
+                         bucket_mb=bucket_mb)
+    model.graph = LeNetGraph(pad, bulk=bulk)
+    return model
+
+
+def run_buckets(spec):
+    """Step time of each BUCKET_VARIANTS on spec['devices'] contexts, measured round-robin (so a
+    drifting machine hits all alike), and the overlap fraction of a --trace of each."""
+    from ..fast.autotune import conv_pad
+    from ..timeline import measured_overlap, spans
+    k, steps, pad = spec["devices"], spec["steps"], conv_pad()
+    rng = np.random.RandomState(0)
+    X, y = rng.rand(spec["batch"], 1, 28, 28).astype(np.float32), rng.randint(0, 10, spec["batch"]).astype(np.int32)
+    models = [bucket_model(k, mb, bulk, pad) for _, mb, bulk in BUCKET_VARIANTS]
+    times = [[] for _ in models]
+    for r in range(spec.get("rounds", 3) + 1):
+        for i, model in enumerate(models):
+            nd.waitall()
+            start = time.perf_counter()
+            for _ in range(steps):
+                model.step(X, y, 0.02)
+            nd.waitall()
+            if r:                                    # round 0 warms up
+                times[i].append((time.perf_counter() - start) / steps)
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for (name, mb, bulk), model, t in zip(BUCKET_VARIANTS, models, times):
+            path = Path(tmp) / "trace.json"
+            traced = bucket_model(k, float("inf") if mb is None else mb, bulk, pad)
+            traced.trace(path, skip=1, steps=3, algorithm="reduce_bcast")
+            for _ in range(4):
+                traced.step(X, y, 0.02)
+            nd.waitall()
+            records.append({"bench": "buckets", "impl": name, "devices": k, "bucket_mb": mb, "bulk": bulk,
+                            "step_ms": 1e3 * float(np.median(t)), "step_ms_rounds": [1e3 * s for s in t],
+                            "overlap": measured_overlap(spans(json.loads(path.read_text())))})
+    return records
