@@ -158,6 +158,8 @@ CASES = [
      2, "would overwrite the checkpoint", absent),
     ("trace is a directory", lambda t, d: ["--trace", str(t)], 2, "--trace .* is a directory", absent),
     ("trace parent missing", lambda t, d: ["--trace", str(t / "no" / "t.json")], 2, "--trace .* does not exist", absent),
+    ("trace of too short a run", lambda t, d: ["--trace", str(t / "t.json"), "--train-size", "64", "--epochs", "1"], 2,
+     "--trace records updates 3 to 5, but this run takes 2", absent),
     ("data dir missing", lambda t, d: ["--data-dir", str(t / "nowhere")], 1, "does not exist", absent),
     ("data corrupt", lambda t, d: (write_dataset(t / "bad", 40, 20), (t / "bad" / "train-labels-idx1-ubyte.gz").write_bytes(b"junk"),
                                    ["--data-dir", str(t / "bad")])[-1], 1, "not a readable gzip", absent),

@@ -152,7 +152,8 @@ def measure(plan, args):
             if "error" not in got[0]:
                 print(f"  overlap of cpu(0) and cpu(1), {env} env: {got[0]['overlap']:.0%} of busy time", flush=True)
         for k in plan["lenet_devices"]:      # gradient buckets overlapping backward, side by side
-            spec = {"bench": "buckets", "devices": k, "steps": plan["overlap_steps"], "batch": plan["batch"]}
+            spec = {"bench": "buckets", "devices": k, "steps": plan["overlap_steps"], "batch": plan["batch"],
+                    "rounds": plan["repeats"]}
             got = run_worker(spec, worker_env("tuned", k), args.timeout)
             records += got
             for r in got:

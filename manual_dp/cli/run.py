@@ -15,6 +15,7 @@ from ..errors import (CheckpointError, DataError, DistributedError, DivergedErro
                       ReplicaMismatchError, UsageError)
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
+from ..fast.trace import TRACE_UPDATES
 from ..lesson import init_lenet_params
 from ..loop import fit
 from ..multiprocess.connect import connect
@@ -171,6 +172,10 @@ def train_in(cfg, world, ctx):
         raise UsageError(f"{len(train_data[0])} training example(s) cannot be split over the "
                          f"{model.min_batch} devices of a batch: use a larger --train-size")
     lr = learning_rate(cfg, len(train_data[0]))
+    updates = updates_per_epoch(len(train_data[0]), cfg.batch_size, cfg.grad_accum) * cfg.epochs
+    if cfg.trace and updates < TRACE_UPDATES:
+        raise UsageError(f"--trace records updates 3 to {TRACE_UPDATES}, but this run takes {updates}: "
+                         f"use more --epochs or --train-size")
     mem = memory.per_context(model, cfg.batch_size)
     run_config = {k: getattr(cfg, k) for k in config.RUN_KEYS}
     start_epoch, history, rng_state = resume_from(cfg, world, model, run_config)

@@ -30,6 +30,7 @@ from mxnet import nd
 from ..errors import OutputError
 
 OP = "manual_dp_mark"
+TRACE_UPDATES = 5                  # by default updates 3..5 are recorded (2 warm up, 3 traced)
 TRAINER_PID = 1_000_000            # pid of context i's trainer lane in the trace: TRAINER_PID + i
 _noted, _lock, _registered, _profile_file = [], threading.Lock(), [], []
 
