@@ -151,21 +151,23 @@ def draw(trace, out, link=None):
     for c, busy in device_ops(trace).items():
         cut = [(max(a, start), min(b, end)) for a, b in busy if b > start and a < end]
         lanes.append((f"{c} MXNet ops", [((a - start) / 1e3, (b - a) / 1e3, "0.6") for a, b in cut]))
-        lanes.append((f"{c} trainer", [((s["start"] - start) / 1e3, (s["end"] - s["start"]) / 1e3,
-                                        COLOURS[s["kind"]]) for s in of if s["context"] == c]))
+        for label, kinds in (("forward, backward", ("forward", "backward")), ("all-reduce, update", ("allreduce", "update"))):
+            lanes.append((f"{c} {label}", [((s["start"] - start) / 1e3, (s["end"] - s["start"]) / 1e3, COLOURS[s["kind"]])
+                                           for s in of if s["context"] == c and s["kind"] in kinds]))
     lanes.append(("predicted compute", [(a * 1e3, (b - a) * 1e3, COLOURS[kind]) for kind, spans_ in
                                         (("forward", [plan["forward"]]), ("backward", plan["backward"]))
                                         for a, b in spans_]))
     lanes.append(("predicted all-reduce", [(a * 1e3, (b - a) * 1e3, COLOURS["allreduce"]) for a, b in plan["allreduce"]]))
-    fig, ax = plt.subplots(figsize=(11, 0.5 * len(lanes) + 1.5))
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(lanes) + 1.5))
     for y, (_, bars) in enumerate(reversed(lanes)):
-        ax.broken_barh([(a, w) for a, w, _ in bars], (y - 0.4, 0.8), facecolors=[c for _, _, c in bars])
+        ax.broken_barh([(a, w) for a, w, _ in bars], (y - 0.4, 0.8), facecolors=[c for _, _, c in bars],
+                       edgecolor="white", linewidth=0.5)
     ax.set_yticks(range(len(lanes)), [label for label, _ in reversed(lanes)])
     ax.set_xlabel("ms from the step's start")
     ax.set_title(f"step {plan['step']}: overlap measured {measured_overlap(of):.0%}, predicted "
                  f"{plan['overlap']:.0%} ({link or 'link fitted to this trace'})")
     ax.legend(handles=[matplotlib.patches.Patch(color=c, label=k) for k, c in COLOURS.items()],
-              loc="lower right", fontsize="small")
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
