@@ -157,8 +157,9 @@ def measure(plan, args):
             got = run_worker(spec, worker_env("tuned", k), args.timeout)
             records += got
             for r in got:
-                print(f"  {k} contexts, {r.get('impl', 'buckets'):22} " + (r["error"] if "error" in r else
-                      f"{r['step_ms']:7.1f} ms a step, {r['overlap']:.0%} of all-reduce time under compute"),
+                print(f"  {k} contexts, {r.get('impl', 'buckets'):28} " + (r["error"] if "error" in r else
+                      f"{r['step_ms']:7.1f} ms a step, {r['overlap']:.0%} of all-reduce time under compute, "
+                      f"buckets ready over {r['ready_spread_ms']:.1f} ms"),
                       flush=True)
         for impl, options, env, k in train_specs(plan, args.plan == "full"):
             records += train_point(plan, args, impl, options, env, k)

@@ -48,7 +48,8 @@ def run(spec):
 
 # The step variants of the buckets bench: (name, bucket_mb, the cached graph's backward bulked).
 BUCKET_VARIANTS = [("one buffer", None, True), ("one buffer, unbulked", None, False),
-                   ("buckets 0.1 MB", 0.1, False), ("bucket per parameter", 0, False)]
+                   ("buckets 0.1 MB", 0.1, False), ("bucket per parameter", 0, False),
+                   ("bucket per parameter, bulked", 0, True)]
 
 
 def bucket_model(k, bucket_mb, bulk, pad):
@@ -58,6 +59,19 @@ def bucket_model(k, bucket_mb, bulk, pad):
                          bucket_mb=bucket_mb)
     model.graph = LeNetGraph(pad, bulk=bulk)
     return model
+
+
+def ready_spread(traced_spans):
+    """Median over steps of the ms between the first and the last bucket's gradients being ready
+    everywhere: ~0 when backward releases them all at once."""
+    spreads = []
+    for step in {s["step"] for s in traced_spans}:
+        ready = {}
+        for s in traced_spans:
+            if s["step"] == step and s["kind"] == "backward":
+                ready[s["bucket"]] = max(ready.get(s["bucket"], 0), s["end"])
+        spreads.append((max(ready.values()) - min(ready.values())) / 1e3)
+    return float(np.median(spreads))
 
 
 def run_buckets(spec):
@@ -88,7 +102,8 @@ def run_buckets(spec):
             for _ in range(4):
                 traced.step(X, y, 0.02)
             nd.waitall()
+            traced_spans = spans(json.loads(path.read_text()))
             records.append({"bench": "buckets", "impl": name, "devices": k, "bucket_mb": mb, "bulk": bulk,
                             "step_ms": 1e3 * float(np.median(t)), "step_ms_rounds": [1e3 * s for s in t],
-                            "overlap": measured_overlap(spans(json.loads(path.read_text())))})
+                            "overlap": measured_overlap(traced_spans), "ready_spread_ms": ready_spread(traced_spans)})
     return records
