@@ -6,7 +6,8 @@ the same step; and the overlap fraction, measured and predicted.
     overlap = |all-reduce time ∩ forward and backward time| / |all-reduce time|
 
 over the union of every context's spans, step by step: the share of communication hidden under
-compute. The prediction (manual_dp.costmodel.bucketed_schedule) takes the measured forward and
+compute. A span counts an all-reduce waiting in its context's queue behind backward as hidden;
+the operators' overlap counts only the time its own operators ran while some context computed. The prediction (manual_dp.costmodel.bucketed_schedule) takes the measured forward and
 backward times per bucket and prices each bucket's all-reduce on a link: the one fitted to this
 trace's fastest all-reduces per bucket size, or a stated one (--link).
 """
@@ -19,12 +20,16 @@ from . import costmodel
 from .cli.options import OneLineParser
 from .errors import UsageError
 
+# MXNet's names of the operators the all-reduce algorithms run (fast/collectives.py)
+COMM_OPS = {"add_n", "elemwise_add", "_copyto", "CopyCPU2CPU", "CopyCPU2GPU", "CopyGPU2CPU", "CopyGPU2GPU",
+            "ElementwiseSum", "_plus"}
+BOOKKEEPING = {"DeleteVariable", "SetValueOp"}      # the engine's own, not compute
 COLOURS = {"forward": "tab:blue", "backward": "tab:green", "allreduce": "tab:red", "update": "tab:purple"}
 
 
-def busy_intervals(trace, pid):
-    """Merged [start, end] microsecond intervals of the operators on profiler process `pid`."""
-    open_at, spans = {}, []
+def op_spans(trace, pid):
+    """(start, end, name) in microseconds of every operator on profiler process `pid`."""
+    open_at, out = {}, []
     for e in trace["traceEvents"]:
         if e.get("pid") != pid:
             continue
@@ -32,10 +37,15 @@ def busy_intervals(trace, pid):
         if e.get("ph") == "B":
             open_at.setdefault(key, []).append(e["ts"])
         elif e.get("ph") == "E" and open_at.get(key):
-            spans.append((open_at[key].pop(), e["ts"]))
+            out.append((open_at[key].pop(), e["ts"], e["name"]))
         elif e.get("ph") == "X":
-            spans.append((e["ts"], e["ts"] + e["dur"]))
-    return merge(spans)
+            out.append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    return out
+
+
+def busy_intervals(trace, pid):
+    """Merged [start, end] microsecond intervals of the operators on profiler process `pid`."""
+    return merge([(a, b) for a, b, _ in op_spans(trace, pid)])
 
 
 def merge(spans):
@@ -78,14 +88,38 @@ def spans(trace):
 
 
 def device_ops(trace):
-    """{context: merged busy intervals of MXNet's operators on it} ("cpu/0" in MXNet's names is cpu(0))."""
+    """{context: merged busy intervals of MXNet's operators on it}."""
+    return {c: busy_intervals(trace, pid) for c, pid in device_pids(trace).items()}
+
+
+def device_pids(trace):
+    """{context: profiler pid} of MXNet's device lanes ("cpu/0" in MXNet's names is cpu(0))."""
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M" and "args" in e}
     out = {}
     for pid, name in names.items():
         kind, _, index = name.partition("/")
         if kind in ("cpu", "gpu") and index.isdigit():
-            out[f"{kind}({index})"] = busy_intervals(trace, pid)
+            out[f"{kind}({index})"] = pid
     return out
+
+
+def operator_overlap(trace):
+    """Share of the communication operators' time (COMM_OPS run inside an all-reduce span of their
+    context) during which some context ran a forward or backward operator: what was really
+    hidden, where the spans count an all-reduce queued behind backward as hidden too."""
+    spans_, comm, compute = spans(trace), [], []
+    for c, pid in device_pids(trace).items():
+        mine = [s for s in spans_ if s["context"] == c]
+        windows = {kind: merge([(s["start"], s["end"]) for s in mine if s["kind"] in kinds])
+                   for kind, kinds in (("comm", ("allreduce",)), ("compute", ("forward", "backward")))}
+        for a, b, name in op_spans(trace, pid):
+            if name in COMM_OPS and overlap([[a, b]], windows["comm"]):
+                comm.append((a, b))
+            elif name not in COMM_OPS | BOOKKEEPING and overlap([[a, b]], windows["compute"]):
+                compute.append((a, b))
+    comm, compute = merge(comm), merge(compute)
+    total = sum(b - a for a, b in comm)
+    return overlap(comm, compute) / total if total else 0.0
 
 
 def measured_overlap(spans_):
@@ -164,7 +198,8 @@ def draw(trace, out, link=None):
                        edgecolor="white", linewidth=0.5)
     ax.set_yticks(range(len(lanes)), [label for label, _ in reversed(lanes)])
     ax.set_xlabel("ms from the step's start")
-    ax.set_title(f"step {plan['step']}: overlap measured {measured_overlap(of):.0%}, predicted "
+    ax.set_title(f"step {plan['step']}: overlap measured {measured_overlap(of):.0%} (operators "
+                 f"{operator_overlap(trace):.0%}), predicted "
                  f"{plan['overlap']:.0%} ({link or 'link fitted to this trace'})")
     ax.legend(handles=[matplotlib.patches.Patch(color=c, label=k) for k, c in COLOURS.items()],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
@@ -185,7 +220,8 @@ def summary(trace, link=None):
     return [f"{len(steps)} step(s) on {', '.join(meta['contexts'])}, {len(meta['bytes'])} bucket(s) of "
             f"{', '.join(f'{n / 1024:.1f}' for n in meta['bytes'])} KB ({meta.get('algorithm', '?')})",
             f"step {statistics.median(lengths):.1f} ms measured (median), {plan['step_s'] * 1e3:.1f} ms predicted",
-            f"overlap: {measured_overlap(spans_):.0%} of all-reduce time hidden under compute measured, "
+            f"overlap: {measured_overlap(spans_):.0%} of all-reduce time hidden under compute measured "
+            f"({operator_overlap(trace):.0%} of the all-reduce operators' own time), "
             f"{plan['overlap']:.0%} predicted ({where})"]
 
 

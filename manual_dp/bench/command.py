@@ -158,7 +158,8 @@ def measure(plan, args):
             records += got
             for r in got:
                 print(f"  {k} contexts, {r.get('impl', 'buckets'):28} " + (r["error"] if "error" in r else
-                      f"{r['step_ms']:7.1f} ms a step, {r['overlap']:.0%} of all-reduce time under compute, "
+                      f"{r['step_ms']:7.1f} ms a step, {r['overlap']:.0%} of all-reduce time under compute "
+                      f"({r['operator_overlap']:.0%} of its operators' time), "
                       f"buckets ready over {r['ready_spread_ms']:.1f} ms"),
                       flush=True)
         for impl, options, env, k in train_specs(plan, args.plan == "full"):

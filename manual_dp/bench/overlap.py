@@ -78,7 +78,7 @@ def run_buckets(spec):
     """Step time of each BUCKET_VARIANTS on spec['devices'] contexts, measured round-robin (so a
     drifting machine hits all alike), and the overlap fraction of a --trace of each."""
     from ..fast.autotune import conv_pad
-    from ..timeline import measured_overlap, spans
+    from ..timeline import measured_overlap, operator_overlap, spans
     k, steps, pad = spec["devices"], spec["steps"], conv_pad()
     rng = np.random.RandomState(0)
     X, y = rng.rand(spec["batch"], 1, 28, 28).astype(np.float32), rng.randint(0, 10, spec["batch"]).astype(np.int32)
@@ -102,8 +102,10 @@ def run_buckets(spec):
             for _ in range(4):
                 traced.step(X, y, 0.02)
             nd.waitall()
-            traced_spans = spans(json.loads(path.read_text()))
+            trace = json.loads(path.read_text())
+            traced_spans = spans(trace)
             records.append({"bench": "buckets", "impl": name, "devices": k, "bucket_mb": mb, "bulk": bulk,
                             "step_ms": 1e3 * float(np.median(t)), "step_ms_rounds": [1e3 * s for s in t],
-                            "overlap": measured_overlap(traced_spans), "ready_spread_ms": ready_spread(traced_spans)})
+                            "overlap": measured_overlap(traced_spans),
+                            "operator_overlap": operator_overlap(trace), "ready_spread_ms": ready_spread(traced_spans)})
     return records

@@ -82,4 +82,4 @@ class Buckets:
             mark(b, "reduced", grads)
             for r in self.replicas:
                 apply_update_and_clear([r.groups[b].flat], [r.flat_states[b]], self.optimizer, lr, t, n_examples)
-            mark(b, "updated", [r.groups[b].flat for r in self.replicas])
+            mark(b, "updated", grads)      # zeroed after the update read them: so after both

@@ -12,8 +12,11 @@ after its all-reduce) and parameters (after the update) give, per context and st
     allreduce <bucket>      the bucket's gradients ready on every context -> summed here
     update <bucket>         summed -> parameters updated
 
-A marker costs a wake-up of MXNet's custom-operator thread (tens of microseconds), and the
-all-reduce after a "ready" marker waits for it: traced steps run a little slower than others.
+A marker costs a wake-up of MXNet's custom-operator thread (tens of microseconds; on a loaded
+machine, milliseconds), and the all-reduce after a "ready" marker waits for it: traced steps run a
+little slower than others. Marks on one array keep their order (each all-reduce, and the zeroing
+after an update, waits for the marker before it); marks on different arrays may not, by that
+latency: a span whose end was noted before its start is drawn with no length.
 """
 import atexit
 import json
@@ -182,7 +185,7 @@ def step_spans(at, step, i, c, contexts, bucket_names):
     for b, names in enumerate(bucket_names):
         ready = get(f"ready|{b}")
         if prev is not None and ready is not None:
-            out.append(span("backward " + ",".join(names), "backward", prev, ready, pid, step=step,
+            out.append(span("backward " + ",".join(names), "backward", min(prev, ready), ready, pid, step=step,
                             context=c, bucket=b))
         everywhere = [at.get((step, other, f"ready|{b}")) for other in contexts]
         reduced, updated = get(f"reduced|{b}"), get(f"updated|{b}")
