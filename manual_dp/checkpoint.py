@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CheckpointError
-from .lesson import LENET_SHAPES
+from .lesson import lenet_shapes
 
 NAME = "checkpoint.npz"
 LOCK = ".lock"
@@ -108,9 +108,13 @@ def check(meta, arrays):
             return f"damaged: '{key}' is missing or not of type {kind.__name__}"
     if digest(meta, arrays) != meta["sha256"]:
         return "damaged or changed since it was written (checksum mismatch)"
-    if meta["n_params"] != len(LENET_SHAPES) or len(meta["n_opt"]) != len(LENET_SHAPES):
-        return f"holds {meta['n_params']} parameters, LeNet has {len(LENET_SHAPES)}"
-    for i, (name, shape) in enumerate(LENET_SHAPES):
+    width = meta["config"].get("width", 1)
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        return f"damaged: its width {width!r} is not a positive integer"
+    shapes = lenet_shapes(width)
+    if meta["n_params"] != len(shapes) or len(meta["n_opt"]) != len(shapes):
+        return f"holds {meta['n_params']} parameters, LeNet has {len(shapes)}"
+    for i, (name, shape) in enumerate(shapes):
         for key in [f"param_{i}"] + [f"opt_{i}_{j}" for j in range(meta["n_opt"][i])]:
             a = arrays.get(key)
             if a is None or a.shape != shape or a.dtype != np.float32:

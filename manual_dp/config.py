@@ -39,6 +39,8 @@ class RunConfig:
     init_scale: Optional[float] = flag(None, "std of normal(0, s) weights; default He init; "
                                              "0.01 is the lesson's")
     seed: int = flag(0, "seeds the initial weights and the data order")
+    width: int = flag(1, "multiply LeNet's channels and hidden units (20, 50, 128) by W: parameters, "
+                         "gradients, optimiser state and activations grow (W=16: 32.6M parameters)")
     check_replicas: Optional[int] = flag(None, "every N updates, compare checksums of every copy of the "
                                                "parameters (contexts, stages, processes); stop at the first "
                                                "difference")
@@ -104,8 +106,11 @@ APPLIES = {
     "trace": ("sync",),
 }
 # Settings that must match for --resume to continue the same run.
-RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "train_size", "test_size",
+RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
             "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs")
+
+# Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
+DEFAULTS_OF_NEWER_KEYS = {"width": 1}
 
 
 def resolve(cfg):
@@ -123,8 +128,8 @@ def resolve(cfg):
 
 def check(cfg):
     """Raise UsageError for values no run can use (before any device, file or MXNet is touched)."""
-    for name in ("batch_size", "gpus", "cpus", "train_size", "test_size", "micro_batches", "grad_accum",
-                 "check_replicas"):
+    for name in ("batch_size", "gpus", "cpus", "width", "train_size", "test_size", "micro_batches",
+                 "grad_accum", "check_replicas"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

@@ -14,22 +14,24 @@ from .lesson import LENET_SHAPES
 IMAGE = (1, 28, 28)
 
 
-def layer_macs(image=IMAGE):
-    """Multiply-adds per image of each weighted layer, in order: conv1, conv2, dense1, dense2."""
+def layer_macs(image=IMAGE, shapes=None):
+    """Multiply-adds per image of each weighted layer, in order: conv1, conv2, dense1, dense2, of
+    LeNet's parameters of `shapes` (default the lesson's)."""
+    shapes = shapes or [shape for _, shape in LENET_SHAPES]
     c, h, w = image
     macs = []
-    for _, (out_c, in_c, k, _) in (LENET_SHAPES[0], LENET_SHAPES[2]):
+    for out_c, in_c, k, _ in (shapes[0], shapes[2]):
         h, w = h - k + 1, w - k + 1
         macs.append(out_c * h * w * in_c * k * k)      # one product per output element and tap
         h, w = h // 2, w // 2                            # 2x2 pooling
-    for _, (d_in, d_out) in (LENET_SHAPES[4], LENET_SHAPES[6]):
+    for d_in, d_out in (shapes[4], shapes[6]):
         macs.append(d_in * d_out)
     return macs
 
 
-def flops_per_image(image=IMAGE):
+def flops_per_image(image=IMAGE, shapes=None):
     """(forward, forward + backward) FLOPs of one training image."""
-    macs = layer_macs(image)
+    macs = layer_macs(image, shapes)
     forward = 2 * sum(macs)
     backward = 2 * (macs[0] + 2 * sum(macs[1:]))
     return forward, forward + backward

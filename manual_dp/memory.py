@@ -11,31 +11,34 @@ from .lesson import LENET_SHAPES
 FLOAT_BYTES = 4
 
 
-def stage_activation_elems(image=(1, 28, 28)):
-    """Per-example element counts that each stage keeps for its backward: [convs, dense].
+def stage_activation_elems(image=(1, 28, 28), shapes=None):
+    """Per-example element counts that each stage keeps for its backward: [convs, dense], for
+    LeNet's parameters of `shapes` (default the lesson's).
 
     Counted: the stage's input and every op's output (convolution, ReLU, pooling; dot, bias add,
     ReLU, log-softmax, the picked loss), which autograd holds until the backward pass.
     """
+    shapes = shapes or [shape for _, shape in LENET_SHAPES]
     c, h, w = image
     convs = [c * h * w]                                        # the input images
-    for _, (out_c, _, k, _) in (LENET_SHAPES[0], LENET_SHAPES[2]):
+    for out_c, _, k, _ in (shapes[0], shapes[2]):
         h, w = h - k + 1, w - k + 1
         convs += [out_c * h * w] * 2                           # convolution, ReLU
         h, w = h // 2, w // 2
         convs.append(out_c * h * w)                            # 2x2 average pooling
-    (_, (d_in, hidden)), (_, (_, classes)) = LENET_SHAPES[4], LENET_SHAPES[6]
+    (d_in, hidden), (_, classes) = shapes[4], shapes[6]
     dense = [d_in] + [hidden] * 3 + [classes] * 3 + [1]        # input, dot, +b, ReLU, dot, +b, log-softmax, loss
     return [sum(convs), sum(dense)]
 
 
-def per_context(model, batch_size):
-    """{context name: {"param_bytes", "state_bytes", "activation_bytes"}} for a step on `batch_size`."""
+def per_context(model, batch_size, shapes=None):
+    """{context name: {"param_bytes", "state_bytes", "activation_bytes"}} for a step on `batch_size`
+    (activations of LeNet's parameters of `shapes`, default the lesson's)."""
     report = {str(c): {"param_bytes": 0, "state_bytes": 0, "activation_bytes": 0} for c in model.ctx}
     for kind, arrays in model.arrays().items():
         for a in arrays:
             report[str(a.context)][f"{kind}_bytes"] += a.size * np.dtype(a.dtype).itemsize
-    elems = stage_activation_elems()
+    elems = stage_activation_elems(shapes=shapes)
     for c, s, n in model.layout(batch_size):
         report[str(c)]["activation_bytes"] += n * elems[s] * FLOAT_BYTES
     return report

@@ -104,6 +104,7 @@ FLAGS = [
     ("dist_sync alone", ["--backend", "dist_sync"], 2, "runs as a worker under the launcher"),
     ("resume without dir", ["--resume"], 2, "--resume needs --checkpoint-dir"),
     ("check-replicas 0", ["--check-replicas", "0"], 2, "--check-replicas must be >= 1"),
+    ("width 0", ["--width", "0"], 2, "--width must be >= 1"),
     ("check-replicas in async", ["--mode", "async", "--check-replicas", "5"], 2, "--check-replicas applies only to"),
     ("unknown flag", ["--no-such-flag"], 2, "unrecognized arguments"),
     ("bucket-mb -1", ["--bucket-mb", "-1"], 2, "--bucket-mb must be >= 0 and finite, got -1"),

@@ -106,6 +106,18 @@ def test_resume_refuses_a_checkpoint_of_another_run(capsys, data_dir, tmp_path):
     assert code == 1 and "holds a run with" in err
 
 
+def test_width_trains_wider_and_a_checkpoint_of_another_width_is_refused(capsys, data_dir, tmp_path):
+    common = ["--cpus", "2", "--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path), *TINY]
+    code, out, _ = run_main(capsys, *common, "--epochs", "1", "--width", "2")
+    assert code == 0 and "LeNet x2 wide" in out
+    state, _ = checkpoint.load(tmp_path)
+    assert state["params"][2].shape == (100, 40, 5, 5) and state["params"][4].shape == (1600, 256)
+    code, _, err = run_main(capsys, *common, "--epochs", "2", "--resume")
+    assert code == 1 and "width 2 there, 1 here" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = run_main(capsys, *common, "--epochs", "2", "--resume", "--width", "2")
+    assert code == 0 and "resumed from" in out
+
+
 def test_corrupt_checkpoint_is_a_clear_error(capsys, data_dir, tmp_path):
     (tmp_path / checkpoint.NAME).write_bytes(b"PK\x03\x04 broken")
     code, _, err = run_main(capsys, "--cpus", "1", "--data-dir", str(data_dir), "--epochs", "1",

@@ -12,6 +12,7 @@ from mxnet import nd
 
 from conftest import synthetic
 from manual_dp import replicas
+from manual_dp.loop import evaluate
 from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParallel, Strategy,
                        init_lenet_params, make_allreduce)
 
@@ -116,3 +117,21 @@ def test_backward_adds_and_update_normalises_by_the_examples_it_is_told():
         one.step(np.concatenate([X1, X2]), np.concatenate([y1, y2]), 0.1)
         for a, b in zip(two.state_dict()["params"], one.state_dict()["params"]):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_takes_a_wider_lenet(name):
+    """--width 2 (4x the parameters): still the one-device step, to float32 rounding (plain SGD, so
+    rounding differences stay at the size of the sums' last bits)."""
+    ref = DataParallel(init_lenet_params(seed=5, width=2), cpus(1), "sgd", lesson=True)
+    model = STRATEGIES[name](init_lenet_params(seed=5, width=2), "sgd")
+    got, want = run(model, steps=2), run(ref, steps=2)
+    np.testing.assert_allclose([l for l, _ in got], [l for l, _ in want], rtol=1e-5)
+    for a, b in zip(model.state_dict()["params"], ref.state_dict()["params"]):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    X, y = batch(40, seed=7)       # 40 channels: oneDNN's blocked layout, which must not touch the params
+    before = model.state_dict()["params"]
+    assert evaluate(model, X, y, 16) == evaluate(ref, X, y, 16)
+    for a, b in zip(model.state_dict()["params"], before):
+        np.testing.assert_array_equal(a, b)

@@ -4,7 +4,7 @@ from mxnet import gluon, nd
 
 from manual_dp import cross_entropy, init_lenet_params, lenet
 from manual_dp.bench.train import gluon_lenet
-from manual_dp.lesson import LENET_SHAPES
+from manual_dp.lesson import LENET_SHAPES, lenet_shapes
 
 
 def load_into_gluon(net, params):
@@ -41,3 +41,8 @@ def test_init_is_seeded_shaped_and_placed():
     lesson = init_lenet_params(seed=1, scale=0.01, ctx=mx.cpu(2))
     assert all(p.context == mx.cpu(2) for p in lesson)
     assert abs(lesson[2].asnumpy().std() - 0.01) < 1e-3
+    assert lenet_shapes(1) == LENET_SHAPES and all(
+        (x.asnumpy() == y.asnumpy()).all() for x, y in zip(a, init_lenet_params(seed=1, width=1)))
+    wide = init_lenet_params(seed=1, width=16)
+    assert sum(p.size for p in wide) == 2_880 + 320 + 6_400_000 + 800 + 26_214_400 + 2_048 + 20_480 + 10
+    assert lenet(nd.zeros((2, 1, 28, 28)), wide).shape == (2, 10)

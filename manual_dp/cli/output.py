@@ -53,7 +53,8 @@ def describe(cfg):
             "pipeline": f"pipeline: model split, {cfg.micro_batches} GPipe micro-batches",
             "hybrid": f"hybrid: data parallel over 2-stage pipelines, {cfg.micro_batches} micro-batches "
                       f"each ({cfg.allreduce})",
-            }[cfg.mode] + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "")
+            }[cfg.mode] + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
+        f", LeNet x{cfg.width} wide" if cfg.width > 1 else "")
 
 
 def format_record(r, epochs):

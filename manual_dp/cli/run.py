@@ -139,7 +139,8 @@ def resume_from(cfg, world, model, run_config):
             print(f"no checkpoint in {cfg.checkpoint_dir} yet: starting from epoch 1")
         return 0, [], None
     state, meta = saved
-    differ = {k: (meta["config"].get(k), v) for k, v in run_config.items() if meta["config"].get(k) != v}
+    saved_config = dict(config.DEFAULTS_OF_NEWER_KEYS, **meta["config"])    # older checkpoints lack newer keys
+    differ = {k: (saved_config.get(k), v) for k, v in run_config.items() if saved_config.get(k) != v}
     if differ:
         raise CheckpointError(f"{cfg.checkpoint_dir} holds a run with other settings: " + ", ".join(
             f"{k} {old!r} there, {new!r} here" for k, (old, new) in differ.items()))
@@ -167,7 +168,8 @@ def train_in(cfg, world, ctx):
     """run_in's training, its outputs checked and its checkpoint directory ours."""
     data_dir, data_label = locate_data(cfg.data_dir)
     train_data, test_data = load_fashion_mnist(data_dir, cfg.train_size, cfg.test_size)
-    model = build_model(cfg, init_lenet_params(cfg.seed, cfg.init_scale), ctx, world)
+    params = init_lenet_params(cfg.seed, cfg.init_scale, width=cfg.width)
+    model = build_model(cfg, params, ctx, world)
     if len(train_data[0]) < model.min_batch:
         raise UsageError(f"{len(train_data[0])} training example(s) cannot be split over the "
                          f"{model.min_batch} devices of a batch: use a larger --train-size")
@@ -176,7 +178,7 @@ def train_in(cfg, world, ctx):
     if cfg.trace and updates < TRACE_UPDATES:
         raise UsageError(f"--trace records updates 3 to {TRACE_UPDATES}, but this run takes {updates}: "
                          f"use more --epochs or --train-size")
-    mem = memory.per_context(model, cfg.batch_size)
+    mem = memory.per_context(model, cfg.batch_size, [p.shape for p in params])
     run_config = {k: getattr(cfg, k) for k in config.RUN_KEYS}
     start_epoch, history, rng_state = resume_from(cfg, world, model, run_config)
     if history and cfg.log_json and world.is_root:

@@ -33,11 +33,11 @@ def round_up(n, block):
     return -(-n // block) * block
 
 
-def zero_padded(params, block):
-    """(LeNet's parameter symbols with the convolutions' channels zero-padded to multiples of
-    `block`, their shapes)."""
+def zero_padded(params, block, shapes):
+    """(LeNet's parameter symbols, of `shapes`, with the convolutions' channels zero-padded to
+    multiples of `block`, their shapes)."""
     F = mx.sym
-    shapes = [list(shape) for _, shape in LENET_SHAPES]
+    shapes = [list(shape) for shape in shapes]
     (c1, _, k1, _), (c2, _, k2, _), (d_in, hidden) = shapes[0], shapes[2], shapes[4]
     p1, p2, per_channel = round_up(c1, block), round_up(c2, block), d_in // c2
     W1, b1, W2, b2, W3, b3, W4, b4 = params
@@ -53,11 +53,12 @@ def zero_padded(params, block):
     return [W1, b1, W2, b2, W3, b3, W4, b4], [tuple(s) for s in shapes]
 
 
-def lenet_loss_symbol(conv_pad=1):
-    """Outputs (sum of the batch's losses, number correct), of inputs X, y and the 8 parameters."""
+def lenet_loss_symbol(conv_pad=1, shapes=None):
+    """Outputs (sum of the batch's losses, number correct), of inputs X, y and the 8 parameters
+    of `shapes` (default: the lesson's LeNet)."""
     X, y = mx.sym.var("X"), mx.sym.var("y")
     params = [mx.sym.var(name) for name, _ in LENET_SHAPES]
-    params, shapes = zero_padded(params, conv_pad)
+    params, shapes = zero_padded(params, conv_pad, shapes or [shape for _, shape in LENET_SHAPES])
     scores = lenet(X, params, F=mx.sym, shapes=shapes)                    # (B, 10)
     loss_sum = mx.sym.sum(cross_entropy(scores, y, F=mx.sym))             # (1,)
     correct = mx.sym.sum(mx.sym.argmax(scores, axis=1) == mx.sym.cast(y, "float32"))
@@ -66,10 +67,11 @@ def lenet_loss_symbol(conv_pad=1):
 
 class LeNetGraph:
     """Call as graph(X, y, params) under autograd.record(): (loss sum, correct) on X's context;
-    backward from the loss sum fills the parameters' gradients, as the imperative pass does."""
+    backward from the loss sum fills the parameters' gradients, as the imperative pass does.
+    shapes: the parameters' shapes (default: the lesson's LeNet; see lesson.lenet_shapes)."""
 
-    def __init__(self, conv_pad=1, bulk=True):
-        symbol = lenet_loss_symbol(conv_pad)
+    def __init__(self, conv_pad=1, shapes=None, bulk=True):
+        symbol = lenet_loss_symbol(conv_pad, shapes)
         self.conv_pad, self.bulk = conv_pad, bulk
         self.names = symbol.list_inputs()
         self.op = nd.CachedOp(symbol, FLAGS if bulk else FLAGS + UNBULKED)

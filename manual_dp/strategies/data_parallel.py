@@ -71,8 +71,9 @@ class DataParallel(Strategy):
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
         self.buckets = Buckets(params, self.ctx, bucket_mb, optimizer) if bucket_mb is not None else None
+        several = self.buckets is not None and len(self.buckets.plan) > 1
         # several buckets: the graph's backward unbulked, so that each bucket is ready on its own
-        self.graph = LeNetGraph(conv_pad, bulk=len(getattr(self.buckets, "plan", ())) < 2) if graph else None
+        self.graph = LeNetGraph(conv_pad, [p.shape for p in params], bulk=not several) if graph else None
         self.flat = [FlatReplica(params, c) for c in self.ctx] if fuse_grads and not self.buckets else None
         if self.buckets:
             self.replicas = [r.params for r in self.buckets.replicas]
