@@ -144,6 +144,15 @@ FLAGS = [
     ("model S=4 on 3", ["--cpus", "3", "--mode", "model", "--stages", "4"], 2, "--mode model needs exactly 4 contexts"),
     ("hybrid 4 over S=3", ["--cpus", "4", "--mode", "hybrid", "--stages", "3"], 2,
      "--mode hybrid needs a multiple of 3 contexts .*got 4"),
+    ("bucket-mb -1", ["--bucket-mb", "-1"], 2, "--bucket-mb must be >= 0 and finite, got -1"),
+    ("bucket-mb nan", ["--bucket-mb", "nan"], 2, "--bucket-mb must be >= 0 and finite"),
+    ("bucket-mb in hybrid", ["--cpus", "2", "--mode", "hybrid", "--bucket-mb", "1"], 2,
+     "--bucket-mb applies only to --mode sync, not --mode hybrid"),
+    ("bucket-mb in async", ["--mode", "async", "--bucket-mb", "0"], 2, "--bucket-mb applies only to --mode sync"),
+    ("bucket-mb unfused", ["--bucket-mb", "1", "--no-fuse-grads"], 2, "not with --no-fuse-grads"),
+    ("trace unfused", ["--trace", "t.json", "--no-fuse-grads"], 2, "not with --no-fuse-grads"),
+    ("trace in pipeline", ["--cpus", "2", "--mode", "pipeline", "--trace", "t.json"], 2, "--trace applies only to --mode sync"),
+    ("trace across processes", ["--backend", "dist_sync", "--trace", "t.json"], 2, "--trace records the steps of one process"),
 ]
 
 
@@ -185,6 +194,10 @@ CASES = [
     ("log-json parent missing", lambda t, d: ["--log-json", str(t / "no" / "log.jsonl")], 2, "does not exist", absent),
     ("log-json onto the checkpoint", lambda t, d: ["--checkpoint-dir", str(t / "ck"), "--log-json", str(t / "ck" / checkpoint.NAME)],
      2, "would overwrite the checkpoint", absent),
+    ("trace is a directory", lambda t, d: ["--trace", str(t)], 2, "--trace .* is a directory", absent),
+    ("trace parent missing", lambda t, d: ["--trace", str(t / "no" / "t.json")], 2, "--trace .* does not exist", absent),
+    ("trace of too short a run", lambda t, d: ["--trace", str(t / "t.json"), "--train-size", "64", "--epochs", "1"], 2,
+     "--trace records updates 3 to 5, but this run takes 2", absent),
     ("data dir missing", lambda t, d: ["--data-dir", str(t / "nowhere")], 1, "does not exist", absent),
     ("data corrupt", lambda t, d: (write_dataset(t / "bad", 40, 20), (t / "bad" / "train-labels-idx1-ubyte.gz").write_bytes(b"junk"),
                                    ["--data-dir", str(t / "bad")])[-1], 1, "not a readable gzip", absent),

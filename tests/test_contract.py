@@ -52,6 +52,8 @@ STRATEGIES = {
     "model S=4 recompute": lambda p, opt: PipelineParallel(p, cpus(4), opt, 1, stages=4, recompute=True),
     "hybrid 2x3 1f1b M=2 recompute": lambda p, opt: PipelineParallel(p, cpus(6), opt, 2, stages=3,
                                                                      schedule="1f1b", recompute=True),
+    "buckets 0.001 MB ring x3": lambda p, opt: DataParallel(p, cpus(3), opt, make_allreduce("ring"), bucket_mb=0.001),
+    "buckets 0 MB no graph x2": lambda p, opt: DataParallel(p, cpus(2), opt, graph=False, bucket_mb=0),
 }
 # Strategies that keep the contract but compute, by design, something other than the one-device
 # step (their own references are in their own tests): every test here but the equality with it.
