@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from ..cli.options import OneLineParser
-from ..config import FAST_STEP
 from ..errors import UsageError
 from ..fast.runtime import machine, thread_env, usable_cores
+from .plots import FAST
 
 KB, MB = 1024, 1024 * 1024
 PLANS = {
@@ -35,8 +35,6 @@ PLANS = {
                  lenet_devices=[2, 4, 8], comm_repeats=5, images=256 * 40, batch=256, repeats=5,
                  devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=10, pairs=5),
 }
-# The fast step's options (manual_dp.config.FAST_STEP) in the bench's spec names.
-FAST = {"allreduce": FAST_STEP["allreduce"], "fused": FAST_STEP["fuse_grads"], "graph": FAST_STEP["graph"]}
 RUNTIME_KEYS = set(thread_env(1, flags={"avx512f"})) | {"OMP_NUM_THREADS"}
 
 
@@ -49,6 +47,7 @@ def train_specs(plan, full):
         return specs
     specs += [("manual_dp", {}, "tuned", k) for k in (ks if full else two)]
     specs += [("manual_dp", dict(FAST, conv_pad=1), "tuned", k) for k in two]   # the autotune's gain
+    specs += [("manual_dp", {"deterministic": True}, "tuned", k) for k in two]  # --deterministic's cost
     for name in ("ring", "tree", "scatter_gather", "kvstore") + (("lesson",) if full else ()):
         specs += [("manual_dp", dict(FAST, allreduce=name), "tuned", k) for k in (ks if full else two)]
     if full:  # each allreduce unfused, and each half of the fast step alone
