@@ -15,6 +15,7 @@ from manual_dp import replicas
 from manual_dp.loop import evaluate
 from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParallel, Strategy,
                        init_lenet_params, make_allreduce)
+from manual_dp.strategies.tensor import TensorParallel
 
 
 def cpus(n):
@@ -32,6 +33,10 @@ STRATEGIES = {
     "model": lambda p, opt: PipelineParallel(p, cpus(2), opt, 1),
     "pipeline M=3": lambda p, opt: PipelineParallel(p, cpus(2), opt, 3),
     "hybrid 2x2": lambda p, opt: PipelineParallel(p, cpus(4), opt, 2),
+    "tensor T=1 x1": lambda p, opt: TensorParallel(p, cpus(1), opt),
+    "tensor T=2 x2": lambda p, opt: TensorParallel(p, cpus(2), opt),
+    "tensor T=4 x4": lambda p, opt: TensorParallel(p, cpus(4), opt),
+    "tensor TPxDP 2x2": lambda p, opt: TensorParallel(p, cpus(4), opt, 2),
 }
 
 

@@ -52,6 +52,8 @@ def describe(cfg):
             "pipeline": f"pipeline: model split, {cfg.micro_batches} GPipe micro-batches",
             "hybrid": f"hybrid: data parallel over 2-stage pipelines, {cfg.micro_batches} micro-batches "
                       f"each ({cfg.allreduce})",
+            "tensor": f"tensor: layers split over {cfg.tensor_parallel or 'all'} context(s) per tensor "
+                      f"group (Megatron's f and g, {cfg.allreduce}), groups data parallel",
             }[cfg.mode] + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
         f", LeNet x{cfg.width} wide" if cfg.width > 1 else "")
 

@@ -23,6 +23,7 @@ from ..strategies.accum import GradAccum
 from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.pipeline import PipelineParallel
+from ..strategies.tensor import TensorParallel
 from .output import Progress, describe, fail, format_record, write_log
 
 
@@ -65,6 +66,8 @@ def build_model(cfg, params, ctx, world):
         model = DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad)
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
+    elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
+        model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name))
     else:
         model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce)
     model = world.wrap(model)

@@ -6,4 +6,5 @@
     async_dp       AsyncDataParallel: a master copy and stale replicas (parameter-server style)
     stages         LeNet cut in two stages, the boundary copy, GPipe's schedule
     pipeline       PipelineParallel: model, pipeline (GPipe) and hybrid parallelism
+    tensor         TensorParallel: Megatron-style split layers, tensor groups data parallel
 """
