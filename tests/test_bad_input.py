@@ -107,6 +107,13 @@ FLAGS = [
     ("width 0", ["--width", "0"], 2, "--width must be >= 1"),
     ("check-replicas in async", ["--mode", "async", "--check-replicas", "5"], 2, "--check-replicas applies only to"),
     ("unknown flag", ["--no-such-flag"], 2, "unrecognized arguments"),
+    ("tensor T=3 at width 1", ["--cpus", "3", "--mode", "tensor"], 2,
+     "--tensor-parallel 3 does not divide conv1's output channels \\(20 at --width 1\\)"),
+    ("tensor T=3 of 4 contexts", ["--cpus", "4", "--mode", "tensor", "--tensor-parallel", "3"], 2,
+     "--tensor-parallel 3 does not divide the 4 contexts"),
+    ("tensor-parallel in sync", ["--cpus", "4", "--tensor-parallel", "2"], 2,
+     "--tensor-parallel applies only to --mode tensor, not --mode sync"),
+    ("tensor-parallel 0", ["--mode", "tensor", "--tensor-parallel", "0"], 2, "--tensor-parallel must be >= 1"),
 ]
 
 
