@@ -186,3 +186,17 @@ def test_two_dist_sync_workers_of_tensor_groups_equal_one_process(tmp_path_facto
     assert code == 0, out
     assert "mode tensor" in out and out.count("epoch 2/2") == 1
     assert_same_run(ref_log, ref_ck, log, ck, exact=True)
+
+
+def test_bench_counts_the_bytes_each_context_holds(tmp_path):
+    from manual_dp.bench import tensor as bench
+    model = TensorParallel(init_lenet_params(seed=0), cpus(4), "adam")
+    shapes = [shape for _, shape in lenet_shapes(1)]
+    per_ctx = sum(int(np.prod(s)) // (4 if a is not None else 1) for s, a in zip(shapes, SPLIT)) * 4
+    assert bench.held_bytes(model) == {f"cpu({i})": {"params": per_ctx, "grads": per_ctx,
+                                                      "optimiser state": 2 * per_ctx} for i in range(4)}
+    results = bench.main(["--out", str(tmp_path), "--memory-width", "1", "--widths", "1", "--steps", "1",
+                          "--rounds", "1", "--batch", "8"])
+    assert (tmp_path / "tensor.png").stat().st_size > 0 and json.loads((tmp_path / "tensor.json").read_text())
+    assert set(results["memory"]) == {"sync x4", "tensor T=4", "tensor T=2 x DP 2"}
+    assert all(v > 0 for v in results["speed"][1].values())
