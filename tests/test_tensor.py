@@ -5,6 +5,7 @@ Equality with the one-device step for every optimiser on 1, 2 and 4 contexts (an
 in tests/test_contract.py's STRATEGIES; tolerances as there (the conv2 and dense2 partial sums are
 added in another order than one device adds them: float32 rounding).
 """
+import importlib.util
 import json
 
 import mxnet as mx
@@ -13,7 +14,7 @@ import pytest
 from mxnet import autograd, nd
 
 from conftest import synthetic, write_dataset
-from jobs import assert_same_run, launch_cmd, run_job, train_cmd
+from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, train_cmd
 from manual_dp import DataParallel, config, init_lenet_params
 from manual_dp.errors import UsageError
 from manual_dp.fast.collectives import make_allreduce
@@ -21,6 +22,9 @@ from manual_dp.fast.tensor_ops import f, g
 from manual_dp.lesson import lenet_shapes
 from manual_dp.strategies.tensor import SPLIT, TensorParallel
 from manual_dp.train import main
+
+HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None and \
+    importlib.util.find_spec("horovod.mxnet") is not None
 
 
 def cpus(n):
@@ -170,19 +174,30 @@ def test_cli_trains_tensor_x_data_parallel_and_resumes(data_dir, tmp_path, capsy
     assert np.isfinite(log[-1]["train_loss"])
 
 
-def test_two_dist_sync_workers_of_tensor_groups_equal_one_process(tmp_path_factory, tmp_path):
-    """world.wrap composes: 2 dist_sync workers, each one tensor group of 2 contexts, against one
-    process with both groups on 4 contexts. The groups' gradients are summed g0 + g1 either way
-    (in-process all-reduce or the parameter server), so the runs agree bit for bit."""
-    data = write_dataset(tmp_path_factory.mktemp("tensor_dist_data"))
-    common = ["--mode", "tensor", "--tensor-parallel", "2", "--data-dir", data, "--train-size", "301",
-              "--batch-size", "67", "--optimizer", "sgd", "--lr", "0.01", "--epochs", "2", "--test-size", "99"]
-    ref_log, ref_ck, log, ck = (tmp_path / n for n in ("local.jsonl", "local_ck", "kv.jsonl", "kv_ck"))
-    code, out = run_job(train_cmd("--cpus", 4, *common, "--log-json", ref_log, "--checkpoint-dir", ref_ck),
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("tensor_dist_data"))
+
+
+def small_run(data, *more):
+    return ["--mode", "tensor", "--tensor-parallel", "2", "--data-dir", data, "--train-size", "301",
+            "--batch-size", "67", "--optimizer", "sgd", "--lr", "0.01", "--epochs", "2", "--test-size", "99", *more]
+
+
+@pytest.mark.parametrize("engine", ["dist_sync", "horovod"])
+def test_two_workers_of_tensor_groups_equal_one_process(small_data, tmp_path, engine):
+    """world.wrap composes: 2 workers, each one tensor group of 2 contexts, against one process
+    with both groups on 4 contexts. The groups' gradients are summed g0 + g1 either way (in-process
+    all-reduce, the parameter server or Horovod), so the runs agree bit for bit."""
+    if engine == "horovod" and not HAVE_HOROVOD:
+        pytest.skip("horovod.mxnet is not importable (bash setup.sh --test installs it)")
+    ref_log, ref_ck, log, ck = (tmp_path / n for n in ("local.jsonl", "local_ck", "w.jsonl", "w_ck"))
+    code, out = run_job(train_cmd("--cpus", 4, *small_run(small_data, "--log-json", ref_log, "--checkpoint-dir", ref_ck)),
                         tmp_path / "local.txt")
     assert code == 0, out
-    code, out = run_job(launch_cmd(2, "dist_sync", "--cpus", 2, *common, "--log-json", log,
-                                   "--checkpoint-dir", ck), tmp_path / "out.txt")
+    argv = ["--cpus", 2, *small_run(small_data, "--log-json", log, "--checkpoint-dir", ck)]
+    cmd = launch_cmd(2, "dist_sync", *argv) if engine == "dist_sync" else horovod_cmd(2, *argv)
+    code, out = run_job(cmd, tmp_path / "out.txt")
     assert code == 0, out
     assert "mode tensor" in out and out.count("epoch 2/2") == 1
     assert_same_run(ref_log, ref_ck, log, ck, exact=True)
@@ -200,3 +215,15 @@ def test_bench_counts_the_bytes_each_context_holds(tmp_path):
     assert (tmp_path / "tensor.png").stat().st_size > 0 and json.loads((tmp_path / "tensor.json").read_text())
     assert set(results["memory"]) == {"sync x4", "tensor T=4", "tensor T=2 x DP 2"}
     assert all(v > 0 for v in results["speed"][1].values())
+
+
+def test_two_backwards_and_one_update_equal_one_step_on_both_batches():
+    """The contract GradAccum and the multi-process wrapper build on, for TP x DP 2x2."""
+    (X1, y1), (X2, y2) = batch(6, 0), batch(7, 1)
+    two = TensorParallel(init_lenet_params(seed=2), cpus(4), "sgd", 2)
+    one = TensorParallel(init_lenet_params(seed=2), cpus(4), "sgd", 2)
+    two.backward(X1, y1), two.backward(X2, y2)
+    two.update(0.1, 13)
+    one.step(np.concatenate([X1, X2]), np.concatenate([y1, y2]), 0.1)
+    for a, b in zip(params_of(two), params_of(one)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
