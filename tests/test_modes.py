@@ -18,6 +18,9 @@ MODES = {
     "pipeline": ["--cpus", "2", "--mode", "pipeline", "--micro-batches", "5"],
     "hybrid": ["--cpus", "4", "--mode", "hybrid", "--micro-batches", "2"],
     "hybrid-warmup": ["--cpus", "4", "--mode", "hybrid", "--warmup-epochs", "1", "--scale-lr", "linear"],
+    "tensor": ["--cpus", "4", "--mode", "tensor"],
+    "tensor-2x2-accum": ["--cpus", "4", "--mode", "tensor", "--tensor-parallel", "2", "--grad-accum", "2",
+                         "--check-replicas", "1"],
 }
 
 
@@ -42,7 +45,7 @@ def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("mode", ["model", "pipeline", "hybrid", "async0"])
+@pytest.mark.parametrize("mode", ["model", "pipeline", "hybrid", "async0", "tensor"])
 def test_mode_trains_like_one_device(capsys, tmp_path, data_dir, mode):
     one = train(capsys, tmp_path, data_dir, "one", "--cpus", "1", "--epochs", "2")
     assert_same_run(train(capsys, tmp_path, data_dir, mode, *MODES[mode], "--epochs", "2"), one)

@@ -10,6 +10,7 @@ Writes DIR/tensor.json (with the machine and commit) and DIR/tensor.png.
 """
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -95,7 +96,8 @@ def plot(results, out):
                   [per_name[n] for n in names], color=f"C{i + 3}", label=f"width {width}")
     right.set_xticks([j * (len(results["speed"]) + 1) for j in range(len(names))], names, rotation=20,
                      ha="right", fontsize=7)
-    right.set(yscale="log", ylabel="images/s (log)", title="training speed: NOISY, shared machine")
+    load = f" (1-min load {results['load_1min']:.0f})" if "load_1min" in results else ""
+    right.set(ylabel="images/s", title=f"training speed: NOISY, shared machine{load}")
     right.legend(fontsize=8)
     m = results["machine"]
     fig.suptitle(f"{m['cpu']}, {m['cores']} cores, commit {results['commit']}", fontsize=8)
@@ -121,6 +123,7 @@ def main(argv=None):
     results = {"machine": machine(), "commit": commit(), "memory_width": args.memory_width,
                "memory": memory(args.contexts, args.memory_width),
                "speed": {w: speed(args.contexts, w, args.batch, args.steps, args.rounds) for w in args.widths}}
+    results["load_1min"] = os.getloadavg()[0]       # how shared the machine was as the timing ended
     (out / "tensor.json").write_text(json.dumps(results, indent=1))
     plot(results, out)
     for name, per_ctx in results["memory"].items():
