@@ -114,6 +114,12 @@ class RunConfig:
     recompute: bool = flag(False, "model, pipeline and hybrid: keep only each stage's input per "
                                   "micro-batch, recompute its activations in the backward (less memory, "
                                   "more time)", "parallelism")
+    bucket_mb: Optional[float] = flag(None, "sync only: gradients in buckets of this many MB, last layer "
+                                            "first, each all-reduced as soon as backward has written it "
+                                            "(0: one per parameter; default: one fused buffer)", "speed")
+    trace: Optional[str] = flag(None, "sync only: record a few steps (MXNet's profiler and the "
+                                      "trainer's spans) as a Chrome trace to this file; draw it with "
+                                      "python -m manual_dp.timeline", "data and outputs")
     tensor_parallel: Optional[int] = flag(None, "tensor only: contexts per tensor group, each holding a "
                                                 "1/T shard of every split layer; the groups are data "
                                                 "parallel (default: every context, one group)",
@@ -140,6 +146,8 @@ APPLIES = {
     "stages": ("model", "pipeline", "hybrid"),
     "schedule": ("pipeline", "hybrid"),
     "recompute": ("model", "pipeline", "hybrid"),
+    "bucket_mb": ("sync",),
+    "trace": ("sync",),
     "tensor_parallel": ("tensor",),
 }
 # Settings that must match for --resume to continue the same run.
@@ -184,6 +192,13 @@ def check(cfg):
     if cfg.stages is not None and not 1 <= cfg.stages <= MAX_STAGES:
         raise UsageError(f"--stages must be 1 to {MAX_STAGES} (LeNet has {MAX_STAGES} layers to cut "
                          f"between), got {cfg.stages}")
+    if cfg.bucket_mb is not None and not (cfg.bucket_mb >= 0 and math.isfinite(cfg.bucket_mb)):
+        raise UsageError(f"--bucket-mb must be >= 0 and finite, got {cfg.bucket_mb}")
+    if (cfg.bucket_mb is not None or cfg.trace) and cfg.fuse_grads is False:
+        raise UsageError("--bucket-mb and --trace cut the fused gradient buffer into buckets: not with "
+                         "--no-fuse-grads")
+    if cfg.trace and cfg.backend != "local":
+        raise UsageError("--trace records the steps of one process: --backend local only")
     if not 0 <= cfg.seed < 2 ** 32:
         raise UsageError(f"--seed must be in 0..2**32-1, got {cfg.seed}")
     if cfg.resume and not cfg.checkpoint_dir:
@@ -191,9 +206,10 @@ def check(cfg):
     if cfg.backend in ("horovod", "dist_sync") and cfg.mode == "async":
         raise UsageError(f"--backend {cfg.backend} runs every mode but async (for asynchronous "
                          f"training across processes use --backend dist_async)")
-    if cfg.deterministic and (cfg.allreduce is not None or cfg.fuse_grads is not None):
+    if cfg.deterministic and (cfg.allreduce is not None or cfg.fuse_grads is not None or
+                              cfg.bucket_mb is not None or cfg.trace):
         raise UsageError("--deterministic adds the gradients in its own fixed order: without "
-                         "--allreduce and --fuse-grads")
+                         "--allreduce, --fuse-grads, --bucket-mb and --trace")
     if cfg.deterministic and cfg.backend == "dist_async":
         raise UsageError("--deterministic needs synchronous updates: --backend local, horovod or dist_sync")
     if cfg.backend == "dist_async" and (cfg.mode != "sync" or cfg.grad_accum > 1):

@@ -116,3 +116,38 @@ def format_table(rows):
         lines.append(f"{r['workload']:10} {r['link']:18} {r['algorithm']:12} {r['devices']:>7} "
                      f"{r['step_ms']:>9.2f} {r['comm_ms']:>9.2f} {r['efficiency']:>10.3f}")
     return "\n".join(lines)
+
+
+def bucketed_schedule(forward_s, backward_s, bucket_bytes, k, alpha, beta, gamma=0.0, algorithm="ring"):
+    """The predicted timeline of a step whose gradients are all-reduced in buckets: forward, then
+    backward producing bucket b after backward_s[0] + ... + backward_s[b]; one all-reduce at a
+    time on the link, each starting once its bucket is ready and the previous one is done (one
+    bucket holding everything: no overlap). Times in s from the step's start:
+    {"forward": (s, e), "backward": [(s, e)], "allreduce": [(s, e)], "step_s", "overlap"}, where
+    overlap is the share of all-reduce time hidden under forward and backward."""
+    ready = forward_s + np.cumsum(backward_s)
+    starts = np.concatenate([[forward_s], ready[:-1]])
+    comm, free = [], 0.0
+    for r, n in zip(ready, bucket_bytes):
+        start = max(r, free)
+        free = start + allreduce_time(algorithm, k, n, alpha, beta, gamma)
+        comm.append((float(start), float(free)))
+    compute_end = float(ready[-1]) if len(ready) else forward_s
+    total = sum(e - s for s, e in comm)
+    hidden = sum(max(0.0, min(e, compute_end) - s) for s, e in comm)
+    return {"forward": (0.0, forward_s), "backward": [(float(a), float(b)) for a, b in zip(starts, ready)],
+            "allreduce": comm, "step_s": max([compute_end] + [e for _, e in comm]),
+            "overlap": hidden / total if total > 0 else 0.0}
+
+
+def overlap_prediction(w, k, alpha, beta, bucket_bytes, algorithm="ring", backward_share=2 / 3):
+    """(step s without buckets, step s with buckets of `bucket_bytes`, share of communication hidden)
+    for workload w on k devices (weak scaling). Stated assumptions: backward is `backward_share` of
+    the compute and produces the gradient bytes at an even rate."""
+    compute = w.fixed_s + w.per_image_s * w.batch
+    n = max(1, math.ceil(w.bytes / bucket_bytes)) if bucket_bytes > 0 else w.arrays
+    sizes = [w.bytes / n] * n
+    forward, backward = compute * (1 - backward_share), [compute * backward_share / n] * n
+    one = bucketed_schedule(forward, [compute * backward_share], [w.bytes], k, alpha, beta, 0.0, algorithm)
+    many = bucketed_schedule(forward, backward, sizes, k, alpha, beta, 0.0, algorithm)
+    return one["step_s"], many["step_s"], many["overlap"]

@@ -1,7 +1,8 @@
-"""`python -m manual_dp.launch [options] -- COMMAND...`: see manual_dp.multiprocess.launcher."""
+"""`python -m manual_dp.launch [options] -- COMMAND...`: see manual_dp.multiprocess.launcher and
+manual_dp.multiprocess.elastic (--max-restarts)."""
 import sys
 
-from .multiprocess.launcher import main
+from .multiprocess.elastic import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,6 +3,7 @@
 The flags are read first, without MXNet; then the thread settings for the devices they name go
 into the environment (manual_dp.fast.runtime), and only then does MXNet load, through manual_dp.cli.run.
 """
+import os
 import sys
 
 from .cli.options import parse
@@ -18,6 +19,8 @@ def main(argv=None):
         cfg = parse(argv)
         kind, n = device_request(cfg)
         configure(n if kind == "cpu" else 0, per_op=1 if cfg.deterministic else None)
+        if cfg.bucket_mb is not None and not cfg.graph:   # see manual_dp.fast.buckets: ready per layer
+            os.environ.setdefault("MXNET_EXEC_BULK_EXEC_TRAIN", "0")
         from .cli.run import run_or_exit   # MXNet loads here, with the settings above
     except UsageError as e:
         sys.exit(fail(e, 2))

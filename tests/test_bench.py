@@ -37,6 +37,11 @@ def test_tiny_run_writes_records_with_the_required_keys(tiny_run):
     assert all(r["vector"] in ("AVX-512", "AVX2", "no AVX2") and r["commit"] for r in records)
     for r in [r for r in records if r["bench"] == "overlap"]:
         assert 0 <= r["overlap"] <= 1 and r["env"] in ("default", "tuned")
+    buckets = [r for r in records if r["bench"] == "buckets"]
+    assert {r["impl"] for r in buckets} == {"one buffer", "one buffer, unbulked", "buckets 0.1 MB",
+                                            "bucket per parameter", "bucket per parameter, bulked"}
+    assert all(r["step_ms"] > 0 and 0 <= r["overlap"] <= 1 for r in buckets)
+    assert all(r["overlap"] == 0 for r in buckets if r["bucket_mb"] is None)   # one bucket: nothing to hide under
     for name in ("allreduce_us.png", "allreduce_bw.png", "train_scaling.png", "costmodel.png"):
         assert (out / name).stat().st_size > 1000, name
 

@@ -53,6 +53,8 @@ STRATEGIES = {
     "model S=4 recompute": lambda p, opt: PipelineParallel(p, cpus(4), opt, 1, stages=4, recompute=True),
     "hybrid 2x3 1f1b M=2 recompute": lambda p, opt: PipelineParallel(p, cpus(6), opt, 2, stages=3,
                                                                      schedule="1f1b", recompute=True),
+    "buckets 0.001 MB ring x3": lambda p, opt: DataParallel(p, cpus(3), opt, make_allreduce("ring"), bucket_mb=0.001),
+    "buckets 0 MB no graph x2": lambda p, opt: DataParallel(p, cpus(2), opt, graph=False, bucket_mb=0),
     "tensor T=1 x1": lambda p, opt: TensorParallel(p, cpus(1), opt),
     "tensor T=2 x2": lambda p, opt: TensorParallel(p, cpus(2), opt),
     "tensor T=4 x4": lambda p, opt: TensorParallel(p, cpus(4), opt),

@@ -76,3 +76,24 @@ def test_table_covers_the_stated_range():
                   if r["algorithm"] == "ring" and r["workload"] == "ResNet-50" and r["link"] == "PCIe 3.0 x16")
     assert [t for _, t in ring] == sorted(t for _, t in ring)
     assert math.isclose(cm.LINKS["25 Gb/s Ethernet"][1], 3.125e9)
+
+
+def test_bucketed_schedule_by_hand():
+    # k=2 ring with alpha=0: an all-reduce of n bytes takes n * beta (2(k-1)/k = 1)
+    s = cm.bucketed_schedule(1.0, [2.0, 3.0], [1e9, 4e9], 2, 0.0, 1e-9)
+    assert s["backward"] == [(1.0, 3.0), (3.0, 6.0)]
+    assert s["allreduce"] == [(3.0, 4.0), (6.0, 10.0)]   # the first hidden, the second after compute
+    assert s["step_s"] == 10.0 and s["overlap"] == pytest.approx(1 / 5)
+    s = cm.bucketed_schedule(1.0, [2.0, 1.0], [3e9, 1e9], 2, 0.0, 1e-9)
+    assert s["allreduce"] == [(3.0, 6.0), (6.0, 7.0)]    # the second waits for the link
+    assert s["overlap"] == pytest.approx(1 / 4)
+    one = cm.bucketed_schedule(1.0, [3.0], [4e9], 2, 0.0, 1e-9)
+    assert one["allreduce"] == [(4.0, 8.0)] and one["overlap"] == 0.0 and one["step_s"] == 8.0
+
+
+def test_overlap_prediction_hides_communication_of_a_large_model():
+    w = cm.WORKLOADS["ResNet-50"]
+    alpha, bw = cm.LINKS["PCIe 3.0 x16"]
+    flat, bucketed, hidden = cm.overlap_prediction(w, 8, alpha, 1 / bw, 25 * 2 ** 20)
+    assert bucketed < flat and 0 < hidden <= 1
+    assert flat == pytest.approx(cm.step_time(w, 8, alpha, 1 / bw, 0.0, "ring", True))

@@ -152,6 +152,17 @@ def measure(plan, args):
             records += got
             if "error" not in got[0]:
                 print(f"  overlap of cpu(0) and cpu(1), {env} env: {got[0]['overlap']:.0%} of busy time", flush=True)
+        for k in plan["lenet_devices"]:      # gradient buckets overlapping backward, side by side
+            spec = {"bench": "buckets", "devices": k, "steps": plan["overlap_steps"], "batch": plan["batch"],
+                    "rounds": plan["repeats"]}
+            got = run_worker(spec, worker_env("tuned", k), args.timeout)
+            records += got
+            for r in got:
+                print(f"  {k} contexts, {r.get('impl', 'buckets'):28} " + (r["error"] if "error" in r else
+                      f"{r['step_ms']:7.1f} ms a step, {r['overlap']:.0%} of all-reduce time under compute "
+                      f"({r['operator_overlap']:.0%} of its operators' time), "
+                      f"buckets ready over {r['ready_spread_ms']:.1f} ms"),
+                      flush=True)
         for impl, options, env, k in train_specs(plan, args.plan == "full"):
             records += train_point(plan, args, impl, options, env, k)
         for i, (impl, options, k) in enumerate(pair_specs(plan)):

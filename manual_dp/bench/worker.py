@@ -44,6 +44,9 @@ def run(spec):
     if spec["bench"] == "overlap":
         from .overlap import run as run_overlap
         return run_overlap(spec)
+    if spec["bench"] == "buckets":
+        from .overlap import run_buckets
+        return run_buckets(spec)
     if spec["bench"] == "autotune":
         from ..fast import autotune
         pad = autotune.conv_pad(say=lambda line: print(line, file=sys.stderr))

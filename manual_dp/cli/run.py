@@ -15,6 +15,7 @@ from ..errors import (CheckpointError, DataError, DistributedError, DivergedErro
                       ReplicaMismatchError, UsageError)
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
+from ..fast.trace import TRACE_UPDATES
 from ..lesson import init_lenet_params
 from ..loop import fit
 from ..multiprocess.connect import connect
@@ -66,11 +67,15 @@ def build_model(cfg, params, ctx, world):
         if cfg.graph:
             print(f"cached graph: convolution channels padded to multiples of {pad}" if pad > 1 else
                   "cached graph: convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
+        bucket_mb = float("inf") if cfg.trace and cfg.bucket_mb is None else cfg.bucket_mb  # inf: one buffer
         model = DeterministicDataParallel(
             params, ctx, cfg.optimizer, graph=cfg.graph, conv_pad=pad, rank=world.rank, size=world.size,
             exchange=lambda table: world.allreduce(table, "tree" + "x".join(map(str, table.shape)))) \
             if cfg.deterministic else \
-            DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad)
+            DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad,
+                         bucket_mb=bucket_mb)
+        if cfg.trace:
+            model.trace(cfg.trace, algorithm=name)
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
     elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
@@ -119,6 +124,12 @@ def check_outputs(cfg):
                 log.name in (checkpoint.NAME, checkpoint.LOCK) or log.name.startswith(checkpoint.TMP_PREFIX)):
             raise UsageError(f"--log-json {log} would overwrite the checkpoint's own files")
         writable(log.parent, "--log-json")
+    if cfg.trace:
+        trace = Path(cfg.trace)
+        if trace.is_dir() or not trace.parent.is_dir():
+            raise UsageError(f"--trace {trace}: " + ("is a directory, not a file" if trace.is_dir() else
+                                                     f"the directory {trace.parent} does not exist"))
+        writable(trace.parent, "--trace")
 
 
 def save_log(cfg, history):
@@ -180,6 +191,10 @@ def train_in(cfg, world, ctx):
         raise UsageError(f"{len(train_data[0])} training example(s) cannot be split over the "
                          f"{model.min_batch} devices of a batch: use a larger --train-size")
     lr = learning_rate(cfg, len(train_data[0]))
+    updates = updates_per_epoch(len(train_data[0]), cfg.batch_size, cfg.grad_accum) * cfg.epochs
+    if cfg.trace and updates < TRACE_UPDATES:
+        raise UsageError(f"--trace records updates 3 to {TRACE_UPDATES}, but this run takes {updates}: "
+                         f"use more --epochs or --train-size")
     mem = memory.per_context(model, cfg.batch_size, [p.shape for p in params])
     run_config = {k: getattr(cfg, k) for k in config.RUN_KEYS}
     start_epoch, history, rng_state = resume_from(cfg, world, model, run_config)

@@ -13,6 +13,12 @@ zero-padded to a multiple of `conv_pad`: extra filters of zeros, whose outputs a
 pooling and meet zero rows of W3. The function and the gradients of the real parameters are the
 same (concat's backward hands each its slice); only the order of float additions changes. Which
 multiple is fastest depends on the CPU, so manual_dp.fast.autotune measures it.
+
+bulk: MXNet runs a cached graph's backward in segments of up to 15 operators, each one engine
+operation, whose outputs (the gradients among them) are released only when the whole segment is
+done: fewer engine pushes, but no gradient is ready before its segment ends. bulk=False runs
+every backward operator on its own, so that gradient buckets can be all-reduced while the rest
+of the backward runs (manual_dp.fast.buckets).
 """
 import mxnet as mx
 from mxnet import nd
@@ -20,6 +26,7 @@ from mxnet import nd
 from ..lesson import LENET_SHAPES, cross_entropy, lenet
 
 FLAGS = [("static_alloc", "true"), ("static_shape", "true")]
+UNBULKED = [("backward_bulk_size", "0")]
 
 
 def round_up(n, block):
@@ -63,11 +70,11 @@ class LeNetGraph:
     backward from the loss sum fills the parameters' gradients, as the imperative pass does.
     shapes: the parameters' shapes (default: the lesson's LeNet; see lesson.lenet_shapes)."""
 
-    def __init__(self, conv_pad=1, shapes=None):
+    def __init__(self, conv_pad=1, shapes=None, bulk=True):
         symbol = lenet_loss_symbol(conv_pad, shapes)
-        self.conv_pad = conv_pad
+        self.conv_pad, self.bulk = conv_pad, bulk
         self.names = symbol.list_inputs()
-        self.op = nd.CachedOp(symbol, FLAGS)
+        self.op = nd.CachedOp(symbol, FLAGS if bulk else FLAGS + UNBULKED)
 
     def __call__(self, X, y, params):
         inputs = dict(zip([name for name, _ in LENET_SHAPES], params), X=X, y=y)

@@ -42,6 +42,6 @@ def connect(backend, timeout, on_timeout):
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
         raise DistributedError(f"{world.describe()}: a collective failed, another process probably "
-                               f"died ({first})") from None
+                               f"died ({first}); {world.situation()}") from None
     finally:
         world.close(failed)

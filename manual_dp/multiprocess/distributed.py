@@ -6,6 +6,9 @@ global batches and takes the rows its contexts would take if one process split e
 of them (MultiProcess), so N processes x k contexts compute what one process with N*k contexts
 computes; update normalises by the global batch.
 """
+import time
+
+import numpy as np
 from mxnet import nd
 
 from ..strategies.base import Wrapper, rank_rows
@@ -47,7 +50,7 @@ class MultiProcess(Wrapper):
 
     def __init__(self, model, world):
         super().__init__(model)
-        self.world = world
+        self.world, self.stamps, self.first_at = world, [], None
 
     @property
     def min_batch(self):
@@ -69,6 +72,10 @@ class MultiProcess(Wrapper):
 
     def backward(self, X, y):
         self.world.progress()
+        self.world.step = self.model.t + 1
+        self.stamps.append(time.perf_counter())
+        if self.first_at is None:
+            self.first_at = time.time()
         start, stop = self.own_rows(len(X))
         return self.model.backward(X[start:stop], y[start:stop])
 
@@ -113,6 +120,27 @@ class MultiProcess(Wrapper):
         return {group: [(f"rank {r} {place}", [(name, next(sums[r])) for name, _ in values])
                         for r in range(self.world.size) for place, values in copies]
                 for group, copies in mine.items()}
+
+    def end_epoch(self, lr):
+        """The inner strategy's extras, with every rank's step times of the epoch and the wall
+        clock time of rank 0's first step."""
+        extras, first_at = self.model.end_epoch(lr), self.first_at
+        return dict(extras, **self.step_times(), first_step_at=first_at)
+
+    def step_times(self):
+        """{"step_sec_median": [per rank], "step_sec_max": [per rank]}: the seconds between one
+        batch's start and the next's on each rank's host (the last batch's until now), gathered;
+        afterwards a new epoch's times begin."""
+        stamps, self.stamps, self.first_at = self.stamps + [time.perf_counter()], [], None
+        own = np.diff(stamps) if len(stamps) > 1 else np.zeros(1)
+        size, rank = self.world.size, self.world.rank
+        slots = nd.zeros((2 * size,), ctx=self.ctx[0])           # [median_r .., max_r ..]
+        slots[rank] = float(np.median(own))
+        slots[size + rank] = float(own.max())
+        self.world.allreduce(slots, "step_times")
+        got = slots.asnumpy()
+        return {"step_sec_median": [round(float(v), 6) for v in got[:size]],
+                "step_sec_max": [round(float(v), 6) for v in got[size:]]}
 
     def layout(self, batch_size):
         start, stop = self.own_rows(batch_size)

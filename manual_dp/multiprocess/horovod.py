@@ -4,8 +4,10 @@ Run under horovodrun, which starts the processes and ends the job when one of th
     horovodrun -np 2 -H localhost:2 --gloo python -m manual_dp.train --backend horovod --cpus 1
 """
 import itertools
+import os
 
 from ..errors import UsageError
+from .board import Board, Reporter, bind_address
 from .world import Cluster
 
 INSTALL = ("HOROVOD_WITH_MXNET=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
@@ -36,25 +38,38 @@ class HorovodWorld(Cluster):
         except Exception:
             self.watchdog.stop()
             raise
-        self.rank, self.size = self.hvd.rank(), self.hvd.size()
+        self.rank, self.size, self.joined = self.hvd.rank(), self.hvd.size(), True
         self.local_rank = self.hvd.local_rank()
         # Names key Horovod's collectives; a fresh one per call, since evaluation may have
         # several counts in flight at once and Horovod refuses two live tensors of one name.
         self.calls = itertools.count()
+        self.open_board()
         self.progress()
+
+    def open_board(self):
+        """Rank 0 keeps the job's progress board (there is no launcher of ours); every rank reports to it."""
+        host = os.environ.get("HOROVOD_HOSTNAME", "127.0.0.1")
+        self.board = Board(bind_address(host)) if self.is_root else None
+        address = self.broadcast_object(f"{host}:{self.board.port}" if self.board else None)
+        self.reporter = Reporter(address, slot=f"on {host}")
+        self.unanswered = "the board on rank 0 did not answer: rank 0 has probably stopped"
 
     def name(self, what):
         return f"manual_dp.{what}.{next(self.calls)}"
 
     def allreduce(self, array, key):
+        self.enter(f"allreduce {key}")
         self.hvd.allreduce_(array, op=self.hvd.Sum, name=self.name(key))
 
     def broadcast_object(self, obj):
+        self.enter("broadcast")
         return self.hvd.broadcast_object(obj, root_rank=0, name=self.name("object"))
 
     def close(self, failed=False):
         try:
             if not failed:
                 self.hvd.shutdown()
+            if getattr(self, "board", None) is not None:
+                self.board.close()
         finally:
             super().close(failed)

@@ -42,6 +42,7 @@ class PushPull(Wrapper):
     def backward(self, X, y):
         """This process's rows; the metrics scaled to the whole batch (no waiting for the others)."""
         self.world.progress()
+        self.world.step = self.model.t + 1
         start, stop = rank_rows(len(X), self.world.rank, self.world.size, self.model.min_batch)
         self.rows_seen += stop - start
         metrics = self.model.backward(X[start:stop], y[start:stop])
@@ -54,6 +55,7 @@ class PushPull(Wrapper):
             self.key = self.world.new_key("params")
             self.world.kv.init(self.key, flatten(self.model.replicas[0]))
         before = flatten(self.model.replicas[0])
+        self.world.enter("push-pull params")
         self.model.update(lr, self.rows_seen)
         self.rows_seen = 0
         self.world.kv.push(self.key, flatten(self.model.replicas[0]) - before)
@@ -91,7 +93,7 @@ class KVStoreWorld(Cluster):
         except Exception:
             self.watchdog.stop()
             raise
-        self.rank, self.size = self.kv.rank, self.kv.num_workers
+        self.rank, self.size, self.joined = self.kv.rank, self.kv.num_workers, True
         self.local_rank = int(os.environ.get("MANUAL_DP_LOCAL_RANK", "0"))
         servers = os.environ.get("DMLC_NUM_SERVER", "?")
         if backend == "dist_async":
@@ -121,6 +123,7 @@ class KVStoreWorld(Cluster):
         previous pull of that key has arrived (for gradients it long has)."""
         if self.backend == "dist_async":
             raise RuntimeError("dist_async servers add pushes into parameters; no allreduce")
+        self.enter(f"allreduce {key}")
         if key in self.pulled:
             self.pulled[key].wait_to_read()
         else:
@@ -135,6 +138,7 @@ class KVStoreWorld(Cluster):
         self.kv.pull(key, out=array)
 
     def broadcast_object(self, obj):
+        self.enter("broadcast")
         data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if self.is_root else None
         size = nd.array(divmod(len(data), 1 << 20) if self.is_root else (0, 0))
         self.broadcast(size)                          # float32 is exact below 2**24: split it

@@ -6,7 +6,10 @@
 Every process runs COMMAND with the DMLC_* environment of its role: MXNet turns a server or the
 scheduler into its server loop as soon as COMMAND imports mxnet. Output lines get a prefix such
 as "[worker 1]". When a process fails, or a server or the scheduler ends before the workers, the
-launcher stops all the others and exits non-zero; when every worker succeeds it exits 0.
+launcher stops all the others and exits non-zero (or, with --max-restarts, starts the job again
+on the workers that remain: manual_dp.multiprocess.elastic, which runs the jobs); when every
+worker succeeds it exits 0. Workers get $MANUAL_DP_WORKER ("worker 1") and the address of the
+progress board (manual_dp.multiprocess.board), to which they report the collectives they enter.
 With --hosts FILE (one host per line) servers and workers go round-robin over the hosts via ssh
 (keys, no password), the scheduler runs here.
 
@@ -56,6 +59,9 @@ def build_parser():
                    help="seconds servers and scheduler get to end after the last worker")
     p.add_argument("--start-timeout", type=seconds, default=60.0,
                    help="seconds a process on a host gets to start (ssh connect and login)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="times a failed job restarts on the workers that remain, from the last "
+                        "checkpoint (manual_dp.multiprocess.elastic)")
     return p
 
 
@@ -84,6 +90,8 @@ def parse(argv):
     for name in ("workers", "servers"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be at least 0, got {args.max_restarts}")
     if args.port is not None and not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
     return args, command
@@ -132,22 +140,25 @@ def route_address(host):
         return s.getsockname()[0]
 
 
-def plan(args):
-    """[(name, host or None for here, role environment)] for scheduler, servers and workers."""
+def plan(args, workers=None, extra=None):
+    """[(name, host or None for here, role environment)] for scheduler, servers and the workers
+    numbered `workers` (default: all of --workers), with `extra` in every environment."""
     hosts = read_hosts(args.hosts) if args.hosts else None
     root = args.scheduler_host or (route_address(hosts[0]) if hosts else LOOPBACK)
+    workers = range(args.workers) if workers is None else workers
     common = {"DMLC_PS_ROOT_URI": root, "DMLC_PS_ROOT_PORT": str(args.port or free_port(LOOPBACK if not hosts else "")),
-              "DMLC_NUM_SERVER": str(args.servers), "DMLC_NUM_WORKER": str(args.workers),
-              "PYTHONUNBUFFERED": "1"}
+              "DMLC_NUM_SERVER": str(args.servers), "DMLC_NUM_WORKER": str(len(workers)),
+              "PYTHONUNBUFFERED": "1", **(extra or {})}
     procs = [("scheduler", None, dict(common, DMLC_ROLE="scheduler", DMLC_NODE_HOST=root))]
     for i in range(args.servers):
         host = hosts[i % len(hosts)] if hosts else None
         procs.append((f"server {i}", host, dict(common, DMLC_ROLE="server", DMLC_NODE_HOST=host or LOOPBACK)))
-    for i in range(args.workers):
+    for i in workers:
         host = hosts[i % len(hosts)] if hosts else None
         local_rank = i // len(hosts) if hosts else i
         procs.append((f"worker {i}", host, dict(common, DMLC_ROLE="worker", DMLC_NODE_HOST=host or LOOPBACK,
-                                                MANUAL_DP_LOCAL_RANK=str(local_rank))))
+                                                MANUAL_DP_LOCAL_RANK=str(local_rank),
+                                                MANUAL_DP_WORKER=f"worker {i}")))
     return procs
 
 
@@ -190,6 +201,7 @@ class Job:
     def __init__(self, start_timeout=60.0):
         self.procs, self.readers, self.lock = [], [], threading.Lock()
         self.start_timeout, self.pending, self.started_at = start_timeout, [], None
+        self.failed = None                            # the label of the part that failed the job
 
     def start(self, procs, command, ssh):
         """Every process of `procs` runs, its output forwarded; remote ones wait in `pending`."""
@@ -230,15 +242,18 @@ class Job:
                 if code is None or code == 0 and name.startswith("worker"):
                     continue
                 if code != 0 and (name.startswith("worker") or done_at is None):
+                    self.failed = name
                     return (code if code > 0 else 1), f"{name} {describe(code)}"
                 if done_at is None and early is None:
                     early = (name, time.monotonic())
             late = self.late()
             if late:
+                self.failed = late
                 return 1, f"{late} did not start within --start-timeout {self.start_timeout:g} s"
             if done_at is None and all(p.poll() == 0 for p in workers):
                 done_at = time.monotonic()
             if done_at is None and early and time.monotonic() - early[1] > grace:
+                self.failed = early[0]
                 return 1, f"{early[0]} ended while workers still ran"
             if done_at is not None and (all(p.poll() is not None for _, p in self.procs)
                                         or time.monotonic() - done_at > grace):
@@ -260,38 +275,3 @@ class Job:
                 time.sleep(0.05)
         for r in self.readers:
             r.join(timeout=1)
-
-
-def main(argv=None):
-    """`python -m manual_dp.launch [options] -- COMMAND...`: the job's exit status."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        args, command = parse(argv)
-        procs = plan(args)
-        if args.port is not None:
-            check_port_free(procs[0][2]["DMLC_PS_ROOT_URI"], args.port)
-    except (UsageError, OSError) as e:
-        print(f"manual_dp.launch: error: {e}", file=sys.stderr)
-        return 2
-
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupted)
-    job = Job(args.start_timeout)
-    try:
-        job.start(procs, command, args.ssh)
-        code, reason = job.supervise(args.grace)
-    except KeyboardInterrupt:
-        code, reason = 130, "interrupted"
-    except OSError as e:
-        code, reason = 1, f"could not start {command[0]}: {e}"
-    if reason:
-        print(f"manual_dp.launch: error: {reason}; stopping the job", file=sys.stderr, flush=True)
-    job.stop()
-    signal.signal(signal.SIGTERM, previous)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,20 +10,29 @@ launcher it is a Cluster whose collectives come from that engine (manual_dp.mult
 import threading
 import time
 
+from .board import Reporter, fingerprint, verdict
 from .distributed import CrossProcessAllreduce, MultiProcess
 
 
 class Watchdog:
-    """Calls `on_timeout(message)` when no progress is reported for `timeout` seconds.
+    """Calls `on_timeout(message)` when no progress is reported for `timeout` seconds; calls
+    `beat()` on every tick until then (a heartbeat: this thread stops only with the process).
 
     A collective whose peer died blocks inside MXNet's engine, where no Python exception can reach
-    the waiting thread; this thread notices. The command line's `on_timeout` ends the process.
+    the waiting thread; this thread notices. `who()` names this process, `situation()` says where
+    it is and who holds the job up; the command line's `on_timeout` ends the process.
     """
 
-    def __init__(self, timeout, who, on_timeout):
+    def __init__(self, timeout, who, on_timeout, situation=lambda: "another process died or hangs",
+                 beat=lambda: None):
         self.timeout, self.who, self.on_timeout = timeout, who, on_timeout
+        self.situation, self.beat = situation, beat
         self.last, self.stopped = time.monotonic(), threading.Event()
         threading.Thread(target=self._watch, name="manual_dp-watchdog", daemon=True).start()
+
+    @property
+    def tick(self):
+        return min(1.0, self.timeout / 4)
 
     def progress(self):
         self.last = time.monotonic()
@@ -32,10 +41,11 @@ class Watchdog:
         self.stopped.set()
 
     def _watch(self):
-        while not self.stopped.wait(min(1.0, self.timeout / 4)):
+        while not self.stopped.wait(self.tick):
+            self.beat()
             if time.monotonic() - self.last > self.timeout:
-                self.on_timeout(f"{self.who()}: no progress for {self.timeout:g} s (another process "
-                                f"died or hangs); giving up; rank 0's last checkpoint resumes with --resume")
+                self.on_timeout(f"{self.who()}: no progress for {self.timeout:g} s; {self.situation()}; "
+                                f"giving up; rank 0's last checkpoint resumes with --resume")
                 return
 
 
@@ -69,6 +79,10 @@ class World:
     def progress(self):
         pass
 
+    def situation(self):
+        """Where this process is in the job's collectives, and who holds the job up."""
+        return "one process"
+
     def close(self, failed=False):
         pass
 
@@ -77,7 +91,29 @@ class Cluster(World):
     """A process of a multi-process job: collectives from the engine, a watchdog on every one."""
 
     def __init__(self, timeout, on_timeout):
-        self.watchdog = Watchdog(timeout, self.describe, on_timeout)
+        self.seq, self.step, self.op, self.reporter = 0, 0, "start-up", Reporter()
+        self.joined = False                               # True once the engine gave rank and size
+        self.unanswered = "the board did not answer"      # what a silent board means here
+        self.watchdog = Watchdog(timeout, self.describe, on_timeout, self.situation, self.beat)
+
+    def enter(self, op):
+        """Afterwards this process's fingerprint is its next collective: `op`, the step, the
+        sequence number (every rank enters the same collectives in the same order)."""
+        self.seq, self.op = self.seq + 1, op
+        self.beat()
+
+    def beat(self):
+        if self.joined:
+            self.reporter.report(self.rank, self.seq, self.step, self.op)
+
+    def situation(self):
+        """The last collective this rank entered, and the board's verdict on the others."""
+        if not self.joined:
+            return "waiting for every process of the job to join"
+        silent_after = 2.5 * self.watchdog.tick            # a live rank beats every tick
+        unanswered = self.unanswered if self.reporter.target else "no board here"
+        return (f"last entered {fingerprint(self.seq, self.step, self.op)}; "
+                f"{verdict(self.reporter.ask(), self.size, self.rank, silent_after, unanswered)}")
 
     def reducer(self, allreduce_fn):
         return CrossProcessAllreduce(allreduce_fn, self)

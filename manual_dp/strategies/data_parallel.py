@@ -4,27 +4,33 @@ One class for the lesson's step and the fast one. By default a step is fast: eac
 parameters, gradients and optimiser state are views of flat buffers (manual_dp.fast.flat), so a step
 does one all-reduce and one optimiser update per device, and forward and backward run as LeNet's
 cached graph (manual_dp.fast.graph). `lesson=True` turns both off and takes the lesson's own
-train_batch, with the lesson's allreduce: one call per gradient.
+train_batch, with the lesson's allreduce: one call per gradient. `bucket_mb` cuts the flat buffers
+into buckets whose all-reduces overlap the backward pass (manual_dp.fast.buckets).
 """
 from mxnet import autograd, nd
 
 from ..config import FAST_STEP, LESSON_STEP, RunConfig
 from ..errors import CheckpointError
 from ..fast import autotune
+from ..fast.buckets import Buckets
 from ..fast.collectives import make_allreduce
 from ..fast.flat import FlatReplica
 from ..fast.graph import LeNetGraph
 from ..fast.prefetch import host
+from ..fast.trace import Tracer
 from ..lesson import forward_backward, get_params, lenet, n_correct, shard_sizes, split_and_load, train_batch
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
 
 
-def graph_forward_backward(graph, X_shards, y_shards, device_params):
-    """forward_backward through LeNet's cached graph: one call per context, one backward for all."""
+def graph_forward_backward(graph, X_shards, y_shards, device_params, on_forward=None):
+    """forward_backward through LeNet's cached graph: one call per context, one backward for all
+    (on_forward(losses), if given, is called in between)."""
     with autograd.record():
         metrics = [graph(X, y, W) for X, y, W in zip(X_shards, y_shards, device_params)]
+    if on_forward:
+        on_forward([loss_sum for loss_sum, _ in metrics])
     autograd.backward([loss_sum for loss_sum, _ in metrics])
     return metrics
 
@@ -51,11 +57,12 @@ class DataParallel(Strategy):
 
     allreduce_fn, fuse_grads, graph: None takes the fast step's choice (manual_dp.config.FAST_STEP),
     or the lesson's with lesson=True. conv_pad: the graph's channel padding (manual_dp.fast.graph);
-    None takes this machine's measured choice (manual_dp.fast.autotune).
+    None takes this machine's measured choice (manual_dp.fast.autotune). bucket_mb: None keeps one
+    flat buffer (or none); a size in MB takes buckets of it instead (manual_dp.fast.buckets).
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, allreduce_fn=None,
-                 fuse_grads=None, graph=None, lesson=False, conv_pad=None):
+                 fuse_grads=None, graph=None, lesson=False, conv_pad=None, bucket_mb=None):
         choice = LESSON_STEP if lesson else FAST_STEP
         fuse_grads = choice["fuse_grads"] if fuse_grads is None else fuse_grads
         graph = choice["graph"] if graph is None else graph
@@ -63,9 +70,15 @@ class DataParallel(Strategy):
         self.allreduce_fn = allreduce_fn or make_allreduce(choice["allreduce"])
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
-        self.graph = LeNetGraph(conv_pad, [p.shape for p in params]) if graph else None
-        self.flat = [FlatReplica(params, c) for c in self.ctx] if fuse_grads else None
-        if self.flat:
+        self.buckets = Buckets(params, self.ctx, bucket_mb, optimizer) if bucket_mb is not None else None
+        several = self.buckets is not None and len(self.buckets.plan) > 1
+        # several buckets: the graph's backward unbulked, so that each bucket is ready on its own
+        self.graph = LeNetGraph(conv_pad, [p.shape for p in params], bulk=not several) if graph else None
+        self.flat = [FlatReplica(params, c) for c in self.ctx] if fuse_grads and not self.buckets else None
+        if self.buckets:
+            self.replicas = [r.params for r in self.buckets.replicas]
+            self.states = [r.states for r in self.buckets.replicas]
+        elif self.flat:
             self.replicas = [f.params for f in self.flat]
             self.flat_states = [init_states([f.flat], optimizer)[0] for f in self.flat]
             self.states = [f.state_views(s) for f, s in zip(self.flat, self.flat_states)]
@@ -75,11 +88,20 @@ class DataParallel(Strategy):
                 p.attach_grad(grad_req="add")     # backward adds up, update zeroes
             self.states = [init_states(W, optimizer) for W in self.replicas]
         self.states_of = {id(W): S for W, S in zip(self.replicas, self.states)}   # for train_batch's update
-        self.t = 0
+        self.t, self.tracer = 0, None
+
+    def trace(self, path, skip=2, steps=3, algorithm=None):
+        """Record updates skip+1 .. skip+steps as a Chrome trace in `path` (manual_dp.fast.trace;
+        `algorithm` names the all-reduce for the cost model); needs buckets (bucket_mb=float("inf")
+        is the one fused buffer)."""
+        if not self.buckets:
+            raise ValueError("tracing a step needs its gradients in buckets: give bucket_mb")
+        self.tracer = Tracer(path, self.ctx, self.buckets, skip, steps, algorithm)
+        self.buckets.marks = self.tracer.bucket
 
     @property
     def lesson_path(self):
-        return not (self.graph or self.flat)
+        return not (self.graph or self.flat or self.buckets)
 
     def step(self, X, y, lr):
         """The lesson's train_batch on the lesson's path; backward + update on the fast one."""
@@ -92,12 +114,20 @@ class DataParallel(Strategy):
 
     def backward(self, X, y):
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
+        if self.tracer:
+            self.tracer.step_begins(X_shards)
         if self.graph:
-            return graph_forward_backward(self.graph, X_shards, y_shards, self.replicas)
+            return graph_forward_backward(self.graph, X_shards, y_shards, self.replicas,
+                                          self.tracer and self.tracer.forward_done)
         return forward_backward(X_shards, y_shards, self.replicas)
 
     def update(self, lr, n_examples):
         self.t += 1
+        if self.buckets:
+            self.buckets.reduce_and_update(self.allreduce_fn, lr, self.t, n_examples)
+            if self.tracer:
+                self.tracer.step_ends()
+            return
         if self.flat:
             self.allreduce_fn([f.grad for f in self.flat])
             for f, s in zip(self.flat, self.flat_states):
