@@ -153,6 +153,13 @@ FLAGS = [
     ("trace unfused", ["--trace", "t.json", "--no-fuse-grads"], 2, "not with --no-fuse-grads"),
     ("trace in pipeline", ["--cpus", "2", "--mode", "pipeline", "--trace", "t.json"], 2, "--trace applies only to --mode sync"),
     ("trace across processes", ["--backend", "dist_sync", "--trace", "t.json"], 2, "--trace records the steps of one process"),
+    ("tensor T=3 at width 1", ["--cpus", "3", "--mode", "tensor"], 2,
+     "--tensor-parallel 3 does not divide conv1's output channels \\(20 at --width 1\\)"),
+    ("tensor T=3 of 4 contexts", ["--cpus", "4", "--mode", "tensor", "--tensor-parallel", "3"], 2,
+     "--tensor-parallel 3 does not divide the 4 contexts"),
+    ("tensor-parallel in sync", ["--cpus", "4", "--tensor-parallel", "2"], 2,
+     "--tensor-parallel applies only to --mode tensor, not --mode sync"),
+    ("tensor-parallel 0", ["--mode", "tensor", "--tensor-parallel", "0"], 2, "--tensor-parallel must be >= 1"),
 ]
 
 

@@ -18,6 +18,7 @@ from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParal
                        init_lenet_params, make_allreduce)
 from manual_dp import ZeroRedundancy
 from manual_dp import LocalSGD
+from manual_dp.strategies.tensor import TensorParallel
 
 
 def cpus(n):
@@ -54,6 +55,10 @@ STRATEGIES = {
                                                                      schedule="1f1b", recompute=True),
     "buckets 0.001 MB ring x3": lambda p, opt: DataParallel(p, cpus(3), opt, make_allreduce("ring"), bucket_mb=0.001),
     "buckets 0 MB no graph x2": lambda p, opt: DataParallel(p, cpus(2), opt, graph=False, bucket_mb=0),
+    "tensor T=1 x1": lambda p, opt: TensorParallel(p, cpus(1), opt),
+    "tensor T=2 x2": lambda p, opt: TensorParallel(p, cpus(2), opt),
+    "tensor T=4 x4": lambda p, opt: TensorParallel(p, cpus(4), opt),
+    "tensor TPxDP 2x2": lambda p, opt: TensorParallel(p, cpus(4), opt, 2),
 }
 # Strategies that keep the contract but compute, by design, something other than the one-device
 # step (their own references are in their own tests): every test here but the equality with it.

@@ -28,6 +28,9 @@ MODES = {
                                    "--micro-batches", "3", "--recompute"],
     "hybrid-s3-1f1b": ["--cpus", "6", "--mode", "hybrid", "--stages", "3", "--schedule", "1f1b",
                        "--micro-batches", "2"],
+    "tensor": ["--cpus", "4", "--mode", "tensor"],
+    "tensor-2x2-accum": ["--cpus", "4", "--mode", "tensor", "--tensor-parallel", "2", "--grad-accum", "2",
+                         "--check-replicas", "1"],
 }
 
 
@@ -53,7 +56,7 @@ def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
 
 
 @pytest.mark.parametrize("mode", ["model", "pipeline", "hybrid", "async0", "local1", "pipeline-s4-1f1b-recompute",
-                                  "hybrid-s3-1f1b"])
+                                  "hybrid-s3-1f1b", "tensor"])
 def test_mode_trains_like_one_device(capsys, tmp_path, data_dir, mode):
     one = train(capsys, tmp_path, data_dir, "one", "--cpus", "1", "--epochs", "2")
     assert_same_run(train(capsys, tmp_path, data_dir, mode, *MODES[mode], "--epochs", "2"), one)

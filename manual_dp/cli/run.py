@@ -26,6 +26,7 @@ from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.local_sgd import LocalSGD
+from ..strategies.tensor import TensorParallel
 from ..strategies.zero import ZeroRedundancy
 from .output import Progress, describe, fail, format_record, interrupted, write_log
 
@@ -83,6 +84,8 @@ def build_model(cfg, params, ctx, world):
     elif cfg.mode == "local":
         model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
                          cfg.outer_momentum, reduce)
+    elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
+        model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name))
     else:
         model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce,
                                  cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute)
