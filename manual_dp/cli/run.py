@@ -23,6 +23,7 @@ from ..strategies.accum import GradAccum
 from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.pipeline import PipelineParallel
+from . import memcheck
 from .output import Progress, describe, fail, format_record, write_log
 
 
@@ -155,15 +156,16 @@ def run_in(cfg, world):
 
 def train_in(cfg, world, ctx):
     """run_in's training, its outputs checked and its checkpoint directory ours."""
+    params = init_lenet_params(cfg.seed, cfg.init_scale, width=cfg.width)
+    mem = memcheck.measure_run(cfg, params, ctx, build_model, world.size)   # before anything else runs
+    memcheck.check_limit(cfg, mem, ctx[0].device_type, len(ctx))
     data_dir, data_label = locate_data(cfg.data_dir)
     train_data, test_data = load_fashion_mnist(data_dir, cfg.train_size, cfg.test_size)
-    params = init_lenet_params(cfg.seed, cfg.init_scale, width=cfg.width)
     model = build_model(cfg, params, ctx, world)
     if len(train_data[0]) < model.min_batch:
         raise UsageError(f"{len(train_data[0])} training example(s) cannot be split over the "
                          f"{model.min_batch} devices of a batch: use a larger --train-size")
     lr = learning_rate(cfg, len(train_data[0]))
-    mem = memory.per_context(model, cfg.batch_size, [p.shape for p in params])
     run_config = {k: getattr(cfg, k) for k in config.RUN_KEYS}
     start_epoch, history, rng_state = resume_from(cfg, world, model, run_config)
     if history and cfg.log_json and world.is_root:
@@ -192,7 +194,8 @@ def train_in(cfg, world, ctx):
     if history:
         total = sum(r["epoch_sec"] for r in history)
         print(f"done: test acc {history[-1]['test_acc']:.4f} after {len(history)} epochs, "
-              f"{total:.0f} s training, {np.mean([r['images_per_sec'] for r in history]):.0f} img/s")
+              f"{total:.0f} s training, {np.mean([r['images_per_sec'] for r in history]):.0f} img/s; peak memory "
+              + ", ".join(f"{c} {memory.format_bytes(r['peak_bytes'])}" for c, r in mem.items()))
     return history
 
 

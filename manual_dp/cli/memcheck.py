@@ -1,0 +1,82 @@
+"""Memory before training: this run's peak per context, measured on a throwaway copy of its
+strategy (manual_dp.memory), and --memory-per-device, which refuses a layout whose peak exceeds
+the emulated device and names the modes that would fit.
+
+The other modes are measured the same way, each in a fresh process of its own
+(manual_dp.cli.memprobe), so that scratch space an earlier measurement grew is counted again.
+"""
+import contextlib
+import dataclasses
+import io
+import json
+import subprocess
+import sys
+
+from .. import config, memory
+from ..errors import UsageError
+from ..multiprocess.world import World
+
+MODE_FLAGS = ("staleness", "micro_batches", "allreduce", "fuse_grads", "graph", "no_autotune", "check_replicas")
+
+
+def measure_run(cfg, params, ctx, build, n_processes=1):
+    """memory.measure of build(cfg, params, ctx, World()) on this process's share of a batch."""
+    def make():
+        with contextlib.redirect_stdout(io.StringIO()):            # build's notes are printed once, later
+            return build(cfg, params, ctx, World())
+    return memory.measure(make, ctx, max(1, cfg.batch_size // n_processes), [p.shape for p in params])
+
+
+def peak(report):
+    """(context, bytes) of the report's largest peak."""
+    return max(((c, r["peak_bytes"]) for c, r in report.items()), key=lambda cr: cr[1])
+
+
+def as_mode(cfg, mode):
+    """`cfg` in `mode`, its mode-specific flags back to their defaults, resolved; None if the
+    mode cannot run these settings."""
+    defaults = {f.name: f.default for f in config.fields() if f.name in MODE_FLAGS}
+    try:
+        return config.resolve(dataclasses.replace(cfg, mode=mode, **defaults))
+    except UsageError:
+        return None
+
+
+def probe_command(cfg, kind, n):
+    """The command that measures `cfg` on n contexts of `kind` in a fresh process."""
+    return [sys.executable, "-m", "manual_dp.cli.memprobe", json.dumps(dataclasses.asdict(cfg)), kind, str(n)]
+
+
+def probe_modes(cfg, kind, n):
+    """{mode: report} for every mode that can be laid out on n contexts, each measured in its own
+    fresh process (started together, read in turn)."""
+    procs = {}
+    for mode in config.MODES:
+        other = as_mode(cfg, mode)
+        try:
+            config.check_layout(other, n) if other else None
+        except UsageError:
+            other = None
+        if other:
+            procs[mode] = subprocess.Popen(probe_command(other, kind, n), stdout=subprocess.PIPE, text=True)
+    reports = {}
+    for mode, proc in procs.items():
+        out, _ = proc.communicate()
+        if proc.returncode == 0:
+            reports[mode] = json.loads(out.strip().splitlines()[-1])
+    return reports
+
+
+def check_limit(cfg, report, kind, n):
+    """UsageError, naming the excess and the modes that would fit, if the largest peak of
+    `report` exceeds --memory-per-device."""
+    limit = config.parse_bytes(cfg.memory_per_device) if cfg.memory_per_device else None
+    where, most = peak(report)
+    if limit is None or most <= limit:
+        return
+    fits = [m for m, r in probe_modes(cfg, kind, n).items() if peak(r)[1] <= limit]
+    raise UsageError(
+        f"--memory-per-device {cfg.memory_per_device}: --mode {cfg.mode} needs {memory.format_bytes(most)} on "
+        f"{where} (measured), {memory.format_bytes(most - limit)} more than {memory.format_bytes(limit)}; "
+        + (f"modes that fit (measured likewise): {', '.join(fits)}" if fits else
+           "no mode fits these contexts: use more contexts, a smaller --batch-size or --width"))
