@@ -87,7 +87,7 @@ class RunConfig:
     memory_per_device: Optional[str] = flag(None, "emulate devices of this many bytes (suffix K, M, G, T: "
                                                   "powers of 1024): refuse, before training, a layout whose "
                                                   "measured peak on a context exceeds it, and name the modes "
-                                                  "that fit (manual_dp/memory.py)", "devices")
+                                                  "that fit (manual_dp/memory.py)", "parallelism")
 
 
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).

@@ -107,6 +107,11 @@ FLAGS = [
     ("width 0", ["--width", "0"], 2, "--width must be >= 1"),
     ("check-replicas in async", ["--mode", "async", "--check-replicas", "5"], 2, "--check-replicas applies only to"),
     ("unknown flag", ["--no-such-flag"], 2, "unrecognized arguments"),
+    ("memory-per-device 12X", ["--memory-per-device", "12X"], 2,
+     "--memory-per-device must be a byte count such as 64M or 2G, got '12X'"),
+    ("memory-per-device too small", ["--cpus", "1", "--memory-per-device", "100K"], 2,
+     r"--memory-per-device 100K: --mode sync needs .*iB on cpu\(0\) \(measured\), .*iB more than 100.0 KiB; "
+     "no mode fits"),
 ]
 
 

@@ -42,9 +42,16 @@ def as_mode(cfg, mode):
         return None
 
 
-def probe_command(cfg, kind, n):
-    """The command that measures `cfg` on n contexts of `kind` in a fresh process."""
-    return [sys.executable, "-m", "manual_dp.cli.memprobe", json.dumps(dataclasses.asdict(cfg)), kind, str(n)]
+def start_probe(cfg, kind, n, env=None):
+    """A fresh process measuring `cfg` on n contexts of `kind` (read it with read_probe)."""
+    cmd = [sys.executable, "-m", "manual_dp.cli.memprobe", json.dumps(dataclasses.asdict(cfg)), kind, str(n)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+
+
+def read_probe(proc):
+    """The report a start_probe process printed; None if it failed."""
+    out, _ = proc.communicate()
+    return json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 else None
 
 
 def probe_modes(cfg, kind, n):
@@ -58,13 +65,9 @@ def probe_modes(cfg, kind, n):
         except UsageError:
             other = None
         if other:
-            procs[mode] = subprocess.Popen(probe_command(other, kind, n), stdout=subprocess.PIPE, text=True)
-    reports = {}
-    for mode, proc in procs.items():
-        out, _ = proc.communicate()
-        if proc.returncode == 0:
-            reports[mode] = json.loads(out.strip().splitlines()[-1])
-    return reports
+            procs[mode] = start_probe(other, kind, n)
+    reports = {mode: read_probe(proc) for mode, proc in procs.items()}
+    return {mode: r for mode, r in reports.items() if r}
 
 
 def check_limit(cfg, report, kind, n):
