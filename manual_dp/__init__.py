@@ -28,7 +28,7 @@ _EXPORTS = {
     "fast.collectives": ["ALLREDUCE_ALGORITHMS", "make_allreduce"],
     "loop": ["fit", "evaluate"],
     "schedule": ["make_lr", "scaled_lr", "Warmup", "lr_at", "updates_per_epoch"],
-    "memory": ["per_context"],
+    "memory": ["per_context", "measure"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

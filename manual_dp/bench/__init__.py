@@ -8,4 +8,5 @@
     overlap     do two CPU contexts compute at the same time? (MXNet's profiler)
     report      scaling efficiency, the targets' ratios, tables, results.json
     plots       the PNG plots
+    memory      every mode's measured memory per context (--memory)
 """

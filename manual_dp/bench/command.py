@@ -3,6 +3,7 @@ to DIR/results.json (a list of records with bench, impl, devices and the figures
 
     --quick   the default, under 3 minutes on 2 cores    --full   every payload, count and peer
     --tiny    seconds, synthetic data (for the tests)     --model  the cost model's table and plot
+    --memory  every mode's measured memory per context (--width, --batch-size, --cpus)
 
 Every measurement runs in a fresh process (manual_dp.bench.worker) whose thread settings are in
 its environment before MXNet or PyTorch loads: "tuned" is manual_dp.runtime's choice for its
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..cli.options import OneLineParser
-from ..config import FAST_STEP
+from ..config import FAST_STEP, RunConfig
 from ..errors import UsageError
 from ..fast.runtime import machine, thread_env, usable_cores
 
@@ -202,6 +203,10 @@ def main(argv=None):
     if args.model:
         print(report_model(out))
         return
+    if args.memory:
+        from .memory import run
+        run(out, args.width, args.batch_size, args.cpus)
+        return
     records = measure(PLANS[args.plan], args)
     records += report(records)
     where = {k: records[0][k] for k in ("cpu", "vector", "cores", "commit")}
@@ -230,6 +235,11 @@ def build_parser():
     p.add_argument("--wait-for-cores", type=float, default=0.0,
                    help="on a shared machine: before each training measurement wait (up to --timeout) "
                         "until this many cores are free, e.g. 1.8 of 2")
+    p.add_argument("--memory", action="store_true",
+                   help="every mode's measured peak memory per context (OUT/memory.json), nothing else")
+    p.add_argument("--width", type=int, default=RunConfig.width, help="with --memory: LeNet's width")
+    p.add_argument("--batch-size", type=int, default=RunConfig.batch_size, help="with --memory: the global batch")
+    p.add_argument("--cpus", type=int, default=2, help="with --memory: CPU contexts")
     return p
 
 
