@@ -19,11 +19,19 @@ Limits (MXNet 1.9.1):
   (omp_get_num_procs), then the GPUs, then "cpu pinned" and "cpu shared": cpu(i) for i >= P lands
   on one of the last two names, and an index past them aborts the process inside MXNet. So
   `counter_names` answers None when a context cannot be counted; callers then fall back.
-- The profiler is configured once per process (MXNet refuses a second set_config).
+- On CPU, operators' scratch space is one pool of MXNET_CPU_TEMP_COPY buffers shared by every
+  cpu(i) and registered on cpu(0): its counter carries all of it. Buffers stay allocated once
+  used, so a second window in the same process does not see them again.
+- The profiler is configured once per process (MXNet refuses a second set_config, so
+  manual_dp.bench.overlap cannot run in a process that measured memory, nor the reverse:
+  `configured` then says False). The trace is written with dump(finished=False), which appends
+  and leaves the JSON open: the counter events are read with a regular expression.
 """
+import atexit
 import gc
 import os
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -55,9 +63,11 @@ def counter_names(ctxs, n_procs=None, n_gpus=None):
 
 
 def trace_file():
-    """The profiler's trace file, configured (memory counters only) on the first call."""
+    """The profiler's trace file, configured (memory counters only) on the first call; removed
+    when the process exits."""
     if not _trace:
         path = Path(tempfile.mkdtemp(prefix="manual_dp_mem_")) / "trace.json"
+        atexit.register(shutil.rmtree, path.parent, ignore_errors=True)
         mx.profiler.set_config(profile_memory=True, profile_symbolic=False, profile_imperative=False,
                                profile_api=False, aggregate_stats=False, filename=str(path))
         _trace.append(path)
