@@ -66,8 +66,15 @@ def rewrite(ck, change, resign=True):
 
 
 def flip_bytes(ck):
+    """8 bytes flipped in the middle of the largest array's data (the file's middle could land in a
+    zip header field that nothing reads, depending on how long the metadata is)."""
     raw = bytearray((ck / checkpoint.NAME).read_bytes())
-    raw[len(raw) // 2:len(raw) // 2 + 8] = b"\xff" * 8
+    with zipfile.ZipFile(ck / checkpoint.NAME) as z:
+        big = max(z.infolist(), key=lambda i: i.file_size)
+    name_len, extra_len = int.from_bytes(raw[big.header_offset + 26:big.header_offset + 28], "little"), \
+        int.from_bytes(raw[big.header_offset + 28:big.header_offset + 30], "little")
+    middle = big.header_offset + 30 + name_len + extra_len + big.file_size // 2
+    raw[middle:middle + 8] = b"\xff" * 8
     (ck / checkpoint.NAME).write_bytes(bytes(raw))
 
 
