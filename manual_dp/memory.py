@@ -83,9 +83,12 @@ def random_batch(batch_size, seed=0):
 def steps_to_update(model, X, y, lr, updates=1):
     """Steps on (X, y) until `updates` more optimiser updates are taken (gradient accumulation
     takes several batches per update)."""
-    target = model.t + updates
+    target, steps = model.t + updates, 0
     while model.t < target:
         model.step(X, y, lr)
+        steps += 1
+        if steps > 10_000:
+            raise RuntimeError(f"{type(model).__name__} took no update in {steps} steps")
 
 
 def measure(build, ctx, batch_size, shapes=None, lr=1e-3):
