@@ -8,7 +8,8 @@ the window's start, are that context's peak. Parameters, gradients and optimiser
 sizes of the arrays the strategy keeps (Strategy.arrays), on the context that holds them;
 activations/temporaries = peak - those: autograd's saved outputs, the input shards, gradients of
 activations in flight, the cached graph's planned memory, operators' scratch space, copies.
-Limits (see memtrack): on CPU, MXNet's scratch space is one pool registered on cpu(0), so cpu(0)
+Limits (see memtrack, docs/design.md): the bytes are those MXNet reserves, which on CPU the OS
+backs only where touched; MXNet's CPU scratch space is one pool registered on cpu(0), so cpu(0)
 carries every CPU context's scratch; bytes outside MXNet's storage (oneDNN's own buffers) are
 not counted; scratch space grown earlier in the same process is not counted again, so the figure
 is exact only in a fresh process (the command line measures before any other MXNet work).
