@@ -18,6 +18,8 @@ Where the profiler cannot count a context (cpu(i) past the processors + 2) `per_
 computes activations from the layer shapes instead (`stage_activation_elems`, the hand count of
 what autograd keeps); every report says which ("method").
 """
+import os
+
 import numpy as np
 
 from .fast import memtrack
@@ -57,11 +59,19 @@ def held_bytes(model):
     return report
 
 
+def scratch_buffers(ctx_name):
+    """How many scratch buffers MXNet shares among this kind of context (its defaults: 4 on CPU, 1
+    per GPU); on CPU they all count on cpu(0)."""
+    cpu = ctx_name.startswith("cpu")
+    return int(os.environ.get("MXNET_CPU_TEMP_COPY" if cpu else "MXNET_GPU_TEMP_COPY", 4 if cpu else 1))
+
+
 def finish(report, peaks, method):
-    """`report` with "activation_bytes" = peak - kept arrays, "peak_bytes" and "method" added."""
+    """`report` with "activation_bytes" = peak - kept arrays, "peak_bytes", "method" and
+    "scratch_buffers" added."""
     for c, r in report.items():
         r["activation_bytes"] = peaks[c] - sum(r[f"{k}_bytes"] for k in KINDS)
-        r["peak_bytes"], r["method"] = peaks[c], method
+        r["peak_bytes"], r["method"], r["scratch_buffers"] = peaks[c], method, scratch_buffers(c)
     return report
 
 
@@ -120,4 +130,5 @@ def format_report(report):
     return "; ".join(f"{c}: peak {format_bytes(r['peak_bytes'])} = {format_bytes(r['param_bytes'])} params + "
                      f"{format_bytes(r['grad_bytes'])} grads + {format_bytes(r['state_bytes'])} optimiser state "
                      f"+ {format_bytes(r['activation_bytes'])} activations/temporaries"
-                     for c, r in report.items()) + f" ({next(iter(report.values()))['method']})"
+                     for c, r in report.items()) + " ({method}, {scratch_buffers} scratch buffers)".format(
+        **next(iter(report.values())))

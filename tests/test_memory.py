@@ -104,6 +104,7 @@ def test_generous_limit_trains_and_reports_memory(capsys, tmp_path, data_dir):
         assert r["peak_bytes"] == sum(r[k] for k in ("param_bytes", "grad_bytes", "state_bytes", "activation_bytes"))
         assert r["activation_bytes"] > 0
     assert mem["cpu(1)"]["param_bytes"] > 4 * mem["cpu(0)"]["param_bytes"]      # dense layers on cpu(1)
+    assert {r["scratch_buffers"] for r in mem.values()} == {1}         # measured as a GPU would be
     done = capsys.readouterr().out.strip().splitlines()[-1]
     assert done.startswith("done:") and "peak memory cpu(0) " in done and ", cpu(1) " in done
 

@@ -7,7 +7,7 @@ from mxnet import autograd, nd
 from conftest import assert_on, synthetic
 from manual_dp import DataParallel, cross_entropy, get_params, init_lenet_params, lenet
 from manual_dp.strategies.accum import GradAccum
-from manual_dp.memory import per_context, stage_activation_elems
+from manual_dp.memory import per_context, scratch_buffers, stage_activation_elems
 from manual_dp.lesson import LENET_SHAPES, conv_block
 from manual_dp.optim import apply_update, init_states
 from manual_dp.strategies.pipeline import PipelineParallel, cut
@@ -159,7 +159,8 @@ def test_memory_per_context(optimizer, n_state):
 
     def expect(params, act):
         return {"param_bytes": params, "grad_bytes": params, "state_bytes": n_state * params,
-                "activation_bytes": act, "peak_bytes": (2 + n_state) * params + act, "method": "shapes"}
+                "activation_bytes": act, "peak_bytes": (2 + n_state) * params + act, "method": "shapes",
+                "scratch_buffers": scratch_buffers("cpu(0)")}
     assert model == {"cpu(0)": expect(stage0, 4 * 5 * conv), "cpu(1)": expect(stage1, 4 * 5 * dense),
                      "cpu(2)": expect(stage0, 4 * 5 * conv), "cpu(3)": expect(stage1, 4 * 5 * dense)}
     sync = per_context(DataParallel(init_lenet_params(), cpus(3), optimizer), 10)

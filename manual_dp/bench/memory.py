@@ -1,7 +1,7 @@
 """`python -m manual_dp.bench --memory [--width W] [--batch-size B] [--cpus N]`: every mode's
 measured peak per context, split into parameters, gradients, optimiser state and
-activations/temporaries, each mode measured in a fresh process (manual_dp.cli.memcheck), as a
-table and as records in OUT/memory.json."""
+activations/temporaries, each mode measured in a fresh process with one scratch buffer per
+device (manual_dp.cli.memcheck), as a table and as records in OUT/memory.json."""
 import json
 
 from ..cli.memcheck import probe_modes
@@ -34,7 +34,8 @@ def run(out, width, batch_size, n):
     recs = records(width, batch_size, n)
     if recs:
         r = recs[0]
-        print(f"memory per context, measured ({r['memory'][next(iter(r['memory']))]['method']}): LeNet x{width}, "
+        print(f"memory per context, measured ({r['memory'][next(iter(r['memory']))]['method']}, one scratch "
+              f"buffer per device): LeNet x{width}, "
               f"batch {batch_size}, {n} CPU contexts; {r['cpu']}, {r['cores']} cores, commit {r['commit']}")
     print(table(recs))
     (out / "memory.json").write_text(json.dumps(recs, indent=1))

@@ -2,13 +2,16 @@
 strategy (manual_dp.memory), and --memory-per-device, which refuses a layout whose peak exceeds
 the emulated device and names the modes that would fit.
 
-The other modes are measured the same way, each in a fresh process of its own
-(manual_dp.cli.memprobe), so that scratch space an earlier measurement grew is counted again.
+With --memory-per-device every figure, this run's and the other modes', is measured in a fresh
+process of its own (manual_dp.cli.memprobe) with one scratch buffer per device, as MXNet gives a
+GPU: with manual_dp's 1024 shared CPU scratch buffers the reservation on cpu(0) grows with every
+step (docs/design.md), so it would say more about the step count than about the layout.
 """
 import contextlib
 import dataclasses
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -16,6 +19,7 @@ from .. import config, memory
 from ..errors import UsageError
 from ..multiprocess.world import World
 
+PROBE_ENV = {"MXNET_CPU_TEMP_COPY": "1"}    # one scratch buffer per device, as on a GPU
 MODE_FLAGS = ("staleness", "micro_batches", "allreduce", "fuse_grads", "graph", "no_autotune", "check_replicas")
 
 
@@ -45,6 +49,7 @@ def as_mode(cfg, mode):
 def start_probe(cfg, kind, n, env=None):
     """A fresh process measuring `cfg` on n contexts of `kind` (read it with read_probe)."""
     cmd = [sys.executable, "-m", "manual_dp.cli.memprobe", json.dumps(dataclasses.asdict(cfg)), kind, str(n)]
+    env = dict(os.environ if env is None else env, **PROBE_ENV)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
 
 
@@ -68,6 +73,18 @@ def probe_modes(cfg, kind, n):
             procs[mode] = start_probe(other, kind, n)
     reports = {mode: read_probe(proc) for mode, proc in procs.items()}
     return {mode: r for mode, r in reports.items() if r}
+
+
+def run_report(cfg, params, ctx, build, n_processes=1):
+    """This run's memory report: measured here, or with --memory-per-device in a fresh process
+    (one scratch buffer per device) and checked against it (check_limit)."""
+    if not cfg.memory_per_device:
+        return measure_run(cfg, params, ctx, build, n_processes)
+    kind, n = ctx[0].device_type, len(ctx)
+    share = dataclasses.replace(cfg, batch_size=max(1, cfg.batch_size // n_processes))
+    report = read_probe(start_probe(share, kind, n)) or measure_run(cfg, params, ctx, build, n_processes)
+    check_limit(cfg, report, kind, n)
+    return report
 
 
 def check_limit(cfg, report, kind, n):

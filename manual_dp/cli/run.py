@@ -157,8 +157,7 @@ def run_in(cfg, world):
 def train_in(cfg, world, ctx):
     """run_in's training, its outputs checked and its checkpoint directory ours."""
     params = init_lenet_params(cfg.seed, cfg.init_scale, width=cfg.width)
-    mem = memcheck.measure_run(cfg, params, ctx, build_model, world.size)   # before anything else runs
-    memcheck.check_limit(cfg, mem, ctx[0].device_type, len(ctx))
+    mem = memcheck.run_report(cfg, params, ctx, build_model, world.size)   # before anything else runs
     data_dir, data_label = locate_data(cfg.data_dir)
     train_data, test_data = load_fashion_mnist(data_dir, cfg.train_size, cfg.test_size)
     model = build_model(cfg, params, ctx, world)
