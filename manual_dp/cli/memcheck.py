@@ -98,5 +98,5 @@ def check_limit(cfg, report, kind, n):
     raise UsageError(
         f"--memory-per-device {cfg.memory_per_device}: --mode {cfg.mode} needs {memory.format_bytes(most)} on "
         f"{where} (measured), {memory.format_bytes(most - limit)} more than {memory.format_bytes(limit)}; "
-        + (f"modes that fit (measured likewise): {', '.join(fits)}" if fits else
+        + (f"modes that fit, with their default settings (measured likewise): {', '.join(fits)}" if fits else
            "no mode fits these contexts: use more contexts, a smaller --batch-size or --width"))
