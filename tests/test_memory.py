@@ -88,7 +88,7 @@ def test_limit_names_the_excess_and_the_modes_that_fit(monkeypatch):
     monkeypatch.setattr(memcheck, "probe_modes", lambda cfg, kind, n: others)
     cfg = dataclasses.replace(RunConfig(cpus=2), memory_per_device="2M")
     with pytest.raises(UsageError, match=r"--memory-per-device 2M: --mode sync needs 3.0 MiB on cpu\(0\) "
-                                         r"\(measured\), 1.0 MiB more than 2.0 MiB; modes that fit .*: model$"):
+                                         r"\(measured\), 1.0 MiB more than 2.0 MiB; modes that fit, with their default .*: model$"):
         memcheck.check_limit(cfg, report, "cpu", 2)
     memcheck.check_limit(dataclasses.replace(cfg, memory_per_device="3M"), report, "cpu", 2)   # fits: silent
 
