@@ -220,6 +220,14 @@ def report_model(out, records=None):
     return model_section(out, records)
 
 
+def positive(text):
+    """An int >= 1 (argparse type)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
 def build_parser():
     p = OneLineParser(prog="python -m manual_dp.bench", description=__doc__.split("\n\n")[0])
     size = p.add_mutually_exclusive_group()
@@ -237,9 +245,9 @@ def build_parser():
                         "until this many cores are free, e.g. 1.8 of 2")
     p.add_argument("--memory", action="store_true",
                    help="every mode's measured peak memory per context (OUT/memory.json), nothing else")
-    p.add_argument("--width", type=int, default=RunConfig.width, help="with --memory: LeNet's width")
-    p.add_argument("--batch-size", type=int, default=RunConfig.batch_size, help="with --memory: the global batch")
-    p.add_argument("--cpus", type=int, default=2, help="with --memory: CPU contexts")
+    p.add_argument("--width", type=positive, default=RunConfig.width, help="with --memory: LeNet's width")
+    p.add_argument("--batch-size", type=positive, default=RunConfig.batch_size, help="with --memory: the global batch")
+    p.add_argument("--cpus", type=positive, default=2, help="with --memory: CPU contexts")
     return p
 
 
