@@ -23,12 +23,14 @@ _EXPORTS = {
     "strategies.accum": ["GradAccum"],
     "strategies.async_dp": ["AsyncDataParallel", "last_refresh"],
     "strategies.pipeline": ["PipelineParallel"],
-    "strategies.stages": ["conv_stage", "dense_stage", "split_params", "send", "gpipe_schedule",
-                          "bubble_fraction"],
+    "strategies.stages": ["conv_stage", "dense_stage", "split_params", "send"],
+    "strategies.schedules": ["gpipe_schedule", "bubble_fraction"],
     "fast.collectives": ["ALLREDUCE_ALGORITHMS", "make_allreduce"],
     "loop": ["fit", "evaluate"],
     "schedule": ["make_lr", "scaled_lr", "Warmup", "lr_at", "updates_per_epoch"],
     "memory": ["per_context", "measure"],
+    "strategies.zero": ["ZeroRedundancy"],
+    "strategies.local_sgd": ["LocalSGD"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -11,13 +11,15 @@ from typing import Optional
 from .errors import UsageError
 from .fast.runtime import visible_gpus
 
-MODES = ("sync", "async", "model", "pipeline", "hybrid")
+MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
-STAGES = 2                    # LeNet cut in two: convolutions | dense layers
+STAGES = 2                    # LeNet cut in two by default: convolutions | dense layers
+MAX_STAGES = 4                # its layers: conv1 | conv2 | dense1 | dense2 (strategies/stages.py CUTS)
 DEFAULT_CPU_CONTEXTS = 2      # contexts when there is no GPU and none are named
 FAST_STEP = dict(allreduce="reduce_bcast", fuse_grads=True, graph=True)
 LESSON_STEP = dict(allreduce="lesson", fuse_grads=False, graph=False)
+PIECE_ROWS = 32               # --deterministic: rows per piece, the unit whose gradient is computed whole
 
 
 def flag(default, help, group="training", **argparse):
@@ -41,6 +43,10 @@ class RunConfig:
     seed: int = flag(0, "seeds the initial weights and the data order")
     width: int = flag(1, "multiply LeNet's channels and hidden units (20, 50, 128) by W: parameters, "
                          "gradients, optimiser state and activations grow (W=16: 32.6M parameters)")
+    deterministic: bool = flag(False, "the same bits on any number of contexts and processes: every "
+                                      f"batch cut into pieces of {PIECE_ROWS} rows whose gradients are "
+                                      "added in one fixed tree; one thread per op "
+                                      "(manual_dp/strategies/deterministic.py)")
     check_replicas: Optional[int] = flag(None, "every N updates, compare checksums of every copy of the "
                                                "parameters (contexts, stages, processes); stop at the first "
                                                "difference")
@@ -57,18 +63,23 @@ class RunConfig:
     mode: str = flag("sync", "sync: data parallel; async: parameter server with stale replicas; "
                              "model: convs on one context, dense layers on the next; pipeline: "
                              "model + GPipe micro-batches; hybrid: data parallel over 2-context "
-                             "pipelines", "parallelism", choices=MODES)
+                             "pipelines; zero: data parallel with ZeRO's sharding (--zero-stage); "
+                             "local: local SGD / DiLoCo, replicas meet every --sync-every steps",
+                "parallelism", choices=MODES)
     staleness: Optional[int] = flag(None, "async only: replicas refreshed every S+1 updates "
                                           "(default 0)", "parallelism")
     micro_batches: Optional[int] = flag(None, "pipeline and hybrid only: micro-batches per batch and "
                                               "pipeline (default 4)", "parallelism")
+    zero_stage: Optional[int] = flag(None, "zero only: ZeRO shards over the contexts 1: the optimiser state, "
+                                           "2: also the gradients, 3: also the parameters (default 1)",
+                                     "parallelism", choices=(1, 2, 3))
     grad_accum: int = flag(1, "batches per update", "parallelism")
     scale_lr: str = flag("none", "linear: lr x batch-size x grad-accum / 256 (Goyal et al.)",
                          "parallelism", choices=("none", "linear"))
     warmup_epochs: float = flag(0.0, "ramp the lr up linearly over this many epochs, per update",
                                 "parallelism")
-    allreduce: Optional[str] = flag(None, "sync and hybrid: how gradients are summed over the "
-                                          "contexts (manual_dp.fast.collectives; default "
+    allreduce: Optional[str] = flag(None, "sync, hybrid and local: how gradients (local: parameters) are "
+                                          "summed over the contexts (manual_dp.fast.collectives; default "
                                           f"{FAST_STEP['allreduce']})", "speed")
     fuse_grads: Optional[bool] = flag(None, "sync only: one flat gradient buffer per device, one "
                                             "all-reduce and one optimiser update a step (default on)",
@@ -88,22 +99,52 @@ class RunConfig:
                                                   "powers of 1024): refuse, before training, a layout whose "
                                                   "measured peak on a context exceeds it, and name the modes "
                                                   "that fit (manual_dp/memory.py)", "parallelism")
+    sync_every: Optional[int] = flag(None, "local only: inner optimiser steps each replica takes on its own "
+                                           "shards between syncs (H; default 4)", "parallelism")
+    outer_optimizer: Optional[str] = flag(None, "local only: what applies the averaged change at a sync "
+                                                "(default sgd; nesterov as in DiLoCo)", "parallelism",
+                                          choices=("sgd", "nesterov"))
+    outer_lr: Optional[float] = flag(None, "local only: the outer optimiser's learning rate (default 1: "
+                                           "sgd then averages the replicas)", "parallelism")
+    outer_momentum: Optional[float] = flag(None, "local with --outer-optimizer nesterov only: its momentum "
+                                                 "(default 0.9)", "parallelism")
+    stages: Optional[int] = flag(None, "model, pipeline and hybrid: LeNet cut into S stages, one context "
+                                       "each: 2 convs | dense, 3 conv1 | conv2 | dense, 4 conv1 | conv2 | "
+                                       "dense1 | dense2 (default 2)", "parallelism")
+    schedule: Optional[str] = flag(None, "pipeline and hybrid: gpipe (every forward, then every backward) "
+                                         "or 1f1b (one forward, one backward: stage s holds at most S - s "
+                                         "micro-batches) (default gpipe)", "parallelism",
+                                   choices=("gpipe", "1f1b"))
+    recompute: bool = flag(False, "model, pipeline and hybrid: keep only each stage's input per "
+                                  "micro-batch, recompute its activations in the backward (less memory, "
+                                  "more time)", "parallelism")
 
 
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
-MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4}
+MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "stages": STAGES, "schedule": "gpipe", "zero_stage": 1,
+                 "sync_every": 4, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.9}
 APPLIES = {
     "staleness": ("async",),
     "micro_batches": ("pipeline", "hybrid"),
-    "allreduce": ("sync", "hybrid"),
+    "allreduce": ("sync", "hybrid", "local"),
     "fuse_grads": ("sync",),
     "graph": ("sync",),
     "no_autotune": ("sync",),
-    "check_replicas": ("sync", "model", "pipeline", "hybrid"),
+    "deterministic": ("sync",),
+    "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local"),
+    "zero_stage": ("zero",),
+    "sync_every": ("local",),
+    "outer_optimizer": ("local",),
+    "outer_lr": ("local",),
+    "outer_momentum": ("local",),
+    "stages": ("model", "pipeline", "hybrid"),
+    "schedule": ("pipeline", "hybrid"),
+    "recompute": ("model", "pipeline", "hybrid"),
 }
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
-            "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs")
+            "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
+            "sync_every", "outer_optimizer", "outer_lr", "outer_momentum")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
 DEFAULTS_OF_NEWER_KEYS = {"width": 1}
@@ -141,6 +182,9 @@ def check(cfg):
         raise UsageError(f"--warmup-epochs must be >= 0 and finite, got {cfg.warmup_epochs}")
     if cfg.memory_per_device is not None:
         parse_bytes(cfg.memory_per_device)
+    if cfg.stages is not None and not 1 <= cfg.stages <= MAX_STAGES:
+        raise UsageError(f"--stages must be 1 to {MAX_STAGES} (LeNet has {MAX_STAGES} layers to cut "
+                         f"between), got {cfg.stages}")
     if not 0 <= cfg.seed < 2 ** 32:
         raise UsageError(f"--seed must be in 0..2**32-1, got {cfg.seed}")
     if cfg.resume and not cfg.checkpoint_dir:
@@ -148,21 +192,39 @@ def check(cfg):
     if cfg.backend in ("horovod", "dist_sync") and cfg.mode == "async":
         raise UsageError(f"--backend {cfg.backend} runs every mode but async (for asynchronous "
                          f"training across processes use --backend dist_async)")
+    if cfg.deterministic and (cfg.allreduce is not None or cfg.fuse_grads is not None):
+        raise UsageError("--deterministic adds the gradients in its own fixed order: without "
+                         "--allreduce and --fuse-grads")
+    if cfg.deterministic and cfg.backend == "dist_async":
+        raise UsageError("--deterministic needs synchronous updates: --backend local, horovod or dist_sync")
     if cfg.backend == "dist_async" and (cfg.mode != "sync" or cfg.grad_accum > 1):
         raise UsageError("--backend dist_async runs its own asynchronous SGD: --mode sync without "
                          "--grad-accum only")
+    check_local(cfg)
+
+
+def check_local(cfg):
+    """UsageError for local SGD's values no run can use (the flags' modes are resolve's concern)."""
+    if cfg.sync_every is not None and cfg.sync_every < 1:
+        raise UsageError(f"--sync-every must be >= 1, got {cfg.sync_every}")
+    if cfg.outer_lr is not None and not (cfg.outer_lr > 0 and math.isfinite(cfg.outer_lr)):
+        raise UsageError(f"--outer-lr must be positive and finite, got {cfg.outer_lr}")
+    if cfg.outer_momentum is not None and not 0 <= cfg.outer_momentum < 1:
+        raise UsageError(f"--outer-momentum must be in [0, 1), got {cfg.outer_momentum}")
+    if cfg.mode == "local" and cfg.outer_momentum is not None and cfg.outer_optimizer != "nesterov":
+        raise UsageError("--outer-momentum applies only to --outer-optimizer nesterov")
 
 
 def check_layout(cfg, n_contexts, n_processes=1):
     """Raise UsageError if the mode cannot be laid out on n_contexts contexts per process."""
-    n = n_contexts
-    if cfg.mode in ("model", "pipeline") and n != STAGES:
-        raise UsageError(f"--mode {cfg.mode} needs exactly {STAGES} contexts (convs on the first, dense "
-                         f"layers on the second), got {n}: use --cpus {STAGES} or --mode hybrid")
-    if cfg.mode == "hybrid" and n % STAGES:
-        raise UsageError(f"--mode hybrid needs a multiple of {STAGES} contexts (replicas x {STAGES} "
+    n, S = n_contexts, cfg.stages or STAGES
+    if cfg.mode in ("model", "pipeline") and n != S:
+        raise UsageError(f"--mode {cfg.mode} needs exactly {S} contexts (one per stage of --stages {S}), "
+                         f"got {n}: use --cpus {S} or --mode hybrid")
+    if cfg.mode == "hybrid" and n % S:
+        raise UsageError(f"--mode hybrid needs a multiple of {S} contexts (replicas x {S} "
                          f"stages), got {n}")
-    replicas = (n // STAGES if cfg.mode in ("model", "pipeline", "hybrid") else n) * n_processes
+    replicas = (n // S if cfg.mode in ("model", "pipeline", "hybrid") else n) * n_processes
     if cfg.batch_size < replicas:
         raise UsageError(f"--batch-size {cfg.batch_size} is smaller than the {replicas} devices it is "
                          f"split over")

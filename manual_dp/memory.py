@@ -49,6 +49,30 @@ def stage_activation_elems(image=(1, 28, 28), shapes=None):
     return [sum(convs), sum(dense)]
 
 
+def piece_activation_elems(image=(1, 28, 28), shapes=None):
+    """[(input, kept)] per-example elements for LeNet's pieces conv1, conv2, dense1, dense2
+    (strategies/stages.py): the piece's input, and the outputs of its ops (as counted in
+    stage_activation_elems; the loss goes with dense2). A stage of pieces i..j keeps the input of
+    piece i and the `kept` of each: pieces 0-1 and 2-3 give stage_activation_elems()."""
+    shapes = shapes or [shape for _, shape in LENET_SHAPES]
+    (c, h, w), pieces = image, []
+    for out_c, _, k, _ in (shapes[0], shapes[2]):
+        h2, w2 = h - k + 1, w - k + 1
+        pieces.append((c * h * w, 2 * out_c * h2 * w2 + out_c * (h2 // 2) * (w2 // 2)))
+        c, h, w = out_c, h2 // 2, w2 // 2
+    (d_in, hidden), (_, classes) = shapes[4], shapes[6]
+    return pieces + [(d_in, 3 * hidden), (hidden, 3 * classes + 1)]
+
+
+def part_activation_elems(part, image=(1, 28, 28), shapes=None):
+    """Per-example elements a stage keeps for `part`: a tuple of consecutive piece indices (their
+    activations), or ("input", i) (only piece i's input, as under --recompute)."""
+    pieces = piece_activation_elems(image, shapes)
+    if part[0] == "input":
+        return pieces[part[1]][0]
+    return pieces[part[0]][0] + sum(pieces[i][1] for i in part)
+
+
 def held_bytes(model):
     """{context name: {"param_bytes", "grad_bytes", "state_bytes"}}: the arrays the strategy keeps
     (gradients listed under "state" by an older strategy count as state)."""
@@ -81,7 +105,8 @@ def per_context(model, batch_size, shapes=None):
     report, elems = held_bytes(model), stage_activation_elems(shapes=shapes)
     peaks = {c: sum(r.values()) for c, r in report.items()}
     for c, s, n in model.layout(batch_size):
-        peaks[str(c)] += n * elems[s] * FLOAT_BYTES
+        per_example = elems[s] if isinstance(s, int) else part_activation_elems(s, shapes=shapes)
+        peaks[str(c)] += n * per_example * FLOAT_BYTES
     return finish(report, peaks, "shapes")
 
 

@@ -6,7 +6,7 @@ into the environment (manual_dp.fast.runtime), and only then does MXNet load, th
 import sys
 
 from .cli.options import parse
-from .cli.output import fail
+from .cli.output import fail, interrupted
 from .config import device_request
 from .errors import UsageError
 from .fast.runtime import configure
@@ -17,12 +17,12 @@ def main(argv=None):
     try:
         cfg = parse(argv)
         kind, n = device_request(cfg)
-        configure(n if kind == "cpu" else 0)
+        configure(n if kind == "cpu" else 0, per_op=1 if cfg.deterministic else None)
         from .cli.run import run_or_exit   # MXNet loads here, with the settings above
     except UsageError as e:
         sys.exit(fail(e, 2))
     except KeyboardInterrupt:             # Ctrl-C while MXNet is still loading
-        sys.exit(fail("interrupted", 130))
+        interrupted()
     run_or_exit(cfg)
 
 

@@ -125,8 +125,27 @@ def test_resume_mid_cycle_continues_exactly():
         np.testing.assert_array_equal(got, want)
     assert b.end_epoch(0.01) == a.end_epoch(0.01)
     check_placement(b)
-    with pytest.raises(CheckpointError, match="async replicas for 3 devices, this run has 2"):
-        AsyncDataParallel(init_lenet_params(seed=0), cpus(2), "adam", 2).load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 5])
+def test_resume_on_another_device_count_reshards_the_replicas(k):
+    """3 devices, S=2, after 4 updates: replicas of versions 4, 3, 2 (device j: last_refresh). On
+    k devices device j must hold version last_refresh(j, 4, 2): the saved replica of that version
+    (exactly), each on its own device; the stepping goes on."""
+    a = AsyncDataParallel(init_lenet_params(seed=0), cpus(3), "adam", staleness=2)
+    for step in range(4):
+        a.step(*batch(12, seed=step), 0.01)
+    saved = a.state_dict()
+    b = AsyncDataParallel(init_lenet_params(seed=5), cpus(k), "adam", staleness=2)
+    b.load_state_dict(saved)
+    for j, W in enumerate(b.replicas):
+        want = [p.asnumpy() for p in a.replicas[j % 3]]      # the same version: (t + j) mod 3 alike
+        assert a.versions[j % 3] == b.versions[j]
+        for got, value in zip(W, want):
+            np.testing.assert_array_equal(got.asnumpy(), value)
+    check_placement(b)
+    b.step(*batch(12, seed=4), 0.01)
+    assert b.t == 5
 
 
 def test_correct_uses_the_master():

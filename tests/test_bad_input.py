@@ -112,6 +112,8 @@ FLAGS = [
     ("resume without dir", ["--resume"], 2, "--resume needs --checkpoint-dir"),
     ("check-replicas 0", ["--check-replicas", "0"], 2, "--check-replicas must be >= 1"),
     ("width 0", ["--width", "0"], 2, "--width must be >= 1"),
+    ("deterministic async", ["--deterministic", "--mode", "async"], 2, "--deterministic applies only to --mode sync"),
+    ("deterministic ring", ["--deterministic", "--allreduce", "ring"], 2, "--deterministic adds the gradients in its own"),
     ("check-replicas in async", ["--mode", "async", "--check-replicas", "5"], 2, "--check-replicas applies only to"),
     ("unknown flag", ["--no-such-flag"], 2, "unrecognized arguments"),
     ("memory-per-device 12X", ["--memory-per-device", "12X"], 2,
@@ -119,6 +121,41 @@ FLAGS = [
     ("memory-per-device too small", ["--cpus", "1", "--memory-per-device", "100K"], 2,
      r"--memory-per-device 100K: --mode sync needs .*iB on cpu\(0\) \(measured\), .*iB more than 100.0 KiB; "
      "no mode fits"),
+    ("zero-stage in sync", ["--zero-stage", "2"], 2, "--zero-stage applies only to --mode zero, not --mode sync"),
+    ("zero-stage in pipeline", ["--cpus", "2", "--mode", "pipeline", "--zero-stage", "3"], 2, "--zero-stage applies only to --mode zero"),
+    ("zero-stage 4", ["--mode", "zero", "--zero-stage", "4"], 2, r"--zero-stage: invalid choice: 4 \(choose from 1, 2, 3\)"),
+    ("zero-stage 0", ["--mode", "zero", "--zero-stage", "0"], 2, "--zero-stage: invalid choice: 0"),
+    ("zero on dist_async", ["--backend", "dist_async", "--mode", "zero"], 2, "--backend dist_async runs its own"),
+    ("zero batch below devices", ["--cpus", "3", "--mode", "zero", "--batch-size", "2"], 2, "--batch-size 2 is smaller than the 3 devices"),
+    ("sync-every 0", ["--mode", "local", "--sync-every", "0"], 2, "--sync-every must be >= 1, got 0"),
+    ("outer-lr 0", ["--mode", "local", "--outer-lr", "0"], 2, "--outer-lr must be positive and finite, got 0"),
+    ("outer-lr inf", ["--mode", "local", "--outer-lr", "inf"], 2, "--outer-lr must be positive and finite"),
+    ("outer-momentum 1", ["--mode", "local", "--outer-optimizer", "nesterov", "--outer-momentum", "1"], 2,
+     r"--outer-momentum must be in \[0, 1\), got 1"),
+    ("outer-momentum with sgd", ["--mode", "local", "--outer-momentum", "0.5"], 2,
+     "--outer-momentum applies only to --outer-optimizer nesterov"),
+    ("outer-optimizer unknown", ["--mode", "local", "--outer-optimizer", "adam"], 2, "invalid choice: 'adam'"),
+    ("sync-every in sync", ["--sync-every", "4"], 2, "--sync-every applies only to --mode local, not --mode sync"),
+    ("outer-lr in async", ["--mode", "async", "--outer-lr", "0.7"], 2, "--outer-lr applies only to --mode local"),
+    ("outer-optimizer in hybrid", ["--cpus", "2", "--mode", "hybrid", "--outer-optimizer", "nesterov"], 2,
+     "--outer-optimizer applies only to --mode local"),
+    ("outer-momentum in sync", ["--outer-momentum", "0.9"], 2, "--outer-momentum applies only to --mode local"),
+    ("local on dist_async", ["--backend", "dist_async", "--mode", "local"], 2, "--backend dist_async runs its own"),
+    ("stages 5", ["--cpus", "5", "--mode", "pipeline", "--stages", "5"], 2, "--stages must be 1 to 4 .*got 5"),
+    ("stages 0", ["--cpus", "2", "--mode", "model", "--stages", "0"], 2, "--stages must be 1 to 4"),
+    ("stages in sync", ["--cpus", "2", "--stages", "2"], 2, "--stages applies only to --mode model or pipeline or hybrid"),
+    ("stages in async", ["--cpus", "2", "--mode", "async", "--stages", "3"], 2, "--stages applies only to"),
+    ("schedule in model", ["--cpus", "2", "--mode", "model", "--schedule", "1f1b"], 2,
+     "--schedule applies only to --mode pipeline or hybrid, not --mode model"),
+    ("schedule in sync", ["--cpus", "2", "--schedule", "gpipe"], 2, "--schedule applies only to"),
+    ("schedule unknown", ["--cpus", "2", "--mode", "pipeline", "--schedule", "zigzag"], 2, "invalid choice"),
+    ("recompute in sync", ["--cpus", "2", "--recompute"], 2, "--recompute applies only to --mode model or pipeline"),
+    ("recompute in async", ["--cpus", "2", "--mode", "async", "--recompute"], 2, "--recompute applies only to"),
+    ("pipeline S=3 on 2", ["--cpus", "2", "--mode", "pipeline", "--stages", "3"], 2,
+     "--mode pipeline needs exactly 3 contexts .*got 2"),
+    ("model S=4 on 3", ["--cpus", "3", "--mode", "model", "--stages", "4"], 2, "--mode model needs exactly 4 contexts"),
+    ("hybrid 4 over S=3", ["--cpus", "4", "--mode", "hybrid", "--stages", "3"], 2,
+     "--mode hybrid needs a multiple of 3 contexts .*got 4"),
 ]
 
 
@@ -283,8 +320,20 @@ def test_two_runs_cannot_share_a_checkpoint_dir(tmp_path, data_dir):
 def test_ctrl_c_while_mxnet_loads_is_one_line(tmp_path, data_dir):
     proc = subprocess.Popen(cli("--cpus", "1", "--data-dir", data_dir, *TINY), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(0.4)                                           # python is up; MXNet is loading
+    maps, deadline = f"/proc/{proc.pid}/maps", time.monotonic() + 60
+    while time.monotonic() < deadline and "libmxnet" not in open(maps).read():
+        time.sleep(0.01)                                      # until MXNet's library is being loaded
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     lines = err.strip().splitlines()
     assert proc.returncode == 130 and lines == ["manual_dp.train: error: interrupted"], err
+
+
+def test_ctrl_c_while_training_is_one_line_and_exit_130(tmp_path, data_dir):
+    proc = subprocess.Popen(cli("--cpus", "2", "--data-dir", data_dir, *TINY, "--epochs", "100000"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while "epoch 1/" not in proc.stdout.readline():          # training has begun
+        assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["manual_dp.train: error: interrupted"], err

@@ -139,3 +139,16 @@ def test_the_lessons_network_in_the_bench_computes_lenet():
     X = mx.nd.array(np.random.RandomState(0).rand(4, 1, 28, 28))
     params = init_lenet_params(seed=3)
     np.testing.assert_allclose(lesson_lenet(X, params).asnumpy(), lenet(X, params).asnumpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_local_sgd_side_by_side_logs_accuracy_and_communication_rounds(tmp_path, data_dir):
+    """256 images in batches of 32: 8 updates an epoch, so 8 rounds at H = 1 and 2 at H = 4."""
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench", "--local-sgd", "--tiny", "--out", str(tmp_path),
+                           "--data-dir", str(data_dir), "--timeout", "120"], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = json.loads((tmp_path / "local_sgd.json").read_text())
+    runs = {r["sync_every"]: r for r in records if r["bench"] == "local_sgd"}
+    assert records[0]["bench"] == "meta" and all(r["cpu"] and r["commit"] for r in records)
+    assert {H: [e["comm_rounds"] for e in r["epochs"]] for H, r in runs.items()} == {1: [8], 4: [2]}
+    assert all(0 <= r["final_test_acc"] <= 1 for r in runs.values())
+    assert (tmp_path / "local_sgd.png").stat().st_size > 1000

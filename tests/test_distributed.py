@@ -17,7 +17,8 @@ from conftest import write_dataset
 from jobs import (Job, assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, train_cmd,
                   trainer_pids, wait_for)
 from manual_dp import checkpoint
-from manual_dp.multiprocess.distributed import flatten, rank_rows, unflatten
+from manual_dp.multiprocess.distributed import flatten, unflatten
+from manual_dp.strategies.base import rank_rows
 from manual_dp.lesson import shard_sizes
 from manual_dp.train import main
 
@@ -140,14 +141,16 @@ def test_dist_sync_workers_equal_one_process_with_two_contexts(data, tmp_path, f
     assert out.count("epoch 2/2") == 1
 
 
-@pytest.mark.parametrize("mode", [["--mode", "pipeline", "--micro-batches", "2"], ["--grad-accum", "2"]],
-                         ids=["pipeline_vs_hybrid", "grad_accum"])
+@pytest.mark.parametrize("mode", [["--mode", "pipeline", "--micro-batches", "2"], ["--grad-accum", "2"],
+                                  ["--mode", "pipeline", "--micro-batches", "2", "--stages", "3", "--schedule",
+                                   "1f1b", "--recompute"]],
+                         ids=["pipeline_vs_hybrid", "grad_accum", "pipeline_s3_1f1b_recompute_vs_hybrid"])
 def test_any_mode_runs_across_dist_sync_workers(data, tmp_path, mode):
     """The cross-process sum is composed into the strategy: 2 workers x (one 2-context pipeline)
     compute what one process's 2 x 2 hybrid computes; grad-accum across workers what it computes
     in one process. Each global gradient is the same two float32 sums, so bit for bit."""
-    local = ["--mode", "hybrid", "--micro-batches", "2"] if "pipeline" in mode else mode
-    per_worker = 2 if "pipeline" in mode else 1
+    local = ["--mode", "hybrid", *mode[2:]] if "pipeline" in mode else mode
+    per_worker = (int(mode[mode.index("--stages") + 1]) if "--stages" in mode else 2) if "pipeline" in mode else 1
     ref_log, ref_ck = local_run(tmp_path, "local", 2 * per_worker, "--data-dir", data, *SMALL, *local)
     log, ck = tmp_path / "kv.jsonl", tmp_path / "kv_ck"
     code, out = run_job(launch_cmd(2, "dist_sync", "--cpus", per_worker, "--data-dir", data, *SMALL, *mode,

@@ -11,8 +11,8 @@ from manual_dp.memory import per_context, scratch_buffers, stage_activation_elem
 from manual_dp.lesson import LENET_SHAPES, conv_block
 from manual_dp.optim import apply_update, init_states
 from manual_dp.strategies.pipeline import PipelineParallel, cut
-from manual_dp.strategies.stages import (STAGE_SLICES, bubble_fraction, conv_stage, dense_stage,
-                              gpipe_schedule, split_params)
+from manual_dp.strategies.schedules import bubble_fraction, gpipe_schedule
+from manual_dp.strategies.stages import STAGE_SLICES, conv_stage, dense_stage, split_params
 
 
 def batch(n, seed=0):
@@ -130,7 +130,9 @@ def test_end_epoch_reports_the_mean_bubble():
     for n in (16, 16, 3):   # the short last batch has only 3 micro-batches
         model.step(*batch(n), 0.01)
     want = np.mean([1 / 5, 1 / 5, 1 / 4])
-    assert model.end_epoch(0.01) == {"bubble_fraction": pytest.approx(want)}
+    stats = model.end_epoch(0.01)
+    assert stats["bubble_fraction"] == pytest.approx(want)
+    assert set(stats) == {"bubble_fraction", "activation_peak_bytes"}     # the peaks: tests/test_stages.py
     assert model.end_epoch(0.01) == {}
 
 

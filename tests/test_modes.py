@@ -18,6 +18,16 @@ MODES = {
     "pipeline": ["--cpus", "2", "--mode", "pipeline", "--micro-batches", "5"],
     "hybrid": ["--cpus", "4", "--mode", "hybrid", "--micro-batches", "2"],
     "hybrid-warmup": ["--cpus", "4", "--mode", "hybrid", "--warmup-epochs", "1", "--scale-lr", "linear"],
+    "zero1": ["--cpus", "3", "--mode", "zero", "--zero-stage", "1"],
+    "zero2-accum": ["--cpus", "2", "--mode", "zero", "--zero-stage", "2", "--grad-accum", "2"],
+    "zero3": ["--cpus", "3", "--mode", "zero", "--zero-stage", "3", "--check-replicas", "1"],
+    "local1": ["--cpus", "2", "--mode", "local", "--sync-every", "1"],   # momentum is linear: sync's step
+    "local3-nesterov": ["--cpus", "3", "--mode", "local", "--sync-every", "3", "--outer-optimizer", "nesterov",
+                        "--outer-lr", "0.7", "--outer-momentum", "0.8", "--grad-accum", "2"],
+    "pipeline-s4-1f1b-recompute": ["--cpus", "4", "--mode", "pipeline", "--stages", "4", "--schedule", "1f1b",
+                                   "--micro-batches", "3", "--recompute"],
+    "hybrid-s3-1f1b": ["--cpus", "6", "--mode", "hybrid", "--stages", "3", "--schedule", "1f1b",
+                       "--micro-batches", "2"],
 }
 
 
@@ -42,7 +52,8 @@ def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("mode", ["model", "pipeline", "hybrid", "async0"])
+@pytest.mark.parametrize("mode", ["model", "pipeline", "hybrid", "async0", "local1", "pipeline-s4-1f1b-recompute",
+                                  "hybrid-s3-1f1b"])
 def test_mode_trains_like_one_device(capsys, tmp_path, data_dir, mode):
     one = train(capsys, tmp_path, data_dir, "one", "--cpus", "1", "--epochs", "2")
     assert_same_run(train(capsys, tmp_path, data_dir, mode, *MODES[mode], "--epochs", "2"), one)
@@ -121,3 +132,14 @@ def test_resume_refuses_another_mode(capsys, tmp_path, data_dir):
         main(["--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "run"), *TINY,
               *MODES["pipeline"], "--epochs", "2", "--resume"])
     assert e.value.code == 1 and "holds a run with" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["zero1", "zero3"])
+def test_zero_trains_like_one_device(capsys, tmp_path, data_dir, mode):
+    one = train(capsys, tmp_path, data_dir, "one", "--cpus", "1", "--epochs", "2")
+    assert_same_run(train(capsys, tmp_path, data_dir, mode, *MODES[mode], "--epochs", "2"), one)
+
+
+def test_zero_with_grad_accum_equals_the_doubled_batch(capsys, tmp_path, data_dir):
+    big = train(capsys, tmp_path, data_dir, "big", "--cpus", "1", "--epochs", "2", "--batch-size", "64")
+    assert_same_run(train(capsys, tmp_path, data_dir, "acc", *MODES["zero2-accum"], "--epochs", "2"), big)

@@ -9,4 +9,5 @@
     report      scaling efficiency, the targets' ratios, tables, results.json
     plots       the PNG plots
     memory      every mode's measured memory per context (--memory)
+    local_sgd   local SGD at H = 1, 4, 16: test accuracy and communication rounds per epoch
 """

@@ -4,6 +4,7 @@ to DIR/results.json (a list of records with bench, impl, devices and the figures
     --quick   the default, under 3 minutes on 2 cores    --full   every payload, count and peer
     --tiny    seconds, synthetic data (for the tests)     --model  the cost model's table and plot
     --memory  every mode's measured memory per context (--width, --batch-size, --cpus)
+    --local-sgd   instead, local SGD at H = 1, 4, 16: accuracy and communication rounds (bench/local_sgd.py)
 
 Every measurement runs in a fresh process (manual_dp.bench.worker) whose thread settings are in
 its environment before MXNet or PyTorch loads: "tuned" is manual_dp.runtime's choice for its
@@ -207,6 +208,10 @@ def main(argv=None):
         from .memory import run
         run(out, args.width, args.batch_size, args.cpus)
         return
+    if args.local_sgd:
+        from .local_sgd import run as run_local_sgd
+        run_local_sgd(args.plan, out, args.data_dir, args.timeout, commit())
+        return
     records = measure(PLANS[args.plan], args)
     records += report(records)
     where = {k: records[0][k] for k in ("cpu", "vector", "cores", "commit")}
@@ -248,6 +253,9 @@ def build_parser():
     p.add_argument("--width", type=positive, default=RunConfig.width, help="with --memory: LeNet's width")
     p.add_argument("--batch-size", type=positive, default=RunConfig.batch_size, help="with --memory: the global batch")
     p.add_argument("--cpus", type=positive, default=2, help="with --memory: CPU contexts")
+    p.add_argument("--local-sgd", action="store_true",
+                   help="instead: local SGD at H = 1, 4, 16 side by side, test accuracy and communication "
+                        "rounds per epoch (OUT/local_sgd.json, local_sgd.png; --timeout is per epoch)")
     return p
 
 

@@ -20,7 +20,6 @@ from ..errors import UsageError
 from ..multiprocess.world import World
 
 PROBE_ENV = {"MXNET_CPU_TEMP_COPY": "1"}    # one scratch buffer per device, as on a GPU
-MODE_FLAGS = ("staleness", "micro_batches", "allreduce", "fuse_grads", "graph", "no_autotune", "check_replicas")
 
 
 def measure_run(cfg, params, ctx, build, n_processes=1):
@@ -39,7 +38,7 @@ def peak(report):
 def as_mode(cfg, mode):
     """`cfg` in `mode`, its mode-specific flags back to their defaults, resolved; None if the
     mode cannot run these settings."""
-    defaults = {f.name: f.default for f in config.fields() if f.name in MODE_FLAGS}
+    defaults = {f.name: f.default for f in config.fields() if f.name in config.APPLIES}   # mode-specific
     try:
         return config.resolve(dataclasses.replace(cfg, mode=mode, **defaults))
     except UsageError:

@@ -45,15 +45,35 @@ class Progress:
 
 def describe(cfg):
     """One line on what the mode does with these settings."""
-    return {"sync": f"sync: replicas in lock-step, gradients all-reduced ({cfg.allreduce}"
+    line = {"sync": f"sync: replicas in lock-step, gradients all-reduced ({cfg.allreduce}"
                     f"{', fused' if cfg.fuse_grads else ''}{', cached graph' if cfg.graph else ''})",
             "async": f"async: master on the first context, replicas up to {cfg.staleness} updates stale",
-            "model": "model: convs on the first context, dense layers on the second",
-            "pipeline": f"pipeline: model split, {cfg.micro_batches} GPipe micro-batches",
-            "hybrid": f"hybrid: data parallel over 2-stage pipelines, {cfg.micro_batches} micro-batches "
+            "model": "model: convs on the first context, dense layers on the second" if (cfg.stages or 2) == 2
+                     else "model: one stage per context",
+            "pipeline": f"pipeline: model split, {cfg.micro_batches} "
+                        f"{'1F1B' if cfg.schedule == '1f1b' else 'GPipe'} micro-batches",
+            "hybrid": f"hybrid: data parallel over {cfg.stages or 2}-stage pipelines, {cfg.micro_batches} micro-batches "
                       f"each ({cfg.allreduce})",
-            }[cfg.mode] + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
-        f", LeNet x{cfg.width} wide" if cfg.width > 1 else "")
+            "zero": f"zero: ZeRO stage {cfg.zero_stage}, " + {
+                1: "optimiser state", 2: "optimiser state and gradients",
+                3: "optimiser state, gradients and parameters"}.get(cfg.zero_stage, "") + " sharded over the contexts",
+            "local": f"local: replicas step alone, every {cfg.sync_every} steps their average change is "
+                     f"applied by outer {cfg.outer_optimizer} lr {cfg.outer_lr}"
+                     + (f" momentum {cfg.outer_momentum}" if cfg.outer_optimizer == "nesterov" else "")
+                     + f" ({cfg.allreduce})",
+            }[cfg.mode]
+    if cfg.deterministic:
+        line = ("sync, deterministic: pieces of the batch added in one fixed tree, the same bits on any "
+                "number of contexts and processes")
+    return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
+        f", LeNet x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg)
+
+
+def pipeline_settings(cfg):
+    """What --stages, --schedule and --recompute change, if given."""
+    return ((f", {cfg.stages} stages" if (cfg.stages or 2) != 2 and cfg.mode != "hybrid" else "")
+            + (", 1F1B schedule" if cfg.schedule == "1f1b" and cfg.mode == "hybrid" else "")
+            + (", activations recomputed in the backward" if cfg.recompute else ""))
 
 
 def format_record(r, epochs):
@@ -64,7 +84,18 @@ def format_record(r, epochs):
         line += f"  staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})"
     if "bubble_fraction" in r:
         line += f"  bubble {r['bubble_fraction']:.2f}"
+    if "comm_rounds" in r:
+        line += f"  {r['comm_rounds']} comm rounds"
     return line
+
+
+def interrupted():
+    """Ctrl-C: one line, then exit 130 at once. By now every `with` block has closed (the
+    checkpoint lock released, no file half-written); exiting through the interpreter's shutdown
+    instead let MXNet's engine end the process by SIGINT about one time in three."""
+    print("manual_dp.train: error: interrupted", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
 
 
 def fail(message, code):

@@ -22,9 +22,12 @@ from ..schedule import make_lr, updates_per_epoch
 from ..strategies.accum import GradAccum
 from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.data_parallel import DataParallel
+from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.pipeline import PipelineParallel
+from ..strategies.local_sgd import LocalSGD
+from ..strategies.zero import ZeroRedundancy
 from . import memcheck
-from .output import Progress, describe, fail, format_record, write_log
+from .output import Progress, describe, fail, format_record, interrupted, write_log
 
 
 def contexts(cfg, world):
@@ -63,11 +66,22 @@ def build_model(cfg, params, ctx, world):
         if cfg.graph:
             print(f"cached graph: convolution channels padded to multiples of {pad}" if pad > 1 else
                   "cached graph: convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
-        model = DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad)
+        model = DeterministicDataParallel(
+            params, ctx, cfg.optimizer, graph=cfg.graph, conv_pad=pad, rank=world.rank, size=world.size,
+            exchange=lambda table: world.allreduce(table, "tree" + "x".join(map(str, table.shape)))) \
+            if cfg.deterministic else \
+            DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad)
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
+    elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
+        model = ZeroRedundancy(params, ctx, cfg.optimizer, cfg.zero_stage,
+                               cross_sum=world.allreduce if world.size > 1 else None)
+    elif cfg.mode == "local":
+        model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
+                         cfg.outer_momentum, reduce)
     else:
-        model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce)
+        model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce,
+                                 cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute)
     model = world.wrap(model)
     return GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
 
@@ -226,4 +240,4 @@ def run_or_exit(cfg):
         kept = " (the checkpoint of the last good epoch is kept)" if saved else ""
         sys.exit(fail(f"training diverged at {e}{kept}; try a lower --lr than {cfg.lr:g}", 3))
     except KeyboardInterrupt:
-        sys.exit(fail("interrupted", 130))
+        interrupted()

@@ -39,8 +39,12 @@ class FlatReplica:
         self.flat = flatten(params, ctx)                  # (N,)
         self.grad = nd.zeros(self.flat.shape, ctx=ctx, dtype=self.flat.dtype)
         self.params = views(self.flat, self.shapes)
-        autograd.mark_variables(self.params, views(self.grad, self.shapes), grad_reqs="add")
-        autograd.mark_variables([self.flat], [self.grad], grad_reqs="add")
+        self.mark("add")
+
+    def mark(self, grad_req):
+        """Backward `grad_req`s ("add" or "write") the gradients into `grad`."""
+        autograd.mark_variables(self.params, views(self.grad, self.shapes), grad_reqs=grad_req)
+        autograd.mark_variables([self.flat], [self.grad], grad_reqs=grad_req)
 
     def state_views(self, flat_states):
         """Per parameter, the views of the flat optimiser state arrays (each shaped like `flat`)."""

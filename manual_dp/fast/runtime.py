@@ -56,11 +56,12 @@ def usable_cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def thread_env(cpu_contexts, cores=None, flags=None):
-    """Environment for `cpu_contexts` CPU contexts (0 when training on GPUs) on `cores` cores."""
+def thread_env(cpu_contexts, cores=None, flags=None, per_op=None):
+    """Environment for `cpu_contexts` CPU contexts (0 when training on GPUs) on `cores` cores;
+    `per_op` threads per operator if given (--deterministic: 1, whatever the context count)."""
     cores = cores or usable_cores()
     flags = cpu_flags() if flags is None else flags
-    per_op = max(1, cores // cpu_contexts) if cpu_contexts else cores
+    per_op = per_op or (max(1, cores // cpu_contexts) if cpu_contexts else cores)
     env = {"OMP_NUM_THREADS": str(per_op), "OPENBLAS_NUM_THREADS": str(per_op),
            "MXNET_CPU_TEMP_COPY": "1024"}
     if "avx512f" in flags:
@@ -81,14 +82,15 @@ def visible_gpus():
     return devices if cuda else 0
 
 
-def configure(cpu_contexts, environ=None):
+def configure(cpu_contexts, environ=None, per_op=None):
     """Put the settings for `cpu_contexts` CPU contexts (0: on GPUs) in the environment, except where
     the user set a value; returns those set here. Before MXNet loads only: afterwards a warning says
     that they no longer reach it."""
     environ = os.environ if environ is None else environ
     pid, _, names = environ.get(OURS, "").partition(":")
     ours = set(filter(None, names.split(","))) if pid == str(os.getpid()) else set()  # a child's are given
-    chosen = {k: v for k, v in thread_env(cpu_contexts).items() if k not in environ or k in ours}
+    chosen = {k: v for k, v in thread_env(cpu_contexts, per_op=per_op).items()
+              if k not in environ or k in ours}
     changed = {k: v for k, v in chosen.items() if environ.get(k) != v}
     if changed and environ is os.environ and "mxnet" in sys.modules:   # too late for this process
         warnings.warn(f"MXNet is already loaded, so it keeps its thread settings; "

@@ -8,15 +8,7 @@ computes; update normalises by the global batch.
 """
 from mxnet import nd
 
-from ..lesson import shard_sizes
-from ..strategies.base import Wrapper
-
-
-def rank_rows(n, rank, size, k):
-    """Rows [start, stop) of a batch of n that contexts rank*k .. rank*k+k-1 take when one
-    process splits it over size*k contexts with shard_sizes."""
-    sizes = shard_sizes(n, size * k)
-    return sum(sizes[:rank * k]), sum(sizes[:(rank + 1) * k])
+from ..strategies.base import Wrapper, rank_rows
 
 
 def flatten(arrays, extra=()):
@@ -59,16 +51,25 @@ class MultiProcess(Wrapper):
 
     @property
     def min_batch(self):
-        return self.world.size * self.model.min_batch   # what one process with all contexts needs
+        """The smallest global batch that gives every process's strategy its min_batch rows (with
+        the default rows, what one process with every context needs: size x min_batch)."""
+        k, size = self.model.min_batch, self.world.size
+        return next(n for n in range(1, size * k + 1) if self.fits(n, k, size))
 
-    def rows(self, n):
-        """This process's rows of a global batch of n (the strategy takes one row at least per
-        replica: its min_batch is its replica count)."""
-        return rank_rows(n, self.world.rank, self.world.size, self.model.min_batch)
+    def fits(self, n, k, size):
+        """Whether a global batch of n gives every process's strategy k rows at least."""
+        try:
+            return all(stop - start >= k for start, stop in (self.model.rows(n, r, size) for r in range(size)))
+        except ValueError:                                 # too few rows to split at all
+            return False
+
+    def own_rows(self, n):
+        """This process's rows of a global batch of n, as its strategy asks (Strategy.rows)."""
+        return self.model.rows(n, self.world.rank, self.world.size)
 
     def backward(self, X, y):
         self.world.progress()
-        start, stop = self.rows(len(X))
+        start, stop = self.own_rows(len(X))
         return self.model.backward(X[start:stop], y[start:stop])
 
     def correct(self, X, y):
@@ -114,5 +115,5 @@ class MultiProcess(Wrapper):
                 for group, copies in mine.items()}
 
     def layout(self, batch_size):
-        start, stop = self.rows(batch_size)
+        start, stop = self.own_rows(batch_size)
         return self.model.layout(stop - start)

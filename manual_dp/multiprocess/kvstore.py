@@ -20,8 +20,8 @@ import numpy as np
 from mxnet import nd
 
 from ..errors import UsageError
-from ..strategies.base import Wrapper
-from .distributed import flatten, rank_rows, unflatten
+from ..strategies.base import Wrapper, rank_rows
+from .distributed import flatten, unflatten
 from .ps_server import AddDelta
 from .world import Cluster
 

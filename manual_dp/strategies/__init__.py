@@ -6,4 +6,6 @@
     async_dp       AsyncDataParallel: a master copy and stale replicas (parameter-server style)
     stages         LeNet cut in two stages, the boundary copy, GPipe's schedule
     pipeline       PipelineParallel: model, pipeline (GPipe) and hybrid parallelism
+    zero           ZeroRedundancy: ZeRO stages 1-3, state, gradients, parameters sharded
+    zero_layers    LeNet a layer at a time, for ZeRO stages 2 and 3
 """

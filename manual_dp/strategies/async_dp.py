@@ -29,6 +29,17 @@ def last_refresh(k, t, staleness):
     return max(t - (t + k) % (staleness + 1), 0)
 
 
+def reshard_replicas(saved, master, k, t, staleness):
+    """The replicas k devices hold after t updates, from the `saved` replicas of len(saved) devices
+    and the `master` parameters. Device j's replica is the master of version last_refresh(j, t, S),
+    which depends on j only through (t + j) mod (S + 1): a saved replica of that version is taken
+    (the run continues exactly as it would have on k devices from the start of the staggering);
+    where none was saved (fewer devices than S + 1 before), the master: that replica is fresher
+    than its schedule says, until its next refresh."""
+    by_version = {last_refresh(j, t, staleness): copy for j, copy in enumerate(saved)}
+    return [by_version.get(last_refresh(j, t, staleness), master) for j in range(k)]
+
+
 class AsyncDataParallel(Strategy):
     """A master copy on ctx[0]; a replica per context, up to `staleness` updates behind it."""
 
@@ -109,8 +120,10 @@ class AsyncDataParallel(Strategy):
         if saved is None:
             raise CheckpointError("the checkpoint holds no async replicas (it is another mode's)")
         n = len(self.master)
-        if len(saved) != n * len(self.replicas):
-            raise CheckpointError(f"the checkpoint holds async replicas for {len(saved) // n} devices, "
-                                  f"this run has {len(self.replicas)}")
-        for i, p in enumerate(q for W in self.replicas for q in W):
-            p[:] = nd.array(saved[i], ctx=p.context)
+        if len(saved) % n:
+            raise CheckpointError("the checkpoint's async replicas do not fit LeNet's parameters")
+        copies = reshard_replicas([saved[i:i + n] for i in range(0, len(saved), n)], state["params"],
+                                  len(self.replicas), self.t, self.staleness)
+        for W, copy in zip(self.replicas, copies):
+            for p, value in zip(W, copy):
+                p[:] = nd.array(value, ctx=p.context)

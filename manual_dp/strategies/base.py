@@ -14,6 +14,15 @@ GradAccum calls backward on several batches before one update; the multi-process
 backward this process's rows of every global batch and update the global count.
 """
 
+from ..lesson import shard_sizes
+
+
+def rank_rows(n, rank, size, k):
+    """Rows [start, stop) of a batch of n that contexts rank*k .. rank*k+k-1 take when one
+    process splits it over size*k contexts with shard_sizes."""
+    sizes = shard_sizes(n, size * k)
+    return sum(sizes[:rank * k]), sum(sizes[:(rank + 1) * k])
+
 
 class Strategy:
     """Base class: a parallel strategy over the contexts `ctx`.
@@ -47,6 +56,12 @@ class Strategy:
         self.update(lr, X.shape[0])
         return metrics
 
+    def rows(self, n, rank, size):
+        """Rows [start, stop) of a global batch of n that this strategy takes in `backward` as
+        process `rank` of `size` (manual_dp.multiprocess): by default the rows its contexts would
+        take if one process split the batch over every process's contexts (rank_rows)."""
+        return rank_rows(n, rank, size, self.min_batch)
+
     def correct(self, X, y):
         """Number of correct predictions on (X, y) with the current parameters, a 1-element NDArray."""
         raise NotImplementedError
@@ -78,6 +93,12 @@ class Strategy:
         it. "grad" may be left out, the gradients then listed in "state" (the older contract);
         manual_dp.memory subtracts these from the measured peak to leave the activations."""
         raise NotImplementedError
+
+    def peak_arrays(self):
+        """arrays() and, where a strategy holds arrays only during a step (ZeRO's gathered parameters
+        and per-layer gradients), those held at the step's largest moment: NDArrays or records
+        with .context, .shape, .size, .dtype."""
+        return self.arrays()
 
     def state_dict(self):
         """Host (numpy) copies of what a resumed run needs: {"params": [8 arrays in lenet's
@@ -113,6 +134,9 @@ class Wrapper(Strategy):
     def update(self, lr, n_examples):
         self.model.update(lr, n_examples)
 
+    def rows(self, n, rank, size):
+        return self.model.rows(n, rank, size)
+
     def correct(self, X, y):
         return self.model.correct(X, y)
 
@@ -130,6 +154,9 @@ class Wrapper(Strategy):
 
     def arrays(self):
         return self.model.arrays()
+
+    def peak_arrays(self):
+        return self.model.peak_arrays()
 
     def state_dict(self):
         return self.model.state_dict()

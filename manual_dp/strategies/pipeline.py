@@ -1,4 +1,5 @@
-"""Model, pipeline and hybrid parallelism: LeNet's stages on different contexts, copied across by hand."""
+"""Model, pipeline and hybrid parallelism: LeNet's stages on different contexts, copied across by
+hand, on GPipe's or 1F1B's schedule, optionally recomputing activations in the backward."""
 import numpy as np
 from mxnet import autograd, nd
 
@@ -9,7 +10,9 @@ from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
 from .data_parallel import host_state, load_into
-from .stages import STAGE_SLICES, STAGES, bubble_fraction, gpipe_schedule, send, split_params
+from ..memory import FLOAT_BYTES, part_activation_elems
+from .schedules import bubble_fraction, held_peaks, schedule as schedule_ticks, stage_orders
+from .stages import CUTS, make_stages, param_slices, send, split_params
 
 
 def stage_params(params, ctx):
@@ -26,66 +29,119 @@ def cut(X, n):
     return [X[int(a):int(b)] for a, b in zip(np.r_[0, ends[:-1]], ends)]
 
 
-def run_schedule(Xs, ys, params, ctx):
-    """One replica's GPipe pass over micro-batches Xs (on ctx[0]) and ys (on ctx[-1]).
+class ReplicaPass:
+    """One replica's run of a schedule over micro-batches Xs (on ctx[0]) and ys (on ctx[-1]), action
+    by action, counting the activation bytes each stage holds as it goes (`peak`).
 
     Afterwards params[s][i].grad holds (adds) the gradient of the loss summed over all micro-batches.
-    Returns (loss sum, number correct) on the last stage's context.
+    recompute: a forward keeps only the stage's input; its backward runs the forward again, recorded.
     """
-    last, M = len(STAGES) - 1, len(Xs)
-    received = [[None] * M for _ in STAGES]   # received[s][m]: stage s's input for micro-batch m
-    produced = [[None] * M for _ in STAGES]   # produced[s][m]: its output; the losses on the last stage
-    metrics = []
-    for tick in gpipe_schedule(len(STAGES), M):
-        for phase, s, m in tick:
-            if phase == "F":
-                received[s][m] = Xs[m] if s == 0 else send(produced[s - 1][m], ctx[s])
-                with autograd.record():
-                    out = STAGES[s](received[s][m], params[s])
-                    produced[s][m] = cross_entropy(out, ys[m]) if s == last else out
-                if s == last:
-                    metrics.append((produced[s][m].sum(), n_correct(out, ys[m])))
-            elif s == last:
-                produced[s][m].backward()
-            else:  # the gradient crosses the boundary back, copied by hand
-                produced[s][m].backward(received[s + 1][m].grad.copyto(ctx[s]))
-            if phase == "B":   # stage s is done with micro-batch m: its activations can go
-                produced[s][m] = None
-                if s < last:
-                    received[s + 1][m] = None
-    return nd.add_n(*[l for l, _ in metrics]), nd.add_n(*[c for _, c in metrics])
+
+    def __init__(self, Xs, ys, params, ctx, stages, elems, recompute):
+        self.Xs, self.ys, self.params, self.ctx, self.stages = Xs, ys, params, ctx, stages
+        self.elems, self.recompute, self.last, M = elems, recompute, len(stages) - 1, len(Xs)
+        self.received = [[None] * M for _ in stages]   # received[s][m]: stage s's input for micro-batch m
+        self.produced = [[None] * M for _ in stages]   # produced[s][m]: its output; losses on the last stage
+        self.held, self.peak, self.metrics = [0] * len(stages), [0] * len(stages), []
+
+    def hold(self, s, nbytes):
+        """Stage s holds nbytes more (fewer, if negative); its peak is kept."""
+        self.held[s] += nbytes
+        self.peak[s] = max(self.peak[s], self.held[s])
+
+    def run_stage(self, s, m):
+        """Stage s's forward on micro-batch m: its output, or on the last stage its losses (B,)."""
+        out = self.stages[s](self.received[s][m], self.params[s])
+        if s < self.last:
+            return out
+        losses = cross_entropy(out, self.ys[m])
+        self.metrics.append((losses.sum(), n_correct(out, self.ys[m])))
+        return losses
+
+    def forward(self, s, m):
+        """Stage s's forward on micro-batch m, recorded unless recomputed later."""
+        self.received[s][m] = self.Xs[m] if s == 0 else send(self.produced[s - 1][m], self.ctx[s])
+        if self.recompute:
+            if s > 0:
+                self.produced[s - 1][m] = None                          # copied: stage s - 1 drops it
+            with autograd.train_mode():
+                self.produced[s][m] = self.run_stage(s, m)
+            self.hold(s, self.received[s][m].size * FLOAT_BYTES)     # the input alone stays
+        else:
+            with autograd.record():
+                self.produced[s][m] = self.run_stage(s, m)
+            self.hold(s, self.full_bytes(s, m))
+
+    def full_bytes(self, s, m):
+        """Bytes of every activation stage s's recorded forward on micro-batch m keeps."""
+        return self.Xs[m].shape[0] * self.elems[s] * FLOAT_BYTES
+
+    def backward(self, s, m):
+        """Stage s's backward on micro-batch m; then it holds nothing of m."""
+        if self.recompute:
+            self.hold(s, self.full_bytes(s, m))                        # recomputed, for one backward
+            with autograd.record():
+                out = self.stages[s](self.received[s][m], self.params[s])
+                self.produced[s][m] = cross_entropy(out, self.ys[m]) if s == self.last else out
+            self.hold(s, -self.full_bytes(s, m) - self.received[s][m].size * FLOAT_BYTES)
+        else:
+            self.hold(s, -self.full_bytes(s, m))
+        if s == self.last:
+            self.produced[s][m].backward()
+        else:  # the gradient crosses the boundary back, copied by hand
+            self.produced[s][m].backward(self.received[s + 1][m].grad.copyto(self.ctx[s]))
+        self.produced[s][m] = None
+        if s < self.last:
+            self.received[s + 1][m] = None
+
+    def run(self, ticks):
+        """Every action of `ticks`; returns (loss sum, number correct) on the last stage's context."""
+        for tick in ticks:
+            for phase, s, m in tick:
+                (self.forward if phase == "F" else self.backward)(s, m)
+        return nd.add_n(*[l for l, _ in self.metrics]), nd.add_n(*[c for _, c in self.metrics])
 
 
 class PipelineParallel(Strategy):
-    """len(ctx) // 2 data-parallel replicas of a two-stage LeNet; replica r's stage s on ctx[2r + s].
+    """len(ctx) // S data-parallel replicas of an S-stage LeNet; replica r's stage s on ctx[S r + s].
 
-    Two contexts and micro_batches=1: model parallelism. More micro-batches: a GPipe pipeline.
-    More contexts: hybrid, data parallel over pipelines with gradients all-reduced per stage.
+    S contexts and micro_batches=1: model parallelism. More micro-batches: a pipeline, on GPipe's
+    or 1F1B's schedule. More contexts: hybrid, data parallel over pipelines with gradients
+    all-reduced per stage. recompute: activations dropped in the forward, recomputed in the backward.
     Every variant takes the same step as one device on the whole batch.
     """
 
-    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, micro_batches=1, allreduce_fn=None):
-        n = len(STAGES)
-        if len(ctx) < n or len(ctx) % n:
-            raise ValueError(f"{len(ctx)} contexts cannot be cut into {n}-stage pipelines")
+    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, micro_batches=1, allreduce_fn=None,
+                 stages=2, schedule="gpipe", recompute=False):
+        if stages not in CUTS or len(ctx) < stages or len(ctx) % stages:
+            raise ValueError(f"{len(ctx)} contexts cannot be cut into {stages}-stage pipelines")
+        stage_orders(schedule, stages, 1)                               # refuses an unknown schedule
         self.ctx, self.optimizer = list(ctx), optimizer
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
-        self.micro_batches = micro_batches
-        self.grid = [self.ctx[r:r + n] for r in range(0, len(ctx), n)]   # grid[replica][stage]
-        self.params = [[stage_params(P, c) for P, c in zip(split_params(params), row)]
+        self.micro_batches, self.schedule, self.recompute = micro_batches, schedule, recompute
+        self.stages, self.cuts = make_stages(stages), CUTS[stages]
+        shapes = [p.shape for p in params]
+        self.elems = [part_activation_elems(pieces, shapes=shapes) for pieces in self.cuts]
+        self.grid = [self.ctx[r:r + stages] for r in range(0, len(ctx), stages)]   # grid[replica][stage]
+        self.params = [[stage_params(P, c) for P, c in zip(split_params(params, stages), row)]
                        for row in self.grid]
         self.states = [[init_states(P, optimizer) for P in row] for row in self.params]
-        self.t, self.bubbles = 0, []
+        self.t, self.bubbles, self.peaks = 0, [], {}
 
     def backward(self, X, y):
-        """Every replica pipelines its shard of the batch; gradients add up where each stage lives."""
+        """Every replica pipelines its shard of the batch; gradients add up where each stage lives.
+        Afterwards self.peaks[context] is the most activation bytes it held at once, so far."""
         firsts, lasts = [row[0] for row in self.grid], [row[-1] for row in self.grid]
         metrics = []
         for row, P, Xr, yr in zip(self.grid, self.params, split_and_load(X, firsts),
                                   split_and_load(y, lasts)):
             Xs, ys = cut(Xr, self.micro_batches), cut(yr, self.micro_batches)
-            self.bubbles.append(bubble_fraction(gpipe_schedule(len(STAGES), len(Xs)), len(STAGES)))
-            metrics.append(run_schedule(Xs, ys, P, row))
+            ticks = schedule_ticks(self.schedule, len(self.stages), len(Xs))
+            self.bubbles.append(bubble_fraction(ticks, len(self.stages)))
+            run = ReplicaPass(Xs, ys, P, row, self.stages, self.elems, self.recompute)
+            metrics.append(run.run(ticks))
+            for c, peak in zip(row, run.peak):
+                self.peaks[str(c)] = max(self.peaks.get(str(c), 0), peak)
         return metrics
 
     def update(self, lr, n_examples):
@@ -99,9 +155,12 @@ class PipelineParallel(Strategy):
                 apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
 
     def end_epoch(self, lr):
-        """The mean bubble fraction of the epoch's schedules (idle share of stage time)."""
+        """The mean bubble fraction of the epoch's schedules (idle share of stage time), and the
+        activation bytes each context held at its peak, counted as the schedules ran."""
         stats = {"bubble_fraction": float(np.mean(self.bubbles))} if self.bubbles else {}
-        self.bubbles = []
+        if self.peaks:
+            stats["activation_peak_bytes"] = dict(self.peaks)
+        self.bubbles, self.peaks = [], {}
         return stats
 
     def correct(self, X, y):
@@ -111,7 +170,7 @@ class PipelineParallel(Strategy):
         for row, P, Xr, yr in zip(rows, self.params, split_and_load(X, [r[0] for r in rows]),
                                   split_and_load(y, [r[-1] for r in rows])):
             h = Xr
-            for s, (stage, c) in enumerate(zip(STAGES, row)):
+            for s, (stage, c) in enumerate(zip(self.stages, row)):
                 h = stage(h if s == 0 else h.copyto(c), P[s])
             counts.append(n_correct(h, yr).copyto(self.ctx[0]))
         return nd.add_n(*counts)
@@ -120,15 +179,24 @@ class PipelineParallel(Strategy):
         """Per stage, the copy of every pipeline replica."""
         names = [name for name, _ in LENET_SHAPES]
         return {f"stage {s}": [fingerprint(row[s], P[s], names[sl]) for row, P in zip(self.grid, self.params)]
-                for s, sl in enumerate(STAGE_SLICES)}
+                for s, sl in enumerate(param_slices(len(self.stages)))}
 
     def layout(self, batch_size):
-        """(context, stage, examples whose activations it holds at the peak) for each placement.
+        """(context, part, examples whose activations of `part` it holds at the peak) per placement
+        (part: the stage's pieces, or ("input", first piece) under recompute; manual_dp.memory).
 
-        GPipe keeps every micro-batch's activations until its backward: the whole shard.
+        GPipe keeps every micro-batch's activations until its backward: the whole shard; 1F1B at
+        most S - s micro-batches on stage s. Recompute keeps those micro-batches' stage inputs and
+        the activations of one micro-batch, while its backward runs.
         """
-        sizes = shard_sizes(batch_size, len(self.grid))
-        return [(c, s, n) for row, n in zip(self.grid, sizes) for s, c in enumerate(row)]
+        out = []
+        for row, n in zip(self.grid, shard_sizes(batch_size, len(self.grid))):
+            sizes = shard_sizes(n, min(self.micro_batches, n))
+            held = held_peaks(schedule_ticks(self.schedule, len(row), len(sizes)), len(row), sizes)
+            for c, pieces, h in zip(row, self.cuts, held):
+                out += ([(c, ("input", pieces[0]), h), (c, pieces, max(sizes))] if self.recompute
+                        else [(c, pieces, h)])
+        return out
 
     def arrays(self):
         """Every array this strategy keeps: {"param", "grad", "state"} (see Strategy.arrays)."""

@@ -1,0 +1,185 @@
+"""Local SGD and DiLoCo: every replica takes H optimiser steps on its own shards, then they meet.
+
+    inner   replica k steps with --optimizer on the mean gradient of its own shard, with its own
+            optimiser state and no communication: its parameters W_k drift away from the others'
+    sync    every H inner steps one all-reduce gives A = sum_k (c_k / c) W_k (c_k: the examples
+            replica k took since the last sync, c: all of them, on every process), the average
+            change is the pseudo-gradient D = G - A, and the outer optimiser moves the global
+            parameters G with it:
+                sgd       G <- G - lr_out D          (computed as (1 - lr_out) G + lr_out A)
+                nesterov  m <- mu m + D;  G <- G - lr_out (D + mu m)     (DiLoCo: 0.7, 0.9)
+            then every replica starts again from G; each keeps its own inner optimiser state.
+
+With H = 1, outer sgd and lr_out = 1, G is the examples-weighted average of replicas that each took
+one step from G: for sgd and momentum (linear in the gradient) that is sync's step, up to the order
+of float additions, and with one replica it is the one-device step bit for bit for every optimiser
+((1 - 1) G + A is exactly A). Adam is not linear: at H = 1 over several replicas it is "local
+Adam", an algorithm of its own. A period still open at the end of an epoch is synced there, so
+evaluation and checkpoints see the average; an epoch records its communication rounds.
+"""
+import numpy as np
+from mxnet import nd
+
+from ..config import FAST_STEP, RunConfig
+from ..errors import CheckpointError
+from ..fast.collectives import make_allreduce
+from ..fast.flat import FlatReplica, views
+from ..fast.prefetch import host
+from ..lesson import forward_backward, lenet, n_correct, shard_sizes, split_and_load
+from ..optim import apply_update_and_clear, init_states
+from ..replicas import fingerprint
+from .base import Strategy
+from .data_parallel import load_into
+
+OUTER_OPTIMIZERS = ("sgd", "nesterov")
+
+
+class LocalSGD(Strategy):
+    """A replica per context stepping on its own shards; every `sync_every` steps the averaged change
+    is applied to the global parameters by the outer optimiser (`outer_optimizer`, `outer_lr`,
+    `outer_momentum`). allreduce_fn sums the replicas' weighted parameters (and, from
+    World.reducer, every process's)."""
+
+    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, sync_every=1, outer_optimizer="sgd",
+                 outer_lr=1.0, outer_momentum=0.9, allreduce_fn=None):
+        if sync_every < 1 or not outer_lr > 0 or outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"local SGD needs sync_every >= 1, outer_lr > 0 and an outer optimiser in "
+                             f"{OUTER_OPTIMIZERS}: got {sync_every}, {outer_lr}, {outer_optimizer!r}")
+        self.ctx, self.optimizer, self.sync_every = list(ctx), optimizer, sync_every
+        self.outer_optimizer, self.outer_lr, self.outer_momentum = outer_optimizer, outer_lr, outer_momentum
+        self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
+        self.flat = [FlatReplica(params, c) for c in self.ctx]           # W_k: (N,) and its views
+        self.inner = [init_states([f.flat], optimizer)[0] for f in self.flat]
+        self.outer = [f.flat.copy() for f in self.flat]                   # G, the same on every context
+        self.outer_views = [views(G, self.flat[0].shapes) for G in self.outer]
+        self.momentum = [nd.zeros(G.shape, ctx=G.context) for G in self.outer]
+        self.t, self.rounds = 0, 0
+        self.reset_period()
+
+    def reset_period(self):
+        """No examples, inner steps or pending gradients since the last sync."""
+        k = len(self.ctx)
+        self.pending, self.counts, self.steps, self.examples = [0] * k, [0] * k, 0, 0
+
+    def backward(self, X, y):
+        """Every replica's forward and backward on its shard, against its own parameters."""
+        sizes = shard_sizes(len(X), len(self.ctx))
+        self.pending = [p + n for p, n in zip(self.pending, sizes)]
+        X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
+        return forward_backward(X_shards, y_shards, [f.params for f in self.flat])
+
+    def update(self, lr, n_examples):
+        """Every replica steps on its own gradient / its own examples; every H steps, a sync."""
+        self.t += 1
+        for f, s, n in zip(self.flat, self.inner, self.pending):
+            apply_update_and_clear([f.flat], [s], self.optimizer, lr, self.t, n)
+        self.counts = [c + n for c, n in zip(self.counts, self.pending)]
+        self.pending, self.steps = [0] * len(self.ctx), self.steps + 1
+        self.examples += n_examples                # every process's: update is told the global count
+        if self.steps == self.sync_every:
+            self.sync()
+
+    def sync(self):
+        """One communication round: afterwards G has taken the outer step and every W_k == G."""
+        shares = [f.flat * (c / self.examples) for f, c in zip(self.flat, self.counts)]   # (N,) each
+        self.allreduce_fn(shares)                                                    # each holds A
+        for f, G, m, A in zip(self.flat, self.outer, self.momentum, shares):
+            self.outer_step(G, m, A)
+            G.copyto(f.flat)
+        self.rounds += 1
+        self.reset_period()
+
+    def outer_step(self, G, m, A):
+        """G moved by the pseudo-gradient G - A with the outer optimiser (m: nesterov's momentum)."""
+        lr, mu = self.outer_lr, self.outer_momentum
+        if self.outer_optimizer == "sgd":
+            G[:] = (1 - lr) * G + lr * A           # G - lr (G - A); exactly A at lr = 1
+            return
+        D = G - A
+        m[:] = mu * m + D
+        G[:] -= lr * (D + mu * m)
+
+    def end_epoch(self, lr):
+        """Sync an open period; the epoch's communication rounds (all-reduces of the parameters)."""
+        if self.steps:
+            self.sync()
+        rounds, self.rounds = self.rounds, 0
+        return {"comm_rounds": rounds}
+
+    def correct(self, X, y):
+        """Correct predictions of the global parameters G, sharded over every context."""
+        ctx = self.ctx[:min(len(self.ctx), len(X))]
+        counts = [n_correct(lenet(Xs, W), ys).copyto(ctx[0]) for Xs, ys, W in
+                  zip(split_and_load(X, ctx), split_and_load(y, ctx), self.outer_views)]
+        return nd.add_n(*counts) if len(counts) > 1 else counts[0]
+
+    def fingerprints(self):
+        """Only G's copies: the replicas differ from each other between syncs by design."""
+        return {"global parameters": [fingerprint(c, W) for c, W in zip(self.ctx, self.outer_views)]}
+
+    def layout(self, batch_size):
+        """Every context runs both stages on its shard of the batch."""
+        sizes = shard_sizes(batch_size, len(self.ctx))
+        return [(c, s, n) for c, n in zip(self.ctx, sizes) for s in (0, 1)]
+
+    def arrays(self):
+        states = [s for S in self.inner for s in S]
+        return {"param": [f.flat for f in self.flat] + self.outer,
+                "state": [f.grad for f in self.flat] + states + self.momentum}
+
+    def state_dict(self):
+        """params: G; opt_state: the replicas' mean inner state; extra: every replica's parameters
+        and inner state, the outer momentum and where the period stands (resumes exactly)."""
+        period = [self.steps, self.examples, self.rounds] + self.counts
+        return {"params": [p.asnumpy() for p in self.outer_views[0]], "opt_state": self.mean_inner_state(),
+                "t": self.t,
+                "extra": {"local_replicas": [f.flat.asnumpy() for f in self.flat],
+                          "local_inner_state": [s.asnumpy() for S in self.inner for s in S],
+                          "local_outer_momentum": [self.momentum[0].asnumpy()],
+                          "local_period": [np.array(period, dtype=np.int64)]}}
+
+    def mean_inner_state(self):
+        """[[arrays] per parameter]: the replicas' inner optimiser state, averaged in float64 (so
+        that equal states give exactly their own value)."""
+        shapes = self.flat[0].shapes
+        per_state = [views_np(np.mean([S[j].asnumpy() for S in self.inner], axis=0, dtype=np.float64)
+                              .astype(np.float32), shapes) for j in range(len(self.inner[0]))]
+        return [list(st) for st in zip(*per_state)] if per_state else [[] for _ in shapes]
+
+    def load_state_dict(self, state):
+        """Exactly this strategy's run from its own state_dict with as many replicas; from any other
+        (another mode's, or one taken at a sync with another replica count) every replica starts
+        from G with the saved inner state."""
+        for f, S in zip(self.flat, self.inner):
+            load_into(f.params, f.state_views(S), state)
+        for f, G in zip(self.flat, self.outer):
+            f.flat.copyto(G)
+        self.t, self.rounds = state["t"], 0
+        self.reset_period()
+        extra = state.get("extra", {})
+        saved = extra.get("local_outer_momentum")
+        for m in self.momentum:
+            m[:] = nd.array(saved[0], ctx=m.context) if saved else 0
+        if "local_replicas" in extra:
+            self.load_period(extra)
+
+    def load_period(self, extra):
+        """The replicas, their inner state and the period's counters, from this strategy's extra."""
+        steps, examples, rounds, *counts = (int(v) for v in extra["local_period"][0])
+        if len(counts) != len(self.ctx):
+            if steps:
+                raise CheckpointError(f"the checkpoint was taken between syncs of {len(counts)} local SGD "
+                                      f"replicas; this run has {len(self.ctx)}")
+            return
+        for f, W in zip(self.flat, extra["local_replicas"]):
+            f.flat[:] = nd.array(W, ctx=f.flat.context)
+        saved = iter(extra["local_inner_state"])
+        for s in (s for S in self.inner for s in S):
+            s[:] = nd.array(next(saved), ctx=s.context)
+        self.steps, self.examples, self.rounds, self.counts = steps, examples, rounds, counts
+
+
+def views_np(flat, shapes):
+    """numpy arrays of `shapes` cut one after the other from the 1-D `flat`."""
+    sizes = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
+    return [flat[a:b].reshape(s) for a, b, s in zip(sizes[:-1], sizes[1:], shapes)]

@@ -1,0 +1,211 @@
+"""ZeRO (Rajbhandari et al., 2020): data parallelism whose contexts stop holding k copies of the same
+state. LeNet's parameters as one flat vector of N elements (fast.flat's order) are cut into k
+contiguous shards (collectives.chunk_bounds: sizes differ by at most one, N need not divide by k);
+context i owns shard i of whatever is sharded:
+
+                 parameters   gradients    optimiser state
+    sync         full         full         full           every context updates everything
+    stage 1      full         full         shard i        reduce-scatter the gradients, update
+                                                          shard i, all-gather the parameters
+    stage 2      full         shard i      shard i        each layer's gradient reduce-scattered
+                                                          as its backward ends, then dropped
+    stage 3      shard i      shard i      shard i        each layer's parameters all-gathered
+                                                          before its forward and its backward
+
+Every stage computes the sync step (the same sums, in another order). Stages 2 and 3 run LeNet a
+layer at a time (strategies.zero_layers). peak_arrays() adds to arrays() the transient arrays
+(gathered parameters, a layer's gradients) held at the step's largest moment. Across processes
+(cross_sum) each process holds the same shards and the owned gradient shards are summed across
+processes before the update: ZeRO inside a process, data parallel across them.
+"""
+from collections import namedtuple
+
+import numpy as np
+from mxnet import nd
+
+from ..config import RunConfig
+from ..errors import CheckpointError
+from ..fast.collectives import chunk_bounds
+from ..fast.flat import FlatReplica, offsets, views
+from ..fast.prefetch import host
+from ..fast.sharded import ALL_GATHER, REDUCE_SCATTER, empty_shards
+from ..lesson import forward_backward, lenet, n_correct, shard_sizes, split_and_load
+from ..optim import OPTIMIZERS, init_states
+from ..replicas import fingerprint
+from . import zero_layers
+from .base import Strategy
+
+Held = namedtuple("Held", "context shape size dtype")     # what memory.per_context reads of an array
+
+
+class Peak:
+    """The largest set of transient arrays held at one moment of a step, as Held records (so
+    nothing is kept alive): {"param": [...], "state": [...]}."""
+
+    def __init__(self):
+        self.bytes, self.held = 0, {"param": [], "state": []}
+
+    def note(self, params, grads):
+        held = {kind: [Held(a.context, a.shape, a.size, a.dtype) for a in arrays]
+                for kind, arrays in (("param", params), ("state", grads))}
+        total = sum(h.size * np.dtype(h.dtype).itemsize for hs in held.values() for h in hs)
+        if total > self.bytes:
+            self.bytes, self.held = total, held
+
+
+class ZeroRedundancy(Strategy):
+    """ZeRO stage 1, 2 or 3 over the contexts `ctx`; collective: "ring" or "naive" (fast.sharded);
+    cross_sum(array, key): a sum across processes, or None in one process."""
+
+    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, collective="ring",
+                 cross_sum=None):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO has stages 1, 2 and 3, not {stage}")
+        self.ctx, self.optimizer, self.stage, self.cross_sum, self.t = list(ctx), optimizer, stage, cross_sum, 0
+        self.shapes = [p.shape for p in params]
+        self.offsets = offsets(self.shapes)                  # each parameter's start, then N
+        if not 0 < len(self.ctx) <= self.offsets[-1]:
+            raise ValueError(f"{len(self.ctx)} contexts cannot each own a shard of {self.offsets[-1]} parameters")
+        self.bounds = chunk_bounds(int(self.offsets[-1]), len(self.ctx))
+        self.reduce_scatter, self.all_gather = REDUCE_SCATTER[collective], ALL_GATHER[collective]
+        flat = np.concatenate([p.asnumpy().reshape(-1) for p in params])    # (N,)
+        self.replicas = [FlatReplica(params, c) for c in self.ctx] if stage == 1 else None
+        self.flats = [r.flat for r in self.replicas] if stage == 1 else (
+            [nd.array(flat, ctx=c) for c in self.ctx] if stage == 2 else None)
+        self.shards = [f[a:b] for f, a, b in zip(self.flats, self.bounds, self.bounds[1:])] if self.flats \
+            else [nd.array(flat[a:b], ctx=c) for c, a, b in zip(self.ctx, self.bounds, self.bounds[1:])]
+        self.grad_shards = None if stage == 1 else empty_shards(len(flat), self.ctx)
+        self.states = [init_states([s], optimizer)[0] for s in self.shards]
+        self.peak = Peak()
+
+    def layer_range(self, l):
+        """[start, end) of layer l's W and b in the flat vector, and their shapes."""
+        return int(self.offsets[2 * l]), int(self.offsets[2 * l + 2]), self.shapes[2 * l:2 * l + 2]
+
+    def overlap(self, start, end, shards):
+        """(bounds, pieces): [start, end) of the flat vector cut where the shards cut it, and the
+        view of shards[i] inside it (None where shard i has none of it)."""
+        bounds = [min(max(b, start), end) - start for b in self.bounds]
+        return bounds, [shard[lo + start - a:hi + start - a] if hi > lo else None
+                        for shard, a, lo, hi in zip(shards, self.bounds, bounds, bounds[1:])]
+
+    def fetch(self, l):
+        """[[W, b]] per context, new arrays each call: stage 2 views of the replica, stage 3 all-gathered."""
+        start, end, shapes = self.layer_range(l)
+        if self.stage == 2:
+            return [views(f[start:end], shapes) for f in self.flats]
+        full = [nd.empty((end - start,), ctx=c) for c in self.ctx]      # (layer size,) per context
+        bounds, pieces = self.overlap(start, end, self.shards)
+        self.all_gather(full, pieces, bounds)
+        return [views(f, shapes) for f in full]
+
+    def reduce(self, l, grad_of):
+        """Layer l's gradient reduce-scattered one shard's part at a time (so that only that part
+        exists): the part [lo, hi) context i owns, made on every context by grad_of, summed onto
+        context i (a reduce-scatter whose other chunks are empty), added into its gradient shard."""
+        start, end, _ = self.layer_range(l)
+        bounds, pieces = self.overlap(start, end, self.grad_shards)
+        for i, piece in enumerate(pieces):
+            if piece is None:
+                continue
+            lo, hi = bounds[i], bounds[i + 1]
+            local = grad_of(lo, hi)                                             # (hi - lo,) per context
+            total = [nd.empty((hi - lo,), ctx=c) if j == i else None for j, c in enumerate(self.ctx)]
+            self.note([], local + [total[i]])
+            self.reduce_scatter(local, total, [0] * (i + 1) + [hi - lo] * (len(self.ctx) - i))
+            nd.elemwise_add(piece, total[i], out=piece)
+
+    def note(self, params, grads):
+        """What the step holds besides arrays(): gathered parameters (stage 3) and gradients."""
+        self.peak.note([p for Wb in params for p in Wb] if self.stage == 3 else [], grads)
+
+    def backward(self, X, y):
+        X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
+        if self.stage == 1:
+            return forward_backward(X_shards, y_shards, [r.params for r in self.replicas])
+        return zero_layers.forward_backward(X_shards, y_shards, self)
+
+    def owned_grads(self):
+        """Per context, the gradient of its shard summed over every context (and process)."""
+        if self.stage == 1:
+            self.reduce_scatter([r.grad for r in self.replicas])        # in place: chunk i on context i
+            grads = [r.grad[a:b] for r, a, b in zip(self.replicas, self.bounds, self.bounds[1:])]
+        else:
+            grads = self.grad_shards
+        if self.cross_sum:
+            for i, g in enumerate(grads):
+                self.cross_sum(g, f"zero-grad-{i}")
+        return grads
+
+    def update(self, lr, n_examples):
+        """Each context updates its shard; stages 1 and 2 then all-gather the parameters."""
+        self.t += 1
+        _, rule = OPTIMIZERS[self.optimizer]
+        for p, g, state in zip(self.shards, self.owned_grads(), self.states):
+            rule(p, g / n_examples, state, lr, self.t)
+        for g in ([r.grad for r in self.replicas] if self.stage == 1 else self.grad_shards):
+            g[:] = 0
+        if self.flats:
+            self.all_gather(self.flats)                                 # in place: shard i from context i
+
+    def correct(self, X, y):
+        """Correct predictions on (X, y), sharded over the contexts (idle ones if X is tiny)."""
+        ctx = self.ctx[:min(len(self.ctx), len(X))]
+        X_shards, y_shards = split_and_load(X, ctx), split_and_load(y, ctx)
+        scores = ([lenet(Xs, r.params) for Xs, r in zip(X_shards, self.replicas)] if self.stage == 1
+                  else zero_layers.scores(X_shards, self.fetch))
+        counts = [n_correct(s, ys).copyto(ctx[0]) for s, ys in zip(scores, y_shards)]
+        return nd.add_n(*counts) if len(counts) > 1 else counts[0]
+
+    def fingerprints(self):
+        """Stages 1, 2: every replica; stage 3: the one copy its shards make up (across processes
+        it is compared with the other processes')."""
+        if self.flats:
+            return {"replica": [fingerprint(c, views(f, self.shapes)) for c, f in zip(self.ctx, self.flats)]}
+        where = f"shards on {self.ctx[0]}..{self.ctx[-1]}"
+        return {"shards": [fingerprint(where, [nd.array(p) for p in self.host_split(self.shards)])]}
+
+    def layout(self, batch_size):
+        """Every context runs both stages on its shard of the batch."""
+        return [(c, s, n) for c, n in zip(self.ctx, shard_sizes(batch_size, len(self.ctx))) for s in (0, 1)]
+
+    def arrays(self):
+        """What each context keeps between steps: its parameters (full, or its shard in stage 3), its
+        gradients (full in stage 1, else its shard) and its shard of the optimiser state."""
+        state = [s for st in self.states for s in st]
+        grads = [r.grad for r in self.replicas] if self.stage == 1 else self.grad_shards
+        return {"param": self.flats or self.shards, "state": grads + state}
+
+    def peak_arrays(self):
+        """arrays() and the transient arrays held at the largest moment of the steps so far."""
+        held = self.arrays()
+        return {kind: held[kind] + self.peak.held[kind] for kind in held}
+
+    def host_split(self, shards):
+        """Host copies of lenet's 8 arrays from per-context shards of a flat vector."""
+        flat = np.concatenate([s.asnumpy() for s in shards])
+        return [flat[a:b].reshape(s) for a, b, s in zip(self.offsets, self.offsets[1:], self.shapes)]
+
+    def state_dict(self):
+        """The full, unsharded parameters and optimiser state, as every strategy gives them."""
+        per_state = [self.host_split([st[j] for st in self.states]) for j in range(len(self.states[0]))]
+        return {"params": self.host_split(self.shards), "t": self.t, "extra": {},
+                "opt_state": [[values[p] for values in per_state] for p in range(len(self.shapes))]}
+
+    def load_state_dict(self, state):
+        """Cut any strategy's full state into this run's shards."""
+        n_states = len(self.states[0])
+        if [np.shape(p) for p in state["params"]] != self.shapes or len(state["opt_state"]) != len(self.shapes) \
+                or any(len(st) != n_states for st in state["opt_state"]):
+            raise CheckpointError("the checkpoint's parameters or optimiser state do not fit this run")
+        flat = np.concatenate([np.asarray(p, np.float32).reshape(-1) for p in state["params"]])
+        for f in self.flats or []:
+            f[:] = nd.array(flat, ctx=f.context)
+        targets = [] if self.flats else [(self.shards, flat)]
+        for j in range(n_states):
+            targets.append(([st[j] for st in self.states],
+                            np.concatenate([np.asarray(st[j]).reshape(-1) for st in state["opt_state"]])))
+        for shards, values in targets:
+            for s, a, b in zip(shards, self.bounds, self.bounds[1:]):
+                s[:] = nd.array(values[a:b], ctx=s.context)
+        self.t = state["t"]
