@@ -110,18 +110,20 @@ def test_generous_limit_trains_and_reports_memory(capsys, tmp_path, data_dir):
 
 
 def test_bench_memory_prints_every_mode_that_fits(tmp_path):
-    """One context: sync and async fit (model, pipeline, hybrid need two), each measured."""
+    """One context: sync and async fit, model, pipeline, hybrid do not (they need two), each measured."""
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-m", "manual_dp.bench", "--memory", "--cpus", "1", "--batch-size", "8",
                            "--width", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     records = json.loads((tmp_path / "memory.json").read_text())
-    assert [r["impl"] for r in records] == ["sync", "async"]
+    names = [r["impl"] for r in records]
+    assert {"sync", "async"} <= set(names) and not set(names) & {"model", "pipeline", "hybrid"}
     n_params = sum(int(np.prod(s)) for _, s in lenet_shapes(2))
     for r in records:
         m = r["memory"]["cpu(0)"]
         assert r["width"] == 2 and r["batch"] == 8 and r["cpu"] and r["commit"] and m["method"] == "profiler"
-        assert m["param_bytes"] == 4 * n_params * (2 if r["impl"] == "async" else 1)     # async: master + replica
         assert m["activation_bytes"] > 0
+        if r["impl"] in ("sync", "async"):
+            assert m["param_bytes"] == 4 * n_params * (2 if r["impl"] == "async" else 1)   # async: master + replica
     assert "sync      cpu(0)" in done.stdout and "async     cpu(0)" in done.stdout
