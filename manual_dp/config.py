@@ -95,6 +95,10 @@ class RunConfig:
                         choices=BACKENDS)
     timeout: float = flag(120.0, "seconds without progress after which a process of a multi-process "
                                  "job gives up", "more than one process (see docs/multi-machine.md)")
+    memory_per_device: Optional[str] = flag(None, "emulate devices of this many bytes (suffix K, M, G, T: "
+                                                  "powers of 1024): refuse, before training, a layout whose "
+                                                  "measured peak on a context exceeds it, and name the modes "
+                                                  "that fit (manual_dp/memory.py)", "parallelism")
     sync_every: Optional[int] = flag(None, "local only: inner optimiser steps each replica takes on its own "
                                            "shards between syncs (H; default 4)", "parallelism")
     outer_optimizer: Optional[str] = flag(None, "local only: what applies the averaged change at a sync "
@@ -189,6 +193,8 @@ def check(cfg):
             raise UsageError(f"--{name.replace('_', '-')} must be positive and finite, got {value}")
     if not (cfg.warmup_epochs >= 0 and math.isfinite(cfg.warmup_epochs)):
         raise UsageError(f"--warmup-epochs must be >= 0 and finite, got {cfg.warmup_epochs}")
+    if cfg.memory_per_device is not None:
+        parse_bytes(cfg.memory_per_device)
     if cfg.stages is not None and not 1 <= cfg.stages <= MAX_STAGES:
         raise UsageError(f"--stages must be 1 to {MAX_STAGES} (LeNet has {MAX_STAGES} layers to cut "
                          f"between), got {cfg.stages}")
@@ -284,3 +290,20 @@ def device_request(cfg):
         return "cpu", cfg.cpus
     n = visible_gpus()
     return ("gpu", n) if n else ("cpu", DEFAULT_CPU_CONTEXTS)
+
+
+BYTE_SUFFIXES = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def parse_bytes(text):
+    """A positive byte count from "1000", "64M", "2G", "1.5GiB" (K, M, G, T: powers of 1024);
+    UsageError otherwise."""
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    number, suffix = (s[:-1], s[-1]) if s[-1:] in BYTE_SUFFIXES and s[-1:] else (s, "")
+    try:
+        value = float(number) * BYTE_SUFFIXES[suffix]
+    except ValueError:
+        value = None
+    if value is None or not (value >= 1 and math.isfinite(value)):
+        raise UsageError(f"--memory-per-device must be a byte count such as 64M or 2G, got {text!r}")
+    return int(value)

@@ -3,6 +3,7 @@ to DIR/results.json (a list of records with bench, impl, devices and the figures
 
     --quick   the default, under 3 minutes on 2 cores    --full   every payload, count and peer
     --tiny    seconds, synthetic data (for the tests)     --model  the cost model's table and plot
+    --memory  every mode's measured memory per context (--width, --batch-size, --cpus)
     --local-sgd   instead, local SGD at H = 1, 4, 16: accuracy and communication rounds (bench/local_sgd.py)
 
 Every measurement runs in a fresh process (manual_dp.bench.worker) whose thread settings are in
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 from ..cli.options import OneLineParser
+from ..config import RunConfig
 from ..errors import UsageError
 from ..fast.runtime import machine, thread_env, usable_cores
 from .plots import FAST
@@ -213,6 +215,10 @@ def main(argv=None):
     if args.model:
         print(report_model(out))
         return
+    if args.memory:
+        from .memory import run
+        run(out, args.width, args.batch_size, args.cpus)
+        return
     if args.local_sgd:
         from .local_sgd import run as run_local_sgd
         run_local_sgd(args.plan, out, args.data_dir, args.timeout, commit())
@@ -230,6 +236,14 @@ def report_model(out, records=None):
     return model_section(out, records)
 
 
+def positive(text):
+    """An int >= 1 (argparse type)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
 def build_parser():
     p = OneLineParser(prog="python -m manual_dp.bench", description=__doc__.split("\n\n")[0])
     size = p.add_mutually_exclusive_group()
@@ -245,6 +259,11 @@ def build_parser():
     p.add_argument("--wait-for-cores", type=float, default=0.0,
                    help="on a shared machine: before each training measurement wait (up to --timeout) "
                         "until this many cores are free, e.g. 1.8 of 2")
+    p.add_argument("--memory", action="store_true",
+                   help="every mode's measured peak memory per context (OUT/memory.json), nothing else")
+    p.add_argument("--width", type=positive, default=RunConfig.width, help="with --memory: LeNet's width")
+    p.add_argument("--batch-size", type=positive, default=RunConfig.batch_size, help="with --memory: the global batch")
+    p.add_argument("--cpus", type=positive, default=2, help="with --memory: CPU contexts")
     p.add_argument("--local-sgd", action="store_true",
                    help="instead: local SGD at H = 1, 4, 16 side by side, test accuracy and communication "
                         "rounds per epoch (OUT/local_sgd.json, local_sgd.png; --timeout is per epoch)")
