@@ -82,6 +82,9 @@ class RunConfig:
                         choices=BACKENDS)
     timeout: float = flag(120.0, "seconds without progress after which a process of a multi-process "
                                  "job gives up", "more than one process (see docs/multi-machine.md)")
+    compress: str = flag("none", "sync only: what each replica sends instead of its float32 gradient, "
+                                 "with error feedback: none, fp16, 2bit[:T] (MXNet's, T=0.5), 1bit, "
+                                 "topk:K, powersgd:R (manual_dp/fast/compress.py)", "speed")
 
 
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
@@ -94,6 +97,7 @@ APPLIES = {
     "graph": ("sync",),
     "no_autotune": ("sync",),
     "check_replicas": ("sync", "model", "pipeline", "hybrid"),
+    "compress": ("sync",),
 }
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "train_size", "test_size",
@@ -140,6 +144,7 @@ def check(cfg):
     if cfg.backend == "dist_async" and (cfg.mode != "sync" or cfg.grad_accum > 1):
         raise UsageError("--backend dist_async runs its own asynchronous SGD: --mode sync without "
                          "--grad-accum only")
+    check_compress(cfg)
 
 
 def check_layout(cfg, n_contexts, n_processes=1):
@@ -176,3 +181,45 @@ def device_request(cfg):
         return "cpu", cfg.cpus
     n = visible_gpus()
     return ("gpu", n) if n else ("cpu", DEFAULT_CPU_CONTEXTS)
+
+
+# --compress: name -> (what its argument is, its default; None: no argument, required: must be given)
+COMPRESSORS = {"none": None, "fp16": None, "2bit": (float, 0.5), "1bit": None,
+               "topk": (int, "required"), "powersgd": (int, "required")}
+GATHERED = ("fp16", "2bit", "1bit", "topk")     # cannot be summed compressed: gathered instead
+
+
+def parse_compress(spec):
+    """(name, argument or None) of a --compress value; UsageError if it names nothing we have."""
+    name, _, arg = spec.partition(":")
+    if name not in COMPRESSORS:
+        raise UsageError(f"--compress {spec}: choose from none, fp16, 2bit[:T], 1bit, topk:K, powersgd:R")
+    kind = COMPRESSORS[name]
+    if kind is None:
+        if arg:
+            raise UsageError(f"--compress {name} takes no argument, got {spec}")
+        return name, None
+    if not arg and kind[1] == "required":
+        raise UsageError(f"--compress {name} needs its argument: {name}:{'K' if name == 'topk' else 'R'}")
+    try:
+        value = kind[0](arg) if arg else kind[1]
+    except ValueError:
+        raise UsageError(f"--compress {spec}: {arg!r} is not a{'n integer' if kind[0] is int else ' number'}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise UsageError(f"--compress {spec}: the argument must be positive, got {arg}")
+    return name, value
+
+
+def check_compress(cfg):
+    """UsageError for a --compress value or combination no run can use."""
+    name, _ = parse_compress(cfg.compress)
+    if name == "none":
+        return
+    if cfg.fuse_grads is False:
+        raise UsageError(f"--compress {cfg.compress} compresses the fused gradient buffer: drop --no-fuse-grads")
+    if cfg.backend == "dist_async":
+        raise UsageError(f"--compress applies to summed gradients, not to --backend dist_async's "
+                         f"parameter changes")
+    if name in GATHERED and cfg.allreduce is not None:
+        raise UsageError(f"--compress {name} gathers the compressed gradients instead of all-reducing "
+                         f"them: --allreduce does not apply (it does with powersgd:R)")

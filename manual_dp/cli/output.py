@@ -52,7 +52,9 @@ def describe(cfg):
             "pipeline": f"pipeline: model split, {cfg.micro_batches} GPipe micro-batches",
             "hybrid": f"hybrid: data parallel over 2-stage pipelines, {cfg.micro_batches} micro-batches "
                       f"each ({cfg.allreduce})",
-            }[cfg.mode] + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "")
+            }[cfg.mode] + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
+        f", gradients sent as --compress {cfg.compress} with error feedback"
+        if getattr(cfg, "compress", "none") != "none" else "")
 
 
 def format_record(r, epochs):
@@ -63,6 +65,8 @@ def format_record(r, epochs):
         line += f"  staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})"
     if "bubble_fraction" in r:
         line += f"  bubble {r['bubble_fraction']:.2f}"
+    if "compress_bytes_per_step" in r:
+        line += f"  {r['compress_bytes_per_step']:,} B/step sent ({r['compress']})"
     return line
 
 

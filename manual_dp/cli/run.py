@@ -15,6 +15,7 @@ from ..errors import (CheckpointError, DataError, DistributedError, DivergedErro
                       ReplicaMismatchError, UsageError)
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
+from ..fast.compress import make_reducer
 from ..lesson import init_lenet_params
 from ..loop import fit
 from ..multiprocess.connect import connect
@@ -23,6 +24,7 @@ from ..strategies.accum import GradAccum
 from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.pipeline import PipelineParallel
+from ..strategies.compressed import Compressed
 from .output import Progress, describe, fail, format_record, write_log
 
 
@@ -62,7 +64,10 @@ def build_model(cfg, params, ctx, world):
         if cfg.graph:
             print(f"cached graph: convolution channels padded to multiples of {pad}" if pad > 1 else
                   "cached graph: convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
-        model = DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad)
+        compressed = make_reducer(cfg.compress, reduce, [p.shape for p in params], world)
+        model = DataParallel(params, ctx, cfg.optimizer, compressed or reduce, cfg.fuse_grads, cfg.graph,
+                             conv_pad=pad)
+        model = Compressed(model, compressed, cfg.compress, world) if compressed else model
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
     else:
