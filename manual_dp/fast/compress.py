@@ -22,7 +22,6 @@ import numpy as np
 from mxnet import nd
 
 from ..config import parse_compress
-from .collectives import fetch
 from .powersgd import PowerSGDAllreduce
 
 
@@ -42,7 +41,7 @@ def pack(codes, bits):
 
 def unpack(packed, bits, n, ctx):
     """The inverse of pack: (n,) float codes on `ctx`."""
-    per, b = 8 // bits, fetch(packed, ctx).astype("float32")
+    per, b = 8 // bits, packed.as_in_context(ctx).astype("float32")
     digits = [nd.floor(b / 2 ** (bits * (per - 1 - j))) % 2 ** bits for j in range(per)]
     return nd.stack(*digits, axis=1).reshape((-1,))[:n]
 
@@ -61,7 +60,7 @@ class FP16:
         return [half]
 
     def decode(self, payload, n, ctx):
-        return fetch(payload[0], ctx).astype("float32")
+        return payload[0].as_in_context(ctx).astype("float32")
 
 
 class TwoBit:
@@ -102,7 +101,7 @@ class OneBit:
 
     def decode(self, payload, n, ctx):
         signs = unpack(payload[0], 1, n, ctx) * 2 - 1
-        return nd.broadcast_mul(signs, fetch(payload[1], ctx))
+        return nd.broadcast_mul(signs, payload[1].as_in_context(ctx))
 
 
 class TopK:
@@ -125,7 +124,7 @@ class TopK:
         return [index, values]
 
     def decode(self, payload, n, ctx):
-        index, values = (fetch(p, ctx) for p in payload)
+        index, values = (p.as_in_context(ctx) for p in payload)
         return nd.scatter_nd(values, index.reshape((1, -1)), shape=(n,))
 
 
