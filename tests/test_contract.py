@@ -12,6 +12,8 @@ from mxnet import nd
 
 from conftest import synthetic
 from manual_dp import replicas
+from manual_dp.fast.compress import make_reducer
+from manual_dp.strategies.compressed import Compressed
 from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParallel, Strategy,
                        init_lenet_params, make_allreduce)
 
@@ -31,6 +33,10 @@ STRATEGIES = {
     "model": lambda p, opt: PipelineParallel(p, cpus(2), opt, 1),
     "pipeline M=3": lambda p, opt: PipelineParallel(p, cpus(2), opt, 3),
     "hybrid 2x2": lambda p, opt: PipelineParallel(p, cpus(4), opt, 2),
+    # topk with K >= every gradient sends everything: compression that must change nothing
+    "compress topk:all x2": lambda p, opt: Compressed(
+        DataParallel(p, cpus(2), opt, r := make_reducer("topk:1000000", None, [q.shape for q in p])),
+        r, "topk:1000000"),
 }
 
 
