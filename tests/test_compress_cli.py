@@ -1,10 +1,12 @@
 """--compress from the command line: none is today's step, the bytes go to --log-json, a resumed
 run continues with its residuals, and 2 dist_sync workers compute what one process with 2
 contexts computes (the same payloads, decoded and added in the same order: bit for bit)."""
+import importlib.util
+
 import pytest
 
 from conftest import write_dataset
-from jobs import assert_same_run, launch_cmd, read_log, run_job, train_cmd
+from jobs import assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, train_cmd
 from manual_dp import checkpoint
 
 SMALL = ["--train-size", "537", "--batch-size", "67", "--optimizer", "sgd", "--lr", "0.01",
@@ -61,3 +63,11 @@ def test_dist_sync_workers_equal_one_process_with_two_contexts(data, tmp_path, s
     assert len(b["extra"]["residual"]) == 2                       # both workers' residuals, gathered
     for x, y in zip(a["extra"]["residual"], b["extra"]["residual"]):
         assert (x == y).all()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod is not installed")
+def test_horovod_processes_equal_one_process_with_two_contexts(data, tmp_path):
+    ref = run(tmp_path, "local", "--cpus", 2, "--data-dir", data, *SMALL, "--compress", "1bit")
+    got = run(tmp_path, "hvd", "--cpus", 1, "--data-dir", data, *SMALL, "--compress", "1bit",
+              cmd=lambda *argv: horovod_cmd(2, *argv))
+    assert_same_run(*ref, *got, exact=True)
