@@ -3,6 +3,7 @@ to DIR/results.json (a list of records with bench, impl, devices and the figures
 
     --quick   the default, under 3 minutes on 2 cores    --full   every payload, count and peer
     --tiny    seconds, synthetic data (for the tests)     --model  the cost model's table and plot
+    --compress  every gradient compression trained side by side (manual_dp.bench.compress)
 
 Every measurement runs in a fresh process (manual_dp.bench.worker) whose thread settings are in
 its environment before MXNet or PyTorch loads: "tuned" is manual_dp.runtime's choice for its
@@ -202,6 +203,11 @@ def main(argv=None):
     if args.model:
         print(report_model(out))
         return
+    if args.compress:
+        from .compress import bench_compress
+        m = dict(machine(), commit=commit())
+        bench_compress(args.plan, args, f"{m['cpu']} ({m['vector']}), {m['cores']} cores, commit {m['commit']}")
+        return
     records = measure(PLANS[args.plan], args)
     records += report(records)
     where = {k: records[0][k] for k in ("cpu", "vector", "cores", "commit")}
@@ -230,6 +236,9 @@ def build_parser():
     p.add_argument("--wait-for-cores", type=float, default=0.0,
                    help="on a shared machine: before each training measurement wait (up to --timeout) "
                         "until this many cores are free, e.g. 1.8 of 2")
+    p.add_argument("--compress", action="store_true",
+                   help="instead: train with every --compress setting side by side (manual_dp/bench/compress.py)")
+    p.add_argument("--cpus", type=int, default=2, help="--compress: contexts of each training run")
     return p
 
 
