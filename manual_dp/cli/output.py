@@ -53,7 +53,9 @@ def describe(cfg):
             "hybrid": f"hybrid: data parallel over 2-stage pipelines, {cfg.micro_batches} micro-batches "
                       f"each ({cfg.allreduce})",
             }[cfg.mode] + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
-        f", gradients sent as --compress {cfg.compress} with error feedback"
+        f", gradients sent as --compress {cfg.compress} with error feedback" +
+        (" (summed by the all-reduce)" if cfg.compress.startswith("powersgd") else
+         " (gathered and summed on the first context instead of all-reduced)")
         if getattr(cfg, "compress", "none") != "none" else "")
 
 
