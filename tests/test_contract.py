@@ -37,6 +37,9 @@ STRATEGIES = {
     "compress topk:all x2": lambda p, opt: Compressed(
         DataParallel(p, cpus(2), opt, r := make_reducer("topk:1000000", None, [q.shape for q in p])),
         r, "topk:1000000"),
+    "compress powersgd:1000 x2": lambda p, opt: Compressed(
+        DataParallel(p, cpus(2), opt, r := make_reducer("powersgd:1000", make_allreduce("reduce_bcast"),
+                                                        [q.shape for q in p])), r, "powersgd:1000"),
 }
 
 

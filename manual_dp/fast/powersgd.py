@@ -73,10 +73,7 @@ class PowerSGDAllreduce:
             r += g.reshape((-1,))
             M.append([v.reshape(matrix(s)) if j in self.low else v
                       for j, (v, s) in enumerate(zip(views(r, self.shapes), self.shapes))])
-        P = [nd.concat(*[nd.dot(m[i], q).reshape((-1,)) for i, q in zip(self.low, Q)], dim=0)
-             for m, Q in zip(M, self.Q)]
-        self.allreduce_fn(P)
-        P_hat = [self.split_p(p) for p in P]
+        P_hat = self.sum_p(M)
         Q_local = [[nd.dot(m[i], p, transpose_a=True) for i, p in zip(self.low, ph)]
                    for m, ph in zip(M, P_hat)]
         send = [nd.concat(*[q.reshape((-1,)) for q in ql], *[m[i].reshape((-1,)) for i in self.whole],
@@ -89,6 +86,15 @@ class PowerSGDAllreduce:
         self.allreduce_fn(send)
         for a, s, ph, Q in zip(arrays, send, P_hat, self.Q):
             self.unpack(a, s, ph, Q)
+
+    def sum_p(self, M):
+        """Per replica, the orthonormalised sum of every replica's P = M Q, per compressed weight."""
+        if not self.low:                                          # R too large: nothing compressed
+            return [[] for _ in M]
+        P = [nd.concat(*[nd.dot(m[i], q).reshape((-1,)) for i, q in zip(self.low, Q)], dim=0)
+             for m, Q in zip(M, self.Q)]
+        self.allreduce_fn(P)
+        return [self.split_p(p) for p in P]
 
     def split_p(self, p):
         """The summed P of each compressed weight, orthonormalised."""
