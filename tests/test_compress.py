@@ -49,12 +49,14 @@ def np_2bit(r, t):
     return [out], decoded
 
 
-def np_1bit(r):
-    scale = np.float32(np.abs(r).mean())
+def np_1bit(r, sizes=None):
+    """One scale per segment (`sizes`; default the whole array)."""
+    o = np.cumsum([0] + (sizes or [r.size]))
+    scales = np.array([np.abs(r[a:b]).mean() for a, b in zip(o, o[1:])], np.float32)
     bits = r >= 0
-    decoded = np.where(bits, scale, -scale).astype(np.float32)
+    decoded = np.where(bits, np.repeat(scales, np.diff(o)), -np.repeat(scales, np.diff(o))).astype(np.float32)
     r -= decoded
-    return [np.packbits(bits), np.array([scale], np.float32)], decoded
+    return [np.packbits(bits), scales], decoded
 
 
 def np_topk(r, k):
@@ -73,6 +75,8 @@ def np_fp16(r):
 
 CASES = {"fp16": (FP16, (), np_fp16), "2bit": (TwoBit, (0.5,), lambda r: np_2bit(r, 0.5)),
          "2bit:0.3": (TwoBit, (0.3,), lambda r: np_2bit(r, 0.3)), "1bit": (OneBit, (), np_1bit),
+         "1bit per part": (lambda: OneBit([3, 10, 24]), (),
+                           lambda r: np_1bit(r, [3, 10, 24] if r.size == 37 else None)),
          "topk:7": (TopK, (7,), lambda r: np_topk(r, 7)), "topk:all": (TopK, (99,), lambda r: np_topk(r, 99))}
 
 
@@ -90,7 +94,7 @@ def test_round_trip_is_the_formula(name, n):
     assert_on(payload + [r], mx.cpu(1))
     decoded = comp.decode(payload, n, mx.cpu(2))
     assert decoded.context == mx.cpu(2) and decoded.shape == (n,)
-    tol = dict(rtol=1e-6, atol=1e-7) if name == "1bit" else dict(rtol=0, atol=0)
+    tol = dict(rtol=1e-6, atol=1e-7) if name.startswith("1bit") else dict(rtol=0, atol=0)
     np.testing.assert_allclose(decoded.asnumpy(), decoded_ref, **tol)
     np.testing.assert_allclose(r.asnumpy(), r_ref, **tol)
     if name.startswith("topk"):            # the same entries, in any order
@@ -115,7 +119,7 @@ def test_error_feedback_over_steps_equals_numpy(name):
             r += x
             decoded.append(ref(r)[1])
         want = nd.add_n(*map(nd.array, decoded)).asnumpy()      # MXNet's order of adding
-        tol = dict(rtol=1e-6, atol=1e-6) if name == "1bit" else dict(rtol=0, atol=0)
+        tol = dict(rtol=1e-6, atol=1e-6) if name.startswith("1bit") else dict(rtol=0, atol=0)
         for a, c in zip(arrays, cpus(k)):
             assert a.context == c
             np.testing.assert_allclose(a.asnumpy(), want, **tol)

@@ -20,7 +20,7 @@ SETTINGS = ["none", "fp16", "2bit", "2bit:0.05", "1bit", "topk:1291", "powersgd:
 PLANS = {"tiny": ["--epochs", "1", "--train-size", "512", "--test-size", "256", "--batch-size", "64"],
          "quick": ["--epochs", "2", "--train-size", "12000", "--test-size", "2000"],
          "full": []}
-HEADER_BYTES = 8                                            # 1bit's scale; slack for others
+HEADER_BYTES = 4 * 8 + 4              # 1bit's scale per LeNet parameter; 2bit's last 4-byte block
 ACCURACY_TARGET = ("fp16", "2bit", "powersgd:2", "powersgd:4")
 
 

@@ -10,8 +10,8 @@ handed in, and the compressor adds the gradient to it, sends what it can and kee
     fp16        float16 values                                   2n bytes
     2bit:T      MXNet's kvstore 2bit: {+T, -T, 0} as 11/10/00,  ceil(n/16) x 4 bytes (MXNet's size)
                 four to a byte, MSB first, 16 to a float32 block
-    1bit        the sign, eight to a byte, times one scale = mean |residual| (EF-signSGD)
-                                                                 ceil(n/8) + 4 bytes
+    1bit        the sign, eight to a byte, times a scale = mean |residual| per parameter
+                (EF-signSGD)                                     ceil(n/8) + 4 x parameters bytes
     topk:K      the K largest |residual|: int32 indices and float32 values      8K bytes
 
 None of these can be summed in compressed form, so GatherAllreduce gathers every replica's payload
@@ -86,22 +86,39 @@ class TwoBit:
 
 
 class OneBit:
-    """The sign of the residual (bit 1: >= 0), scaled by its mean magnitude, one float32 header."""
+    """The sign of the residual (bit 1: >= 0), scaled by its mean magnitude: one float32 header
+    per segment (per parameter of the flat buffer when `sizes` lists them; else one)."""
     name = "1bit"
 
+    def __init__(self, sizes=None):
+        self.sizes = list(sizes) if sizes else None
+
+    def segments(self, n):
+        """[(start, stop)] of each segment of an n-element gradient."""
+        sizes = self.sizes if self.sizes and sum(self.sizes) == n else [n]
+        o = np.cumsum([0] + sizes)
+        return list(zip(o[:-1], o[1:]))
+
     def spec(self, n):
-        return [((-(-n // 8),), "uint8"), ((1,), "float32")]
+        return [((-(-n // 8),), "uint8"), ((len(self.segments(n)),), "float32")]
+
+    def spread(self, scales, n):
+        """(n,): each segment's scale repeated over it."""
+        return nd.concat(*[nd.broadcast_to(scales[j:j + 1], (int(b - a),))
+                           for j, (a, b) in enumerate(self.segments(n))], dim=0)
 
     def encode(self, grad, residual):
         residual += grad
-        scale = nd.mean(nd.abs(residual)).reshape((1,))
+        n = residual.size
+        scales = nd.concat(*[nd.mean(nd.abs(residual[int(a):int(b)])).reshape((1,))
+                             for a, b in self.segments(n)], dim=0)
         positive = residual >= 0
-        residual -= nd.broadcast_mul(positive * 2 - 1, scale)
-        return [pack(positive, 1), scale]
+        residual -= (positive * 2 - 1) * self.spread(scales, n)
+        return [pack(positive, 1), scales]
 
     def decode(self, payload, n, ctx):
         signs = unpack(payload[0], 1, n, ctx) * 2 - 1
-        return nd.broadcast_mul(signs, payload[1].as_in_context(ctx))
+        return signs * self.spread(payload[1].as_in_context(ctx), n)
 
 
 class TopK:
@@ -232,6 +249,7 @@ def make_reducer(spec, allreduce_fn, shapes, world=None):
         return None
     if name == "powersgd":
         return PowerSGDAllreduce(arg, shapes, allreduce_fn)
-    compressor = {"fp16": FP16, "1bit": OneBit}[name]() if arg is None else \
-        {"2bit": TwoBit, "topk": TopK}[name](arg)
+    if name == "1bit":
+        return GatherAllreduce(OneBit([int(np.prod(s)) for s in shapes]), world)
+    compressor = FP16() if name == "fp16" else {"2bit": TwoBit, "topk": TopK}[name](arg)
     return GatherAllreduce(compressor, world)
