@@ -172,6 +172,19 @@ FLAGS = [
     ("tensor-parallel in sync", ["--cpus", "4", "--tensor-parallel", "2"], 2,
      "--tensor-parallel applies only to --mode tensor, not --mode sync"),
     ("tensor-parallel 0", ["--mode", "tensor", "--tensor-parallel", "0"], 2, "--tensor-parallel must be >= 1"),
+    ("compress topk:0", ["--compress", "topk:0"], 2, "--compress topk:0: the argument must be positive"),
+    ("compress powersgd:0", ["--compress", "powersgd:0"], 2, "--compress powersgd:0: the argument must be positive"),
+    ("compress topk alone", ["--compress", "topk"], 2, "--compress topk needs its argument: topk:K"),
+    ("compress topk:x", ["--compress", "topk:1.5"], 2, "'1.5' is not an integer"),
+    ("compress 2bit:-1", ["--compress", "2bit:-1"], 2, "the argument must be positive"),
+    ("compress fp16:3", ["--compress", "fp16:3"], 2, "--compress fp16 takes no argument"),
+    ("compress unknown", ["--compress", "3bit"], 2, "--compress 3bit: choose from none, fp16"),
+    ("compress in pipeline", ["--cpus", "2", "--mode", "pipeline", "--compress", "2bit"], 2,
+     "--compress applies only to --mode sync"),
+    ("compress without fusion", ["--compress", "1bit", "--no-fuse-grads"], 2, "drop --no-fuse-grads"),
+    ("compress dist_async", ["--backend", "dist_async", "--compress", "fp16"], 2, "not to --backend dist_async"),
+    ("compress gathered with allreduce", ["--compress", "2bit", "--allreduce", "ring"], 2,
+     "--allreduce does not apply"),
 ]
 
 

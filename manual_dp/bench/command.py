@@ -5,6 +5,7 @@ to DIR/results.json (a list of records with bench, impl, devices and the figures
     --tiny    seconds, synthetic data (for the tests)     --model  the cost model's table and plot
     --memory  every mode's measured memory per context (--width, --batch-size, --cpus)
     --local-sgd   instead, local SGD at H = 1, 4, 16: accuracy and communication rounds (bench/local_sgd.py)
+    --compress  every gradient compression trained side by side (manual_dp.bench.compress)
 
 Every measurement runs in a fresh process (manual_dp.bench.worker) whose thread settings are in
 its environment before MXNet or PyTorch loads: "tuned" is manual_dp.runtime's choice for its
@@ -223,6 +224,11 @@ def main(argv=None):
         from .local_sgd import run as run_local_sgd
         run_local_sgd(args.plan, out, args.data_dir, args.timeout, commit())
         return
+    if args.compress:
+        from .compress import bench_compress
+        m = dict(machine(), commit=commit())
+        bench_compress(args.plan, args, f"{m['cpu']} ({m['vector']}), {m['cores']} cores, commit {m['commit']}")
+        return
     records = measure(PLANS[args.plan], args)
     records += report(records)
     where = {k: records[0][k] for k in ("cpu", "vector", "cores", "commit")}
@@ -267,6 +273,8 @@ def build_parser():
     p.add_argument("--local-sgd", action="store_true",
                    help="instead: local SGD at H = 1, 4, 16 side by side, test accuracy and communication "
                         "rounds per epoch (OUT/local_sgd.json, local_sgd.png; --timeout is per epoch)")
+    p.add_argument("--compress", action="store_true",
+                   help="instead: train with every --compress setting side by side (manual_dp/bench/compress.py)")
     return p
 
 

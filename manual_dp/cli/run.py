@@ -15,6 +15,7 @@ from ..errors import (CheckpointError, DataError, DistributedError, DivergedErro
                       ReplicaMismatchError, UsageError)
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
+from ..fast.compress import make_reducer
 from ..fast.trace import TRACE_UPDATES
 from ..lesson import init_lenet_params
 from ..loop import fit
@@ -25,6 +26,7 @@ from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.pipeline import PipelineParallel
+from ..strategies.compressed import Compressed
 from ..strategies.local_sgd import LocalSGD
 from ..strategies.tensor import TensorParallel
 from ..strategies.zero import ZeroRedundancy
@@ -69,14 +71,16 @@ def build_model(cfg, params, ctx, world):
             print(f"cached graph: convolution channels padded to multiples of {pad}" if pad > 1 else
                   "cached graph: convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
         bucket_mb = float("inf") if cfg.trace and cfg.bucket_mb is None else cfg.bucket_mb  # inf: one buffer
+        compressed = make_reducer(cfg.compress, reduce, [p.shape for p in params], world)
         model = DeterministicDataParallel(
             params, ctx, cfg.optimizer, graph=cfg.graph, conv_pad=pad, rank=world.rank, size=world.size,
             exchange=lambda table: world.allreduce(table, "tree" + "x".join(map(str, table.shape)))) \
             if cfg.deterministic else \
-            DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad,
-                         bucket_mb=bucket_mb)
+            DataParallel(params, ctx, cfg.optimizer, compressed or reduce, cfg.fuse_grads, cfg.graph,
+                         conv_pad=pad, bucket_mb=bucket_mb)
         if cfg.trace:
             model.trace(cfg.trace, algorithm=name)
+        model = Compressed(model, compressed, cfg.compress, world) if compressed else model
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
     elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
