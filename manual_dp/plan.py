@@ -44,6 +44,7 @@ def build_parser():
     p.add_argument("--link", default="pcie", help=f"{', '.join(LINKS)} (default pcie): the link of "
                                                   "manual_dp.costmodel.LINKS the devices share")
     p.add_argument("--verify", action="store_true", help="run the top layouts on CPU contexts, a few steps each")
+    p.add_argument("--plot", help="with --verify: draw predicted beside measured to this PNG")
     p.add_argument("--top", type=int, default=3, help="layouts --verify runs (default 3)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per layout under --verify (default 3)")
     return p
@@ -61,6 +62,8 @@ def parse(argv):
         raise UsageError(f"--optimizer {args.optimizer}: choose from sgd, momentum, adam")
     if args.batch_size < args.devices:
         raise UsageError(f"--batch-size {args.batch_size} is smaller than the {args.devices} devices")
+    if args.plot and not args.verify:
+        raise UsageError("--plot draws what --verify measured: add --verify")
     args.memory_per_device = parse_bytes(args.memory_per_device)
     return args
 

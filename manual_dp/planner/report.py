@@ -76,4 +76,31 @@ def run(args, machine, cores):
     if args.verify:
         cpu_device, checked = verify_rows(rows, setting, args.top, args.steps, cores)
         out += [f"machine: {machine['cpu']}, {machine['cores']} cores", format_verify(cpu_device, checked)]
+        if args.plot:
+            plot_verify(checked, f"{out[0]}; verified on {machine['cpu']}, {machine['cores']} cores "
+                                 f"(shared machine)", args.plot)
     return "\n".join(out)
+
+
+def plot_verify(checked, title, out):
+    """A PNG at `out`: per verified layout, predicted beside measured MiB (left) and ms (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [name(l) for l, *_ in checked]
+    x = range(len(names))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    panels = [("MiB on the busiest device", lambda m, t, g: (m["total"] / MiB, g["total"] / MiB)),
+              ("ms per step", lambda m, t, g: (t["total"] * 1e3, g["seconds"] * 1e3))]
+    for ax, (label, values) in zip(axes, panels):
+        pairs = [values(m, t, g) for _, m, t, g in checked]
+        ax.bar([i - 0.2 for i in x], [p for p, _ in pairs], 0.4, label="predicted")
+        ax.bar([i + 0.2 for i in x], [g for _, g in pairs], 0.4, label="measured")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(names, rotation=15, fontsize=7)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
