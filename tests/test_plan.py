@@ -126,7 +126,9 @@ BAD = [(["--devices", "0", "--memory-per-device", "1G"], "--devices must be >= 1
        (["--devices", "2", "--memory-per-device", "1G", "--link", "carrier-pigeon"],
         "--link carrier-pigeon: choose from pcie, nvlink, eth25, eth100"),
        (["--devices", "8", "--memory-per-device", "1G", "--batch-size", "4"], "--batch-size 4 is smaller"),
-       (["--memory-per-device", "1G"], "the following arguments are required: --devices")]
+       (["--memory-per-device", "1G"], "the following arguments are required: --devices"),
+       (["--devices", "2", "--memory-per-device", "1G", "--plot", "x.png"], "--plot draws what --verify measured"),
+       (["--devices", "2", "--memory-per-device", "1G", "--optimizer", "lion"], "--optimizer lion: choose from")]
 
 
 @pytest.mark.parametrize("argv, says", BAD, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
@@ -137,9 +139,10 @@ def test_bad_input_one_line_exit_2(capsys, argv, says):
     assert e.value.code == 2 and len(err) == 1 and says in err[0], err
 
 
-def test_verify_prints_predicted_and_measured():
+def test_verify_prints_predicted_and_measured(tmp_path):
     out = subprocess.run([sys.executable, "-m", "manual_dp.plan", "--devices", "2", "--memory-per-device",
-                          "8MiB", "--batch-size", "16", "--verify", "--top", "2", "--steps", "1"],
+                          "8MiB", "--batch-size", "16", "--verify", "--top", "2", "--steps", "1",
+                          "--plot", str(tmp_path / "plan.png")],
                          capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
@@ -149,4 +152,5 @@ def test_verify_prints_predicted_and_measured():
                                    "ms", "ratio"]
     rows = lines[head + 1:]
     assert len(rows) == 2 and all(r.split()[-4] == "1.000" for r in rows), rows   # memory: exact
-    assert lines[[i for i, l in enumerate(lines) if l.startswith("recommended:")][0]]
+    assert any(l.startswith("recommended: ") for l in lines)
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
