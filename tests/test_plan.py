@@ -148,9 +148,9 @@ def test_verify_prints_predicted_and_measured(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     head = lines.index(next(l for l in lines if l.startswith("layout") and "meas MiB" in l))
-    assert lines[head].split() == ["layout", "pred", "MiB", "meas", "MiB", "ratio", "pred", "ms", "meas",
-                                   "ms", "ratio"]
+    assert lines[head].split() == ["layout", "pred", "MiB", "meas", "MiB", "ratio", "GFLOP/s", "pred", "ms",
+                                   "meas", "ms", "ratio"]
     rows = lines[head + 1:]
-    assert len(rows) == 2 and all(r.split()[-4] == "1.000" for r in rows), rows   # memory: exact
+    assert len(rows) == 2 and all(r.split()[-5] == "1.000" for r in rows), rows   # memory: exact
     assert any(l.startswith("recommended: ") for l in lines)
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"

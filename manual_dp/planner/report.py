@@ -43,24 +43,26 @@ def format_table(rows):
 
 
 def verify_rows(rows, setting, top, steps, cores):
-    """The first `top` ranked layouts that have a strategy, each predicted on CPU contexts (at this
-    machine's measured rate) and measured: [(layout, predicted memory, predicted time, measured)]."""
+    """The first `top` ranked layouts that have a strategy, each measured, then predicted on CPU
+    contexts at the rate measured beside it: [(layout, predicted memory, predicted time, measured)]."""
     from .predict import cpu
-    from .verify import BUILDERS, machine_rate, measure
-    chosen = [r["layout"] for r in rows if r["layout"].kind in BUILDERS][:top]
-    devices = chosen[0].dp * chosen[0].tp * chosen[0].pp if chosen else 1
-    device = cpu(machine_rate(setting, devices, cores, steps))
-    return device, [(l, memory(l, setting), step_time(l, setting, device), measure(l, setting, steps))
-                    for l in chosen]
+    from .verify import BUILDERS, measure
+    out = []
+    for l in [r["layout"] for r in rows if r["layout"].kind in BUILDERS][:top]:
+        got = measure(l, setting, steps, cores)
+        out.append((l, memory(l, setting), step_time(l, setting, cpu(got["rate"])), got))
+    return out
 
 
-def format_verify(device, checked):
-    lines = [f"verified on CPU contexts ({device.name}, measured on a one-context step):",
-             f"{'layout':40} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6} {'pred ms':>9} {'meas ms':>9} {'ratio':>6}"]
+def format_verify(checked):
+    lines = ["verified on CPU contexts (predicted at the machine's rate measured beside each layout: "
+             "a one-context step's, times min(contexts, cores)):",
+             f"{'layout':40} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6} {'GFLOP/s':>8} {'pred ms':>9} "
+             f"{'meas ms':>9} {'ratio':>6}"]
     for l, m, t, got in checked:
         lines.append(f"{name(l):40} {m['total'] / MiB:9.2f} {got['total'] / MiB:9.2f} "
-                     f"{got['total'] / m['total']:6.3f} {t['total'] * 1e3:9.2f} {got['seconds'] * 1e3:9.2f} "
-                     f"{got['seconds'] / t['total']:6.2f}")
+                     f"{got['total'] / m['total']:6.3f} {got['rate'] / 1e9:8.1f} {t['total'] * 1e3:9.2f} "
+                     f"{got['seconds'] * 1e3:9.2f} {got['seconds'] / t['total']:6.2f}")
     return "\n".join(lines)
 
 
@@ -74,8 +76,8 @@ def run(args, machine, cores):
            f"{args.devices} devices of {args.memory_per_device / MiB:.1f} MiB; {device.name}",
            format_table(rows), recommend(rows, args.memory_per_device, setting)]
     if args.verify:
-        cpu_device, checked = verify_rows(rows, setting, args.top, args.steps, cores)
-        out += [f"machine: {machine['cpu']}, {machine['cores']} cores", format_verify(cpu_device, checked)]
+        checked = verify_rows(rows, setting, args.top, args.steps, cores)
+        out += [f"machine: {machine['cpu']}, {machine['cores']} cores", format_verify(checked)]
         if args.plot:
             plot_verify(checked, f"{out[0]}; verified on {machine['cpu']}, {machine['cores']} cores "
                                  f"(shared machine)", args.plot)

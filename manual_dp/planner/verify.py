@@ -49,17 +49,20 @@ def random_batch(batch, seed=0):
     return rng.rand(batch, 1, 28, 28).astype(np.float32), rng.randint(0, 10, batch).astype(np.int32)
 
 
-def timed_steps(model, X, y, steps):
-    """Median seconds of `steps` steps after one warm-up step."""
-    model.step(X, y, 0.01)
-    mx.nd.waitall()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+def timed_steps(models, X, y, steps):
+    """Median seconds per step of each model: one warm-up step each, then `steps` rounds of one step
+    of each model, side by side, so that the load of a shared machine falls on all alike."""
+    times = [[] for _ in models]
+    for model in models:
         model.step(X, y, 0.01)
-        mx.nd.waitall()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    mx.nd.waitall()
+    for _ in range(steps):
+        for model, t in zip(models, times):
+            start = time.perf_counter()
+            model.step(X, y, 0.01)
+            mx.nd.waitall()
+            t.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def peak_bytes(model, activations, batch, shapes):
@@ -73,23 +76,20 @@ def peak_bytes(model, activations, batch, shapes):
     return {c: tuple(v) for c, v in out.items()}
 
 
-def measure(l, setting, steps=3):
-    """{"state", "activations", "total"} bytes of the busiest context and "seconds" per step of
-    layout l run on CPU contexts cpu(0..devices-1)."""
+def measure(l, setting, steps=3, cores=2):
+    """{"state", "activations", "total"} bytes of the busiest context, "seconds" per step of layout
+    l run on CPU contexts cpu(0..devices-1), and "rate": this machine's FLOP/s on LeNet's layers,
+    timed side by side with it: a one-context step's FLOPs over its time, times the contexts that
+    run at once (min(contexts, cores): each context's ops get cores // contexts threads,
+    manual_dp.fast.runtime; a machine loaded by others gives fewer)."""
     build, activations = BUILDERS[l.kind]
     ctx = [mx.cpu(i) for i in range(l.dp * l.tp * l.pp)]
-    model = build(init_lenet_params(0, width=setting.width), ctx, setting.optimizer, l)
+    params = init_lenet_params(0, width=setting.width)
+    model = build(params, ctx, setting.optimizer, l)
+    one = DataParallel(params, [mx.cpu(0)], setting.optimizer, graph=False)
     X, y = random_batch(setting.batch)
-    seconds = timed_steps(model, X, y, steps)
+    seconds, one_seconds = timed_steps([model, one], X, y, steps)
     shapes = [shape for _, shape in lenet_shapes(setting.width)]
     state, acts = max(peak_bytes(model, activations, setting.batch, shapes).values(), key=sum)
-    return {"state": state, "activations": acts, "total": state + acts, "seconds": seconds}
-
-
-def machine_rate(setting, contexts, cores, steps=3):
-    """FLOP/s of this machine on LeNet's layers: a one-context step's FLOPs over its measured time,
-    times the contexts that run at once (min(contexts, cores): each context's ops get
-    cores // contexts threads, manual_dp.fast.runtime)."""
-    model = DataParallel(init_lenet_params(0, width=setting.width), [mx.cpu(0)], setting.optimizer, graph=False)
-    seconds = timed_steps(model, *random_batch(setting.batch), steps)
-    return setting.batch * stage_flops(setting.width, range(4), False) / seconds * min(contexts, cores)
+    rate = setting.batch * stage_flops(setting.width, range(4), False) / one_seconds * min(len(ctx), cores)
+    return {"state": state, "activations": acts, "total": state + acts, "seconds": seconds, "rate": rate}
