@@ -12,7 +12,7 @@ from manual_dp import costmodel
 from manual_dp.lesson import lenet_shapes
 from manual_dp.memory import stage_activation_elems
 from manual_dp.plan import main, parse_bytes
-from manual_dp.planner.layouts import enumerate_layouts, layout, name
+from manual_dp.planner.layouts import enumerate_layouts, layout, mode, name, train_flags
 from manual_dp.planner.predict import Device, Setting, activation_elems, memory, per_device_state, step_time
 from manual_dp.planner.report import format_table, plan, recommend
 
@@ -106,6 +106,16 @@ def test_table_on_a_fixed_cost_model():
         "--stages 2 --schedule 1f1b --micro-batches 4 --recompute --cpus 4 --width 1 --batch-size 256 "
         "--optimizer momentum")
     assert recommend(plan(4, 1000, s, FIXED), 1000, s).startswith("no layout fits in 0.0 MiB per device")
+
+
+def test_every_runnable_layout_s_flags_are_accepted():
+    from manual_dp.cli.options import parse
+    from manual_dp.config import MODES, check_layout
+    for l in enumerate_layouts(4, 256):
+        if mode(l) in MODES:
+            cfg = parse(train_flags(l).split() + ["--batch-size", "256"])
+            check_layout(cfg, cfg.cpus)
+            assert (cfg.stages or 1, cfg.zero_stage) == (l.pp, l.zero_stage), l
 
 
 def test_bubble_is_s_minus_one_ticks():

@@ -31,6 +31,13 @@ def name(l):
     return head + (f" x dp {l.dp}" if l.dp > 1 else "")
 
 
+def mode(l):
+    """The --mode of manual_dp.train that runs layout l."""
+    if l.kind == "pipeline":
+        return "hybrid" if l.dp > 1 else "pipeline"
+    return {"data": "sync"}.get(l.kind, l.kind)
+
+
 def train_flags(l):
     """The python -m manual_dp.train flags that run layout l."""
     if l.kind == "data":
@@ -39,8 +46,7 @@ def train_flags(l):
         return f"--mode zero --zero-stage {l.zero_stage} --cpus {l.dp}"
     if l.kind == "tensor":
         return f"--mode tensor --tensor-parallel {l.tp} --cpus {l.dp * l.tp}"
-    mode = "hybrid" if l.dp > 1 else "pipeline"
-    return (f"--mode {mode} --stages {l.pp} --schedule {l.schedule} --micro-batches {l.micro}"
+    return (f"--mode {mode(l)} --stages {l.pp} --schedule {l.schedule} --micro-batches {l.micro}"
             + (" --recompute" if l.recompute else "") + f" --cpus {l.dp * l.pp}")
 
 

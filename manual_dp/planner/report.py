@@ -3,7 +3,8 @@ and under --verify the top ones measured on CPU contexts beside their prediction
 import math
 
 from ..lesson import lenet_shapes
-from .layouts import enumerate_layouts, name, train_flags
+from ..config import MODES
+from .layouts import enumerate_layouts, mode, name, train_flags
 from .predict import Setting, gpu, memory, step_time
 
 MiB = 2 ** 20
@@ -26,8 +27,9 @@ def recommend(rows, budget, setting):
         return (f"no layout fits in {budget / MiB:.1f} MiB per device: the smallest, "
                 f"{name(least['layout'])}, needs {least['memory']['total'] / MiB:.1f} MiB")
     l = rows[0]["layout"]
+    missing = "" if mode(l) in MODES else f" (predicted only: this build has no --mode {mode(l)})"
     return (f"recommended: {name(l)}: python -m manual_dp.train {train_flags(l)} --width {setting.width} "
-            f"--batch-size {setting.batch} --optimizer {setting.optimizer}")
+            f"--batch-size {setting.batch} --optimizer {setting.optimizer}{missing}")
 
 
 def format_table(rows):
