@@ -11,7 +11,7 @@ import re
 import sys
 
 from .errors import UsageError
-from .fast.runtime import configure, machine, usable_cores
+from .fast.runtime import configure, machine
 
 UNITS = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,
          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
@@ -76,7 +76,7 @@ def main(argv=None):
         sys.exit(2)
     configure(args.devices)                     # thread settings before MXNet loads
     from .planner.report import run
-    print(run(args, machine(), usable_cores()))
+    print(run(args, machine()))
 
 
 if __name__ == "__main__":

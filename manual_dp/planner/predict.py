@@ -31,8 +31,9 @@ Time, per step, no overlap of compute and communication:
   row-parallel layer per pair) an all-reduce of each pair's output in forward and of its input
   gradient in backward, then the data-parallel all-reduce of 4N/T bytes; pipelines the boundary
   copies (activation forward, gradient back, per micro-batch) and each stage's all-reduce over dp.
-On CPU contexts (--verify) the devices share one machine's cores: compute is every device's FLOPs
-over the machine's measured rate, with no bubble (an idle context's cores serve the others).
+On CPU contexts (--verify) the devices share one machine: their work runs one after another
+(measured: 8 contexts took as long as 8 one-context steps on their shares), so compute is every
+device's FLOPs over the measured rate of one device's share, with no bubble.
 """
 import math
 from collections import namedtuple

@@ -44,21 +44,21 @@ def format_table(rows):
     return "\n".join(lines)
 
 
-def verify_rows(rows, setting, top, steps, cores):
+def verify_rows(rows, setting, top, steps):
     """The first `top` ranked layouts that have a strategy, each measured, then predicted on CPU
     contexts at the rate measured beside it: [(layout, predicted memory, predicted time, measured)]."""
     from .predict import cpu
     from .verify import BUILDERS, measure
     out = []
     for l in [r["layout"] for r in rows if r["layout"].kind in BUILDERS][:top]:
-        got = measure(l, setting, steps, cores)
+        got = measure(l, setting, steps)
         out.append((l, memory(l, setting), step_time(l, setting, cpu(got["rate"])), got))
     return out
 
 
 def format_verify(checked):
-    lines = ["verified on CPU contexts (predicted at the machine's rate measured beside each layout: "
-             "a one-context step's, times min(contexts, cores)):",
+    lines = ["verified on CPU contexts (predicted at the rate of a one-context step on one device's share "
+             "of the batch, timed beside each layout; the contexts' work taken to run one after another):",
              f"{'layout':40} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6} {'GFLOP/s':>8} {'pred ms':>9} "
              f"{'meas ms':>9} {'ratio':>6}"]
     for l, m, t, got in checked:
@@ -68,7 +68,7 @@ def format_verify(checked):
     return "\n".join(lines)
 
 
-def run(args, machine, cores):
+def run(args, machine):
     """The planner's whole output for parsed arguments."""
     setting = Setting(args.width, args.batch_size, args.optimizer)
     device = gpu(args.link)
@@ -78,7 +78,7 @@ def run(args, machine, cores):
            f"{args.devices} devices of {args.memory_per_device / MiB:.1f} MiB; {device.name}",
            format_table(rows), recommend(rows, args.memory_per_device, setting)]
     if args.verify:
-        checked = verify_rows(rows, setting, args.top, args.steps, cores)
+        checked = verify_rows(rows, setting, args.top, args.steps)
         out += [f"machine: {machine['cpu']}, {machine['cores']} cores", format_verify(checked)]
         if args.plot:
             plot_verify(checked, f"{out[0]}; verified on {machine['cpu']}, {machine['cores']} cores "

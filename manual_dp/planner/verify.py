@@ -49,15 +49,15 @@ def random_batch(batch, seed=0):
     return rng.rand(batch, 1, 28, 28).astype(np.float32), rng.randint(0, 10, batch).astype(np.int32)
 
 
-def timed_steps(models, X, y, steps):
-    """Median seconds per step of each model: one warm-up step each, then `steps` rounds of one step
-    of each model, side by side, so that the load of a shared machine falls on all alike."""
-    times = [[] for _ in models]
-    for model in models:
+def timed_steps(runs, steps):
+    """Median seconds per step of each (model, X, y) of `runs`: one warm-up step each, then `steps`
+    rounds of one step of each, side by side, so that the load of a shared machine falls on all alike."""
+    times = [[] for _ in runs]
+    for model, X, y in runs:
         model.step(X, y, 0.01)
     mx.nd.waitall()
     for _ in range(steps):
-        for model, t in zip(models, times):
+        for (model, X, y), t in zip(runs, times):
             start = time.perf_counter()
             model.step(X, y, 0.01)
             mx.nd.waitall()
@@ -76,20 +76,21 @@ def peak_bytes(model, activations, batch, shapes):
     return {c: tuple(v) for c, v in out.items()}
 
 
-def measure(l, setting, steps=3, cores=2):
+def measure(l, setting, steps=3):
     """{"state", "activations", "total"} bytes of the busiest context, "seconds" per step of layout
     l run on CPU contexts cpu(0..devices-1), and "rate": this machine's FLOP/s on LeNet's layers,
-    timed side by side with it: a one-context step's FLOPs over its time, times the contexts that
-    run at once (min(contexts, cores): each context's ops get cores // contexts threads,
-    manual_dp.fast.runtime; a machine loaded by others gives fewer)."""
+    timed side by side with it: the FLOPs of a one-context step on one device's share of the batch
+    (ceil(batch / devices) examples) over its time. The contexts' work is taken to run one after
+    another (measured here: 8 contexts on a batch of 64 took as long as 8 one-context steps of 8)."""
     build, activations = BUILDERS[l.kind]
     ctx = [mx.cpu(i) for i in range(l.dp * l.tp * l.pp)]
     params = init_lenet_params(0, width=setting.width)
     model = build(params, ctx, setting.optimizer, l)
     one = DataParallel(params, [mx.cpu(0)], setting.optimizer, graph=False)
     X, y = random_batch(setting.batch)
-    seconds, one_seconds = timed_steps([model, one], X, y, steps)
+    share = -(-setting.batch // len(ctx))
+    seconds, one_seconds = timed_steps([(model, X, y), (one, X[:share], y[:share])], steps)
     shapes = [shape for _, shape in lenet_shapes(setting.width)]
     state, acts = max(peak_bytes(model, activations, setting.batch, shapes).values(), key=sum)
-    rate = setting.batch * stage_flops(setting.width, range(4), False) / one_seconds * min(len(ctx), cores)
+    rate = share * stage_flops(setting.width, range(4), False) / one_seconds
     return {"state": state, "activations": acts, "total": state + acts, "seconds": seconds, "rate": rate}
