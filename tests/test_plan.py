@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from manual_dp import costmodel
 from manual_dp.lesson import lenet_shapes
 from manual_dp.memory import stage_activation_elems
 from manual_dp.plan import main, parse_bytes
