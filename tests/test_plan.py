@@ -46,6 +46,7 @@ def test_state_per_device_by_hand(optimizer, c):
                                                                     (N + (1 + c) * half, 2 * piece)]
     # stage 3's peak: dense1 gathered whole on both devices (102,528 > 2 x 63,244 / 2 per device)
     assert per_device_state(layout("zero", 2, zero_stage=3), s) == [((2 + c) * half, LAYERS[2])] * 2
+    assert per_device_state(layout("tensor", 1, tp=2), s) == [((2 + c) * N / 2, 0)] * 2     # weights cut in 2
     assert per_device_state(layout("pipeline", 1, pp=2, schedule="gpipe", micro=4), s) == \
         [((2 + c) * sum(LAYERS[:2]), 0), ((2 + c) * sum(LAYERS[2:]), 0)]
 
@@ -56,6 +57,8 @@ def test_activations_by_hand():
     dense = 800 + 3 * 128 + 3 * 10 + 1
     assert stage_activation_elems() == [conv, dense]
     assert memory(layout("data", 2), s)["activations"] == 4 * 4 * (conv + dense)       # 4 examples each
+    # tensor T=2, one group: all 8 examples, half of every activation, the images whole on both ranks
+    assert memory(layout("tensor", 1, tp=2), s)["activations"] == 4 * 8 * ((conv + dense) / 2 + 784)
     gpipe = layout("pipeline", 1, pp=2, schedule="gpipe", micro=4)
     assert activation_elems(gpipe, s) == [8 * conv, 8 * dense]                          # all 8 micro-batches
     f1b = gpipe._replace(schedule="1f1b")                  # stage 0: 2 of 4 micro-batches, stage 1: 1
