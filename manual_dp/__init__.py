@@ -26,9 +26,10 @@ _EXPORTS = {
     "strategies.stages": ["conv_stage", "dense_stage", "split_params", "send"],
     "strategies.schedules": ["gpipe_schedule", "bubble_fraction"],
     "fast.collectives": ["ALLREDUCE_ALGORITHMS", "make_allreduce"],
+    "strategies.tensor": ["TensorParallel"],
     "loop": ["fit", "evaluate"],
     "schedule": ["make_lr", "scaled_lr", "Warmup", "lr_at", "updates_per_epoch"],
-    "memory": ["per_context"],
+    "memory": ["per_context", "measure"],
     "strategies.zero": ["ZeroRedundancy"],
     "strategies.local_sgd": ["LocalSGD"],
 }

@@ -11,7 +11,7 @@ from typing import Optional
 from .errors import UsageError
 from .fast.runtime import visible_gpus
 
-MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local")
+MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local", "tensor")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
 STAGES = 2                    # LeNet cut in two by default: convolutions | dense layers
@@ -95,6 +95,10 @@ class RunConfig:
                         choices=BACKENDS)
     timeout: float = flag(120.0, "seconds without progress after which a process of a multi-process "
                                  "job gives up", "more than one process (see docs/multi-machine.md)")
+    memory_per_device: Optional[str] = flag(None, "emulate devices of this many bytes (suffix K, M, G, T: "
+                                                  "powers of 1024): refuse, before training, a layout whose "
+                                                  "measured peak on a context exceeds it, and name the modes "
+                                                  "that fit (manual_dp/memory.py)", "parallelism")
     sync_every: Optional[int] = flag(None, "local only: inner optimiser steps each replica takes on its own "
                                            "shards between syncs (H; default 4)", "parallelism")
     outer_optimizer: Optional[str] = flag(None, "local only: what applies the averaged change at a sync "
@@ -120,6 +124,10 @@ class RunConfig:
     trace: Optional[str] = flag(None, "sync only: record a few steps (MXNet's profiler and the "
                                       "trainer's spans) as a Chrome trace to this file; draw it with "
                                       "python -m manual_dp.timeline", "data and outputs")
+    tensor_parallel: Optional[int] = flag(None, "tensor only: contexts per tensor group, each holding a "
+                                                "1/T shard of every split layer; the groups are data "
+                                                "parallel (default: every context, one group)",
+                                          "parallelism")
 
 
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
@@ -128,12 +136,12 @@ MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "stages": STAGES, "schedule
 APPLIES = {
     "staleness": ("async",),
     "micro_batches": ("pipeline", "hybrid"),
-    "allreduce": ("sync", "hybrid", "local"),
+    "allreduce": ("sync", "hybrid", "local", "tensor"),
     "fuse_grads": ("sync",),
     "graph": ("sync",),
     "no_autotune": ("sync",),
     "deterministic": ("sync",),
-    "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local"),
+    "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor"),
     "zero_stage": ("zero",),
     "sync_every": ("local",),
     "outer_optimizer": ("local",),
@@ -144,6 +152,7 @@ APPLIES = {
     "recompute": ("model", "pipeline", "hybrid"),
     "bucket_mb": ("sync",),
     "trace": ("sync",),
+    "tensor_parallel": ("tensor",),
 }
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
@@ -170,7 +179,7 @@ def resolve(cfg):
 def check(cfg):
     """Raise UsageError for values no run can use (before any device, file or MXNet is touched)."""
     for name in ("batch_size", "gpus", "cpus", "width", "train_size", "test_size", "micro_batches",
-                 "grad_accum", "check_replicas"):
+                 "grad_accum", "check_replicas", "tensor_parallel"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -184,6 +193,8 @@ def check(cfg):
             raise UsageError(f"--{name.replace('_', '-')} must be positive and finite, got {value}")
     if not (cfg.warmup_epochs >= 0 and math.isfinite(cfg.warmup_epochs)):
         raise UsageError(f"--warmup-epochs must be >= 0 and finite, got {cfg.warmup_epochs}")
+    if cfg.memory_per_device is not None:
+        parse_bytes(cfg.memory_per_device)
     if cfg.stages is not None and not 1 <= cfg.stages <= MAX_STAGES:
         raise UsageError(f"--stages must be 1 to {MAX_STAGES} (LeNet has {MAX_STAGES} layers to cut "
                          f"between), got {cfg.stages}")
@@ -243,6 +254,26 @@ def check_layout(cfg, n_contexts, n_processes=1):
         raise UsageError(f"--micro-batches {micro} is larger than the per-device batch of "
                          f"{cfg.batch_size // replicas} (--batch-size {cfg.batch_size} over "
                          f"{replicas} pipeline(s))")
+    if cfg.mode == "tensor":
+        check_tensor_layout(cfg.tensor_parallel or n, n, cfg.width)
+
+
+def tensor_split_sizes(width):
+    """{what --mode tensor splits: its size} for LeNet of `width` (lesson.lenet_shapes; conv2's
+    input channels are conv1's outputs, the second dense layer's inputs the first's units)."""
+    return {"conv1's output channels": 20 * width, "the first dense layer's units": 128 * width}
+
+
+def check_tensor_layout(T, n, width):
+    """Raise UsageError unless T contexts per tensor group divide the n contexts and every split size."""
+    if n % T:
+        raise UsageError(f"--tensor-parallel {T} does not divide the {n} contexts into tensor groups")
+    sizes = tensor_split_sizes(width)
+    for what, size in sizes.items():
+        if size % T:
+            fits = [t for t in range(1, n + 1) if n % t == 0 and all(s % t == 0 for s in sizes.values())]
+            raise UsageError(f"--tensor-parallel {T} does not divide {what} ({size} at --width {width}): "
+                             f"use --tensor-parallel {' or '.join(map(str, fits))} on {n} contexts")
 
 
 def fields():
@@ -259,3 +290,20 @@ def device_request(cfg):
         return "cpu", cfg.cpus
     n = visible_gpus()
     return ("gpu", n) if n else ("cpu", DEFAULT_CPU_CONTEXTS)
+
+
+BYTE_SUFFIXES = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def parse_bytes(text):
+    """A positive byte count from "1000", "64M", "2G", "1.5GiB" (K, M, G, T: powers of 1024);
+    UsageError otherwise."""
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    number, suffix = (s[:-1], s[-1]) if s[-1:] in BYTE_SUFFIXES and s[-1:] else (s, "")
+    try:
+        value = float(number) * BYTE_SUFFIXES[suffix]
+    except ValueError:
+        value = None
+    if value is None or not (value >= 1 and math.isfinite(value)):
+        raise UsageError(f"--memory-per-device must be a byte count such as 64M or 2G, got {text!r}")
+    return int(value)

@@ -18,6 +18,7 @@ from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParal
                        init_lenet_params, make_allreduce)
 from manual_dp import ZeroRedundancy
 from manual_dp import LocalSGD
+from manual_dp.strategies.tensor import TensorParallel
 
 
 def cpus(n):
@@ -54,6 +55,10 @@ STRATEGIES = {
                                                                      schedule="1f1b", recompute=True),
     "buckets 0.001 MB ring x3": lambda p, opt: DataParallel(p, cpus(3), opt, make_allreduce("ring"), bucket_mb=0.001),
     "buckets 0 MB no graph x2": lambda p, opt: DataParallel(p, cpus(2), opt, graph=False, bucket_mb=0),
+    "tensor T=1 x1": lambda p, opt: TensorParallel(p, cpus(1), opt),
+    "tensor T=2 x2": lambda p, opt: TensorParallel(p, cpus(2), opt),
+    "tensor T=4 x4": lambda p, opt: TensorParallel(p, cpus(4), opt),
+    "tensor TPxDP 2x2": lambda p, opt: TensorParallel(p, cpus(4), opt, 2),
 }
 # Strategies that keep the contract but compute, by design, something other than the one-device
 # step (their own references are in their own tests): every test here but the equality with it.
@@ -111,8 +116,9 @@ def test_arrays_live_on_the_strategys_contexts_and_layout_covers_the_batch(name)
     model = CONTRACT[name](init_lenet_params(seed=0), "adam")
     run(model, steps=1)
     held = model.arrays()
-    assert set(held) == {"param", "state"} and held["param"] and held["state"]
-    assert {a.context for a in held["param"] + held["state"]} <= set(model.ctx)
+    assert set(held) in ({"param", "state"}, {"param", "grad", "state"}) and held["param"]
+    assert held.get("grad", held["state"])           # gradients, in "grad" or (older) in "state"
+    assert {a.context for a in sum(held.values(), [])} <= set(model.ctx)
     covered = [sum(n for _, s, n in model.layout(13) if piece in pieces(s)) for piece in range(4)]
     if "1f1b" in name or "recompute" in name:  # at most S - s micro-batches, or one, held at once
         assert all(0 < n <= 13 for n in covered), covered

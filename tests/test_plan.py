@@ -27,6 +27,8 @@ def test_layer_count_is_the_lesson_s():
 
 def test_every_layout_of_four_devices_is_listed():
     names = [name(l) for l in enumerate_layouts(4, 256)]
+    assert "tensor T=8" not in [name(l) for l in enumerate_layouts(8, 256, width=1)]     # 20 % 8
+    assert "tensor T=8" in [name(l) for l in enumerate_layouts(8, 256, width=2)]
     assert names[:6] == ["data", "zero1", "zero2", "zero3", "tensor T=2 x dp 2", "tensor T=4"]
     pipelines = {f"pipeline S={s} {sched} M=4{rc}{dp}" for s, dp in ((2, " x dp 2"), (4, ""))
                  for sched in ("gpipe", "1f1b") for rc in ("", " +recompute")}
@@ -46,7 +48,8 @@ def test_state_per_device_by_hand(optimizer, c):
                                                                     (N + (1 + c) * half, 2 * piece)]
     # stage 3's peak: dense1 gathered whole on both devices (102,528 > 2 x 63,244 / 2 per device)
     assert per_device_state(layout("zero", 2, zero_stage=3), s) == [((2 + c) * half, LAYERS[2])] * 2
-    assert per_device_state(layout("tensor", 1, tp=2), s) == [((2 + c) * N / 2, 0)] * 2     # weights cut in 2
+    # tensor T=2: every weight and b1, b3 cut in 2; b2 (50) and b4 (10) whole on both ranks
+    assert per_device_state(layout("tensor", 1, tp=2), s) == [((2 + c) * ((N - 60) // 2 + 60), 0)] * 2
     assert per_device_state(layout("pipeline", 1, pp=2, schedule="gpipe", micro=4), s) == \
         [((2 + c) * sum(LAYERS[:2]), 0), ((2 + c) * sum(LAYERS[2:]), 0)]
 
@@ -57,8 +60,8 @@ def test_activations_by_hand():
     dense = 800 + 3 * 128 + 3 * 10 + 1
     assert stage_activation_elems() == [conv, dense]
     assert memory(layout("data", 2), s)["activations"] == 4 * 4 * (conv + dense)       # 4 examples each
-    # tensor T=2, one group: all 8 examples, half of every activation, the images whole on both ranks
-    assert memory(layout("tensor", 1, tp=2), s)["activations"] == 4 * 8 * ((conv + dense) / 2 + 784)
+    # tensor T=2, one group: priced as half the group's 8 examples on each rank (a floor)
+    assert memory(layout("tensor", 1, tp=2), s)["activations"] == 4 * 4 * (conv + dense)
     gpipe = layout("pipeline", 1, pp=2, schedule="gpipe", micro=4)
     assert activation_elems(gpipe, s) == [8 * conv, 8 * dense]                          # all 8 micro-batches
     f1b = gpipe._replace(schedule="1f1b")                  # stage 0: 2 of 4 micro-batches, stage 1: 1
@@ -72,7 +75,8 @@ CHECKED = [layout("data", 2), layout("zero", 2, zero_stage=1), layout("zero", 2,
            layout("zero", 2, zero_stage=3),
            layout("pipeline", 1, pp=2, schedule="gpipe", micro=4),
            layout("pipeline", 1, pp=2, schedule="1f1b", micro=4, recompute=True),
-           layout("pipeline", 2, pp=2, schedule="1f1b", micro=2)]
+           layout("pipeline", 2, pp=2, schedule="1f1b", micro=2),
+           layout("tensor", 1, tp=2), layout("tensor", 2, tp=2), layout("tensor", 1, tp=4)]
 
 
 @pytest.mark.parametrize("l", CHECKED, ids=name)

@@ -3,6 +3,7 @@ to DIR/results.json (a list of records with bench, impl, devices and the figures
 
     --quick   the default, under 3 minutes on 2 cores    --full   every payload, count and peer
     --tiny    seconds, synthetic data (for the tests)     --model  the cost model's table and plot
+    --memory  every mode's measured memory per context (--width, --batch-size, --cpus)
     --local-sgd   instead, local SGD at H = 1, 4, 16: accuracy and communication rounds (bench/local_sgd.py)
 
 Every measurement runs in a fresh process (manual_dp.bench.worker) whose thread settings are in
@@ -19,9 +20,10 @@ import time
 from pathlib import Path
 
 from ..cli.options import OneLineParser
-from ..config import FAST_STEP
+from ..config import RunConfig
 from ..errors import UsageError
 from ..fast.runtime import machine, thread_env, usable_cores
+from .plots import FAST
 
 KB, MB = 1024, 1024 * 1024
 PLANS = {
@@ -35,8 +37,6 @@ PLANS = {
                  lenet_devices=[2, 4, 8], comm_repeats=5, images=256 * 40, batch=256, repeats=5,
                  devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=10, pairs=5),
 }
-# The fast step's options (manual_dp.config.FAST_STEP) in the bench's spec names.
-FAST = {"allreduce": FAST_STEP["allreduce"], "fused": FAST_STEP["fuse_grads"], "graph": FAST_STEP["graph"]}
 RUNTIME_KEYS = set(thread_env(1, flags={"avx512f"})) | {"OMP_NUM_THREADS"}
 
 
@@ -49,6 +49,7 @@ def train_specs(plan, full):
         return specs
     specs += [("manual_dp", {}, "tuned", k) for k in (ks if full else two)]
     specs += [("manual_dp", dict(FAST, conv_pad=1), "tuned", k) for k in two]   # the autotune's gain
+    specs += [("manual_dp", {"deterministic": True}, "tuned", k) for k in two]  # --deterministic's cost
     for name in ("ring", "tree", "scatter_gather", "kvstore") + (("lesson",) if full else ()):
         specs += [("manual_dp", dict(FAST, allreduce=name), "tuned", k) for k in (ks if full else two)]
     if full:  # each allreduce unfused, and each half of the fast step alone
@@ -214,6 +215,10 @@ def main(argv=None):
     if args.model:
         print(report_model(out))
         return
+    if args.memory:
+        from .memory import run
+        run(out, args.width, args.batch_size, args.cpus)
+        return
     if args.local_sgd:
         from .local_sgd import run as run_local_sgd
         run_local_sgd(args.plan, out, args.data_dir, args.timeout, commit())
@@ -231,6 +236,14 @@ def report_model(out, records=None):
     return model_section(out, records)
 
 
+def positive(text):
+    """An int >= 1 (argparse type)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
 def build_parser():
     p = OneLineParser(prog="python -m manual_dp.bench", description=__doc__.split("\n\n")[0])
     size = p.add_mutually_exclusive_group()
@@ -246,6 +259,11 @@ def build_parser():
     p.add_argument("--wait-for-cores", type=float, default=0.0,
                    help="on a shared machine: before each training measurement wait (up to --timeout) "
                         "until this many cores are free, e.g. 1.8 of 2")
+    p.add_argument("--memory", action="store_true",
+                   help="every mode's measured peak memory per context (OUT/memory.json), nothing else")
+    p.add_argument("--width", type=positive, default=RunConfig.width, help="with --memory: LeNet's width")
+    p.add_argument("--batch-size", type=positive, default=RunConfig.batch_size, help="with --memory: the global batch")
+    p.add_argument("--cpus", type=positive, default=2, help="with --memory: CPU contexts")
     p.add_argument("--local-sgd", action="store_true",
                    help="instead: local SGD at H = 1, 4, 16 side by side, test accuracy and communication "
                         "rounds per epoch (OUT/local_sgd.json, local_sgd.png; --timeout is per epoch)")

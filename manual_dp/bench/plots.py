@@ -1,6 +1,11 @@
 """The benchmark's pictures, drawn from its records (matplotlib, no screen needed)."""
 from collections import defaultdict
 
+from ..config import FAST_STEP
+
+# The fast step's options (manual_dp.config.FAST_STEP) in the bench's spec names.
+FAST = {"allreduce": FAST_STEP["allreduce"], "fused": FAST_STEP["fuse_grads"], "graph": FAST_STEP["graph"]}
+
 
 def _plt():
     import matplotlib
@@ -45,7 +50,8 @@ def label(r):
     o = r.get("options", {})
     parts = [r["impl"]]
     if r["impl"] == "manual_dp":
-        parts += [o.get("allreduce", "lesson")] + [f for f in ("fused", "graph") if o.get(f)]
+        parts += ["deterministic"] if o.get("deterministic") else \
+            [o.get("allreduce", "lesson")] + [f for f in ("fused", "graph") if o.get(f)]
         if o.get("graph") and "conv_pad" in o:
             parts.append(f"pad {o['conv_pad']}")
     if r["impl"] == "gluon" and o.get("hybrid"):

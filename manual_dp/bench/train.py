@@ -18,6 +18,7 @@ from mxnet.gluon import nn
 from ..fast.collectives import make_allreduce
 from ..lesson import allreduce, cross_entropy, get_params, init_lenet_params, lenet, sgd
 from ..strategies.data_parallel import DataParallel
+from ..strategies.deterministic import DeterministicDataParallel
 from ..loop import run_epoch
 
 
@@ -63,10 +64,13 @@ def lesson_trainer(params, ctx, lr, batch):
 
 
 # --- manual_dp
-def manual_trainer(params, ctx, lr, batch, allreduce="lesson", fused=False, graph=False, conv_pad=None):
-    """conv_pad None: the autotune's choice for this machine (the bench measures it first)."""
-    model = DataParallel(params, ctx, "sgd", make_allreduce(allreduce), fuse_grads=fused, graph=graph,
-                         conv_pad=conv_pad)
+def manual_trainer(params, ctx, lr, batch, allreduce="lesson", fused=False, graph=False, conv_pad=None,
+                   deterministic=False):
+    """conv_pad None: the autotune's choice for this machine (the bench measures it first);
+    deterministic: --deterministic's strategy (its cached graph, pieces added in one fixed tree)."""
+    model = DeterministicDataParallel(params, ctx, "sgd", conv_pad=conv_pad) if deterministic else \
+        DataParallel(params, ctx, "sgd", make_allreduce(allreduce), fuse_grads=fused, graph=graph,
+                     conv_pad=conv_pad)
     return (lambda X, y: run_epoch(model, X, y, batch, lr, rng=None)), lambda: model.replicas[0]
 
 

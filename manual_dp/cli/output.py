@@ -62,6 +62,8 @@ def describe(cfg):
                      f"applied by outer {cfg.outer_optimizer} lr {cfg.outer_lr}"
                      + (f" momentum {cfg.outer_momentum}" if cfg.outer_optimizer == "nesterov" else "")
                      + f" ({cfg.allreduce})",
+            "tensor": f"tensor: layers split over {cfg.tensor_parallel or 'all'} context(s) per tensor "
+                      f"group (Megatron's f and g, {cfg.allreduce}), groups data parallel",
             }[cfg.mode]
     if cfg.deterministic:
         line = ("sync, deterministic: pieces of the batch added in one fixed tree, the same bits on any "

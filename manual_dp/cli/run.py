@@ -26,7 +26,9 @@ from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.local_sgd import LocalSGD
+from ..strategies.tensor import TensorParallel
 from ..strategies.zero import ZeroRedundancy
+from . import memcheck
 from .output import Progress, describe, fail, format_record, interrupted, write_log
 
 
@@ -83,6 +85,8 @@ def build_model(cfg, params, ctx, world):
     elif cfg.mode == "local":
         model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
                          cfg.outer_momentum, reduce)
+    elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
+        model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name))
     else:
         model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce,
                                  cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute)
@@ -180,9 +184,10 @@ def run_in(cfg, world):
 
 def train_in(cfg, world, ctx):
     """run_in's training, its outputs checked and its checkpoint directory ours."""
+    params = init_lenet_params(cfg.seed, cfg.init_scale, width=cfg.width)
+    mem = memcheck.run_report(cfg, params, ctx, build_model, world.size)   # before anything else runs
     data_dir, data_label = locate_data(cfg.data_dir)
     train_data, test_data = load_fashion_mnist(data_dir, cfg.train_size, cfg.test_size)
-    params = init_lenet_params(cfg.seed, cfg.init_scale, width=cfg.width)
     model = build_model(cfg, params, ctx, world)
     if len(train_data[0]) < model.min_batch:
         raise UsageError(f"{len(train_data[0])} training example(s) cannot be split over the "
@@ -192,7 +197,6 @@ def train_in(cfg, world, ctx):
     if cfg.trace and updates < TRACE_UPDATES:
         raise UsageError(f"--trace records updates 3 to {TRACE_UPDATES}, but this run takes {updates}: "
                          f"use more --epochs or --train-size")
-    mem = memory.per_context(model, cfg.batch_size, [p.shape for p in params])
     run_config = {k: getattr(cfg, k) for k in config.RUN_KEYS}
     start_epoch, history, rng_state = resume_from(cfg, world, model, run_config)
     if history and cfg.log_json and world.is_root:
@@ -221,7 +225,8 @@ def train_in(cfg, world, ctx):
     if history:
         total = sum(r["epoch_sec"] for r in history)
         print(f"done: test acc {history[-1]['test_acc']:.4f} after {len(history)} epochs, "
-              f"{total:.0f} s training, {np.mean([r['images_per_sec'] for r in history]):.0f} img/s")
+              f"{total:.0f} s training, {np.mean([r['images_per_sec'] for r in history]):.0f} img/s; peak memory "
+              + ", ".join(f"{c} {memory.format_bytes(r['peak_bytes'])}" for c, r in mem.items()))
     return history
 
 

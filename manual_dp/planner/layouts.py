@@ -54,11 +54,13 @@ def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(devices, batch_size):
+def enumerate_layouts(devices, batch_size, width=1):
     """Every layout of `devices` devices whose replicas each get at least one example (and each
-    micro-batch at least one), in a fixed order."""
+    micro-batch at least one), in a fixed order. Tensor groups of T need T to divide the split
+    axes (strategies/tensor.py SPLIT: conv1's 20W channels, the 128W hidden units)."""
     out = [layout("data", devices)] + [layout("zero", devices, zero_stage=s) for s in (1, 2, 3)]
-    out += [layout("tensor", devices // t, tp=t) for t in divisors(devices) if t > 1]
+    out += [layout("tensor", devices // t, tp=t) for t in divisors(devices)
+            if t > 1 and (20 * width) % t == 0 and (128 * width) % t == 0]
     for s in (d for d in divisors(devices) if 1 < d <= MAX_STAGES):
         dp = devices // s
         micro = min(MICRO_BATCHES, max(1, batch_size // dp))

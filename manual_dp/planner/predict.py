@@ -7,15 +7,15 @@ Memory, per device, in float32 bytes (4 a number), for a model of N parameters:
     zero 1     N + N + c n_i        (n_i: device i's shard of the flat vector, fast.collectives.chunk_bounds)
     zero 2     N + n_i + c n_i      plus the gradient pieces a layer's reduce-scatter holds
     zero 3     n_i + n_i + c n_i    plus the layer gathered (and its gradient, for a convolution)
-    tensor     (N + N + cN) / T     (every weight cut over the T ranks of a group)
+    tensor     (2 + c) x (split parameters / T + the unsplit biases b2, b4)   (strategies/tensor.py SPLIT)
     pipeline   P_s + P_s + c P_s    (P_s: the parameters of stage s, strategies/stages.py CUTS)
   ZeRO's transients are hand-counted from strategies/zero_layers.py: the moments of a step (each
   layer's fetch, each reduce of a shard's piece) and what each device holds then; the moment with
   the most bytes over all devices is the peak (as ZeroRedundancy's Peak picks it).
   Activations per example from the layer shapes (memory.stage_activation_elems for a whole
   network, memory.part_activation_elems for a stage's pieces), times the examples held at the peak:
-  data and ZeRO the device's shard of the batch; tensor the group's shard over T plus the
-  replicated images; pipelines the micro-batches the schedule holds on stage s: GPipe all of the
+  data and ZeRO the device's shard of the batch; tensor 1/T of the group's examples' (a floor, as
+  TensorParallel.layout prices it: the pooled conv2 output and the scores are whole on every rank); pipelines the micro-batches the schedule holds on stage s: GPipe all of the
   replica's shard, 1F1B the first min(S - s, M); with recompute those micro-batches' stage inputs
   plus every activation of one micro-batch.
 Not counted: MXNet's workspace, the optimiser's and the collectives' temporaries, the batch itself.
@@ -44,6 +44,7 @@ from ..flops import layer_macs
 from ..lesson import lenet_shapes, shard_sizes
 from ..memory import FLOAT_BYTES, part_activation_elems, piece_activation_elems, stage_activation_elems
 from ..strategies.stages import CUTS
+from ..strategies.tensor import SPLIT
 
 OPT_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
 Setting = namedtuple("Setting", "width batch optimizer")
@@ -92,8 +93,10 @@ def per_device_state(l, setting):
     n = sum(layers)
     if l.kind == "data":
         return [((2 + c) * n, 0)] * l.dp
-    if l.kind == "tensor":
-        return [((2 + c) * n / l.tp, 0)] * l.tp
+    if l.kind == "tensor":      # split parameters 1/T each (SPLIT), the others whole on every rank
+        sizes = [math.prod(shape) for _, shape in lenet_shapes(setting.width)]
+        kept = sum(size // l.tp if axis is not None else size for size, axis in zip(sizes, SPLIT))
+        return [((2 + c) * kept, 0)] * l.tp
     if l.kind == "pipeline":
         return [((2 + c) * sum(layers[p] for p in pieces), 0) for pieces in CUTS[l.pp]]
     bounds = chunk_bounds(n, l.dp)
@@ -118,8 +121,8 @@ def activation_elems(l, setting):
     whole = sum(stage_activation_elems(shapes=shapes))
     if l.kind in ("data", "zero"):
         return [whole * m for m in shard_sizes(setting.batch, l.dp)]
-    if l.kind == "tensor":
-        return [n * (whole / l.tp + 28 * 28)] * l.tp
+    if l.kind == "tensor":      # TensorParallel.layout's floor: 1/T of the group's examples' activations
+        return [whole * k for k in shard_sizes(n, l.tp)] if n >= l.tp else [whole] * n + [0] * (l.tp - n)
     out = []
     for s, pieces in enumerate(CUTS[l.pp]):
         held, biggest = held_examples(l, n, s)

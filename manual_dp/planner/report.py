@@ -14,7 +14,7 @@ def plan(devices, budget, setting, device):
     """Rows {"layout", "memory", "time", "fits"} of every layout, ranked: those that fit first,
     then by predicted step time, then by memory (ties keep enumeration order)."""
     rows = [{"layout": l, "memory": memory(l, setting), "time": step_time(l, setting, device)}
-            for l in enumerate_layouts(devices, setting.batch)]
+            for l in enumerate_layouts(devices, setting.batch, setting.width)]
     for r in rows:
         r["fits"] = r["memory"]["total"] <= budget
     return sorted(rows, key=lambda r: (not r["fits"], r["time"]["total"], r["memory"]["total"]))

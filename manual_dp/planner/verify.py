@@ -21,6 +21,7 @@ from .. import memory
 from ..lesson import init_lenet_params, lenet_shapes
 from ..strategies.data_parallel import DataParallel
 from ..strategies.pipeline import PipelineParallel
+from ..strategies.tensor import TensorParallel
 from ..strategies.zero import ZeroRedundancy
 from .predict import stage_flops
 
@@ -40,6 +41,7 @@ BUILDERS = {
     "zero": (lambda p, ctx, opt, l: ZeroRedundancy(p, ctx, opt, stage=l.zero_stage), shape_activations),
     "pipeline": (lambda p, ctx, opt, l: PipelineParallel(p, ctx, opt, l.micro, None, l.pp, l.schedule,
                                                          l.recompute), counted_activations),
+    "tensor": (lambda p, ctx, opt, l: TensorParallel(p, ctx, opt, l.tp), shape_activations),
 }
 
 

@@ -8,4 +8,5 @@
     pipeline       PipelineParallel: model, pipeline (GPipe) and hybrid parallelism
     zero           ZeroRedundancy: ZeRO stages 1-3, state, gradients, parameters sharded
     zero_layers    LeNet a layer at a time, for ZeRO stages 2 and 3
+    tensor         TensorParallel: Megatron-style split layers, tensor groups data parallel
 """

@@ -1,0 +1,67 @@
+"""The conjugate operators of Megatron-LM's tensor parallelism, written by hand across contexts.
+
+A tensor group is T contexts that each hold one shard of every split layer. Two operators join the
+shards, each the other's transpose (Shoeybi et al. 2019, "f" and "g"):
+
+    f   forward: identity (every context already holds the same input)
+        backward: all-reduce (each context's shard saw only its part of the gradient)
+    g   forward: all-reduce (each context computed a partial sum of the layer's output)
+        backward: identity (every context already holds the whole gradient of the output)
+
+A column-parallel layer (output units split) is entered through f; a row-parallel layer (input
+units split) is left through g. Both are one mx.autograd.Function over all T contexts of a group:
+its forward takes the T arrays (one per context) and returns T arrays on the same contexts; MXNet's
+autograd records it as one node whose inputs and outputs live on different contexts and calls its
+backward with the T output gradients, each on its own context (tests/test_tensor.py checks it).
+
+`allreduce` is any algorithm of manual_dp.fast.collectives (the lesson's contract: afterwards every
+array of the list holds the sum). Its work runs on copies, so no recorded array is overwritten.
+"""
+from mxnet import autograd
+
+
+def summed(arrays, allreduce):
+    """Fresh copies of `arrays` (one per context), each afterwards holding the elementwise sum."""
+    out = [a.copy() for a in arrays]
+    allreduce(out)
+    return out
+
+
+class IdentityAllreduce(autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    def __init__(self, allreduce):
+        super().__init__()
+        self.allreduce = allreduce
+
+    def forward(self, *xs):
+        return tuple(x.copy() for x in xs)
+
+    def backward(self, *dys):
+        return tuple(summed(dys, self.allreduce))
+
+
+class AllreduceIdentity(autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    def __init__(self, allreduce):
+        super().__init__()
+        self.allreduce = allreduce
+
+    def forward(self, *xs):
+        return tuple(summed(xs, self.allreduce))
+
+    def backward(self, *dys):
+        return tuple(dy.copy() for dy in dys)
+
+
+def f(xs, allreduce):
+    """The same values as `xs` (one array per context of a tensor group); in backward, each x's
+    gradient is the sum of the gradients of every context's output."""
+    return list(IdentityAllreduce(allreduce)(*xs)) if len(xs) > 1 else list(xs)
+
+
+def g(xs, allreduce):
+    """Every context's output holds the sum of `xs` (partial results, one per context); in
+    backward, each x's gradient is its own output's gradient."""
+    return list(AllreduceIdentity(allreduce)(*xs)) if len(xs) > 1 else list(xs)

@@ -1,0 +1,193 @@
+"""Tensor parallelism (Megatron-LM style): every layer's weights split over the T contexts of a
+tensor group, joined by the conjugate operators f and g (manual_dp.fast.tensor_ops); groups of T
+contexts are data parallel to each other.
+
+LeNet as two Megatron blocks, each a column-parallel layer followed by a row-parallel one:
+
+    images (copied to every context of the group; they need no gradient, so no f)
+    conv1   column-parallel: W1, b1 split by output channel     (B, c1/T, 13, 13) per context
+    conv2   row-parallel:    W2 split by input channel, no bias (B, c2, 9, 9) partial sums
+    g       all-reduce forward, identity backward; + b2 (whole on every context), ReLU, pool
+    f       identity forward, all-reduce backward               (B, c2, 4, 4) on every context
+    dense1  column-parallel: W3, b3 split by unit (column)      (B, hidden/T)
+    dense2  row-parallel:    W4 split by input (row), no bias   (B, 10) partial sums
+    g       then + b4: the same scores on every context
+
+Why conv2 takes sharded input channels rather than an all-gather of conv1's channels: then only
+f and g are needed, T need divide only c1 and the hidden units (20 and 128: T = 4 runs the lesson's
+LeNet; splitting conv2's 50 outputs too would allow only T = 2), and an all-gather in front of an
+output-split conv2 would need a reduce-scatter backward, not a slice (conv2's shards differ).
+
+Every context computes the loss of the group's examples; the backward of all of them, through f
+and g, gives each shard the gradient one device computes for its slice. b2 and b4 are whole on
+every context (after g everything is replicated): their gradients agree, so do their updates.
+"""
+import numpy as np
+from mxnet import autograd, nd
+
+from ..config import FAST_STEP, RunConfig
+from ..errors import CheckpointError
+from ..fast.collectives import make_allreduce
+from ..fast.prefetch import host
+from ..fast.tensor_ops import f, g
+from ..lesson import LENET_SHAPES, conv_block, cross_entropy, dense, n_correct, relu, split_and_load
+from ..optim import apply_update_and_clear, init_states
+from ..replicas import fingerprint
+from .base import Strategy
+
+# The axis along which each of lenet's 8 parameters is split; None: whole on every context.
+SPLIT = [0, 0, 1, None, 1, 0, 0, None]    # W1, b1 | W2, b2 | W3, b3 | W4, b4
+NAMES = [name for name, _ in LENET_SHAPES]
+
+
+def shard(value, axis, j, T):
+    """Context j's piece of `value` (numpy) out of T along `axis` (None: the whole value)."""
+    return value if axis is None else np.split(value, T, axis=axis)[j]
+
+
+def unshard(pieces, axis):
+    """The whole value from its T pieces (numpy), in order; the first if not split."""
+    return pieces[0] if axis is None else np.concatenate(pieces, axis=axis)
+
+
+def group_forward(Xs, P, allreduce):
+    """Class scores (B, 10) on every context of a tensor group from its copies of the images Xs
+    (B, 1, 28, 28) and its shards P[j] = [W1, b1, W2, b2, W3, b3, W4, b4] (pieces, see SPLIT)."""
+    h = [conv_block(X, p[0], p[1]) for X, p in zip(Xs, P)]                 # (B, c1/T, 13, 13)
+    h = g([nd.Convolution(hj, p[2], no_bias=True, kernel=p[2].shape[2:], num_filter=p[2].shape[0])
+           for hj, p in zip(h, P)], allreduce)                              # (B, c2, 9, 9) summed
+    h = [nd.Pooling(relu(nd.broadcast_add(hj, p[3].reshape((1, -1, 1, 1)))), pool_type="avg",
+                    kernel=(2, 2), stride=(2, 2)) for hj, p in zip(h, P)]   # (B, c2, 4, 4)
+    h = f(h, allreduce)
+    h = [relu(dense(hj, p[4], p[5])) for hj, p in zip(h, P)]              # (B, hidden/T)
+    s = g([nd.FullyConnected(hj, nd.transpose(p[6]), no_bias=True, num_hidden=p[6].shape[1])
+           for hj, p in zip(h, P)], allreduce)                              # (B, 10) summed
+    return [nd.broadcast_add(sj, p[7].reshape((1, -1))) for sj, p in zip(s, P)]
+
+
+def copies(batch, row):
+    """`batch` (an NDArray on row[0]) and a copy of it on every other context of `row`."""
+    return [batch] + [batch.copyto(c) for c in row[1:]]
+
+
+class TensorParallel(Strategy):
+    """len(ctx) // T data-parallel tensor groups; group r's shard j on ctx[r * T + j].
+
+    tp_allreduce joins the shards inside a group (f and g); allreduce_fn sums each shard's
+    gradients over the groups (and, under a multi-process world, over the processes).
+    """
+
+    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
+                 allreduce_fn=None, tp_allreduce=None):
+        self.ctx, self.optimizer = list(ctx), optimizer
+        T = self.T = tensor_parallel or len(self.ctx)
+        bad = [n for p, a, n in zip(params, SPLIT, NAMES) if a is not None and p.shape[a] % T]
+        if len(self.ctx) % T or bad:
+            raise ValueError(f"tensor degree {T} does not divide {len(self.ctx)} contexts or the "
+                             f"split axis of {', '.join(bad) or 'no parameter'}")
+        self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
+        self.tp_allreduce = tp_allreduce or make_allreduce(FAST_STEP["allreduce"])
+        self.grid = [self.ctx[r:r + T] for r in range(0, len(self.ctx), T)]   # grid[group][shard]
+        host_params = [p.asnumpy() for p in params]
+        self.shards = [[self.place([shard(v, a, j, T) for v, a in zip(host_params, SPLIT)], c)
+                        for j, c in enumerate(row)] for row in self.grid]
+        self.states = [[init_states(P, optimizer) for P in row] for row in self.shards]
+        self.t = 0
+
+    @staticmethod
+    def place(values, ctx):
+        """NDArrays of `values` on `ctx` whose gradients add up over backward passes until zeroed."""
+        arrays = [nd.array(v, ctx=ctx, dtype=v.dtype) for v in values]
+        for a in arrays:
+            a.attach_grad(grad_req="add")
+        return arrays
+
+    @property
+    def min_batch(self):
+        return len(self.grid)
+
+    def backward(self, X, y):
+        """Every group runs its shard of the batch through its T contexts; gradients add up."""
+        heads, metrics = [], []
+        with autograd.record():
+            for row, P, Xg, yg in zip(self.grid, self.shards, split_and_load(host(X), [r[0] for r in self.grid]),
+                                      split_and_load(host(y), [r[0] for r in self.grid])):
+                ys = copies(yg, row)
+                scores = group_forward(copies(Xg, row), P, self.tp_allreduce)
+                losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
+                heads += losses
+                metrics.append((losses[0], n_correct(scores[0], ys[0])))
+        autograd.backward(heads)
+        return metrics
+
+    def update(self, lr, n_examples):
+        """Sum each shard's gradients over the groups, then one optimiser step on every context."""
+        for j in range(self.T):
+            for i in range(len(SPLIT)):
+                self.allreduce_fn([P[j][i].grad for P in self.shards])
+        self.t += 1
+        for P_row, S_row in zip(self.shards, self.states):
+            for P, S in zip(P_row, S_row):
+                apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
+
+    def correct(self, X, y):
+        """Correct predictions on (X, y), sharded over the groups (idle ones if X is tiny)."""
+        rows = self.grid[:min(len(self.grid), X.shape[0])]
+        counts = []
+        for row, P, Xg, yg in zip(rows, self.shards, split_and_load(X, [r[0] for r in rows]),
+                                  split_and_load(y, [r[0] for r in rows])):
+            scores = group_forward(copies(Xg, row), P, self.tp_allreduce)
+            counts.append(n_correct(scores[0], yg).copyto(self.ctx[0]))
+        return nd.add_n(*counts) if len(counts) > 1 else counts[0]
+
+    def fingerprints(self):
+        """Shard j of every group; and b2, b4, whole on every context."""
+        groups = {f"tensor shard {j}": [fingerprint(row[j], P_row[j]) for row, P_row in zip(self.grid, self.shards)]
+                  for j in range(self.T)}
+        whole = [i for i, a in enumerate(SPLIT) if a is None]
+        groups["unsplit " + ", ".join(NAMES[i] for i in whole)] = [
+            fingerprint(c, [P[i] for i in whole], [NAMES[i] for i in whole])
+            for row, P_row in zip(self.grid, self.shards) for c, P in zip(row, P_row)]
+        return groups
+
+    def layout(self, batch_size):
+        """Each context of a group holds activations for the group's examples, but only its own
+        channels and units of the split layers: priced as 1/T of the group's examples each (a floor:
+        the pooled conv2 output and the scores are whole on every context)."""
+        out = []
+        for row, n in zip(self.grid, even_split(batch_size, len(self.grid))):
+            out += [(c, s, k) for c, k in zip(row, even_split(n, self.T)) for s in (0, 1)]
+        return out
+
+    def arrays(self):
+        params = [p for P_row in self.shards for P in P_row for p in P]
+        states = [s for S_row in self.states for S in S_row for st in S for s in st]
+        return {"param": params, "state": [p.grad for p in params] + states}
+
+    def state_dict(self):
+        """Group 0's shards joined: the whole parameters and optimiser state, in lenet's order."""
+        P_row, S_row = self.shards[0], self.states[0]
+        params = [unshard([P[i].asnumpy() for P in P_row], a) for i, a in enumerate(SPLIT)]
+        opt_state = [[unshard([S[i][k].asnumpy() for S in S_row], a) for k in range(len(S_row[0][i]))]
+                     for i, a in enumerate(SPLIT)]
+        return {"params": params, "opt_state": opt_state, "t": self.t, "extra": {}}
+
+    def load_state_dict(self, state):
+        want = [tuple(s if a != k else s * self.T for k, s in enumerate(p.shape))
+                for p, a in zip(self.shards[0][0], SPLIT)]
+        got = [tuple(np.shape(v)) for v in state["params"]]
+        if got != want or [len(s) for s in state["opt_state"]] != [len(s) for s in self.states[0][0]]:
+            raise CheckpointError(f"the checkpoint's parameters {got} or optimiser state do not fit "
+                                  f"this run's {want}")
+        for P_row, S_row in zip(self.shards, self.states):
+            for j, (P, S) in enumerate(zip(P_row, S_row)):
+                for i, a in enumerate(SPLIT):
+                    P[i][:] = nd.array(shard(state["params"][i], a, j, self.T), ctx=P[i].context)
+                    for s, v in zip(S[i], state["opt_state"][i]):
+                        s[:] = nd.array(shard(v, a, j, self.T), ctx=s.context)
+        self.t = state["t"]
+
+
+def even_split(n, k):
+    """k counts that add up to n and differ by at most one (zeros when n < k)."""
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
