@@ -1,0 +1,98 @@
+"""`plan --verify`: the top layouts run for a few steps on CPU contexts, measured beside predicted.
+
+Measured memory of a context = the bytes of the arrays it holds at the step's peak: the strategy's
+peak_arrays() (parameters, gradients, optimiser state, and ZeRO's transient gathered parameters and
+gradient pieces) plus its activations: for pipelines the bytes PipelineParallel counted as its
+schedule ran (end_epoch's activation_peak_bytes), otherwise memory.per_context's count from the
+strategy's layout() and the layer shapes (MXNet has no per-context memory counter on CPU). The
+busiest context is reported. Measured time = the median of `steps` steps after one warm-up.
+
+BUILDERS is the registry of kinds that have a strategy: build(params, ctx, optimizer, layout) and
+activations(model, batch, shapes) -> bytes per context name. A kind without an entry is predicted,
+never run.
+"""
+import statistics
+import time
+
+import mxnet as mx
+import numpy as np
+
+from .. import memory
+from ..lesson import init_lenet_params, lenet_shapes
+from ..strategies.data_parallel import DataParallel
+from ..strategies.pipeline import PipelineParallel
+from ..strategies.tensor import TensorParallel
+from ..strategies.zero import ZeroRedundancy
+from .predict import stage_flops
+
+
+def counted_activations(model, batch, shapes):
+    """Pipelines: the activation bytes each context held at its peak, counted as the schedule ran."""
+    return dict(model.peaks)
+
+
+def shape_activations(model, batch, shapes):
+    """Activation bytes per context from the strategy's layout() and the layer shapes (memory.py)."""
+    return {c: r["activation_bytes"] for c, r in memory.per_context(model, batch, shapes).items()}
+
+
+BUILDERS = {
+    "data": (lambda p, ctx, opt, l: DataParallel(p, ctx, opt, graph=False), shape_activations),
+    "zero": (lambda p, ctx, opt, l: ZeroRedundancy(p, ctx, opt, stage=l.zero_stage), shape_activations),
+    "pipeline": (lambda p, ctx, opt, l: PipelineParallel(p, ctx, opt, l.micro, None, l.pp, l.schedule,
+                                                         l.recompute), counted_activations),
+    "tensor": (lambda p, ctx, opt, l: TensorParallel(p, ctx, opt, l.tp), shape_activations),
+}
+
+
+def random_batch(batch, seed=0):
+    """Images (batch, 1, 28, 28) and labels, reproducible."""
+    rng = np.random.RandomState(seed)
+    return rng.rand(batch, 1, 28, 28).astype(np.float32), rng.randint(0, 10, batch).astype(np.int32)
+
+
+def timed_steps(runs, steps):
+    """Median seconds per step of each (model, X, y) of `runs`: one warm-up step each, then `steps`
+    rounds of one step of each, side by side, so that the load of a shared machine falls on all alike."""
+    times = [[] for _ in runs]
+    for model, X, y in runs:
+        model.step(X, y, 0.01)
+    mx.nd.waitall()
+    for _ in range(steps):
+        for (model, X, y), t in zip(runs, times):
+            start = time.perf_counter()
+            model.step(X, y, 0.01)
+            mx.nd.waitall()
+            t.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def peak_bytes(model, activations, batch, shapes):
+    """{context name: (array bytes at the peak, activation bytes)}."""
+    out = {str(c): [0, 0] for c in model.ctx}
+    for arrays in model.peak_arrays().values():
+        for a in arrays:
+            out[str(a.context)][0] += a.size * np.dtype(a.dtype).itemsize
+    for c, nbytes in activations(model, batch, shapes).items():
+        out[c][1] += nbytes
+    return {c: tuple(v) for c, v in out.items()}
+
+
+def measure(l, setting, steps=3):
+    """{"state", "activations", "total"} bytes of the busiest context, "seconds" per step of layout
+    l run on CPU contexts cpu(0..devices-1), and "rate": this machine's FLOP/s on LeNet's layers,
+    timed side by side with it: the FLOPs of a one-context step on one device's share of the batch
+    (ceil(batch / devices) examples) over its time. The contexts' work is taken to run one after
+    another (measured here: 8 contexts on a batch of 64 took as long as 8 one-context steps of 8)."""
+    build, activations = BUILDERS[l.kind]
+    ctx = [mx.cpu(i) for i in range(l.dp * l.tp * l.pp)]
+    params = init_lenet_params(0, width=setting.width)
+    model = build(params, ctx, setting.optimizer, l)
+    one = DataParallel(params, [mx.cpu(0)], setting.optimizer, graph=False)
+    X, y = random_batch(setting.batch)
+    share = -(-setting.batch // len(ctx))
+    seconds, one_seconds = timed_steps([(model, X, y), (one, X[:share], y[:share])], steps)
+    shapes = [shape for _, shape in lenet_shapes(setting.width)]
+    state, acts = max(peak_bytes(model, activations, setting.batch, shapes).values(), key=sum)
+    rate = share * stage_flops(setting.width, range(4), False) / one_seconds
+    return {"state": state, "activations": acts, "total": state + acts, "seconds": seconds, "rate": rate}
