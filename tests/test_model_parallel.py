@@ -11,7 +11,6 @@ from manual_dp.memory import per_context, scratch_buffers, stage_activation_elem
 from manual_dp.lesson import LENET_SHAPES, conv_block
 from manual_dp.optim import apply_update, init_states
 from manual_dp.strategies.pipeline import PipelineParallel, cut
-from manual_dp.strategies.schedules import bubble_fraction, gpipe_schedule
 from manual_dp.strategies.stages import STAGE_SLICES, conv_stage, dense_stage, split_params
 
 
@@ -35,26 +34,6 @@ def test_stages_compose_to_lenet():
     P0, P1 = split_params(params)
     np.testing.assert_array_equal(dense_stage(conv_stage(X, P0), P1).asnumpy(), lenet(X, params).asnumpy())
     assert [len(P) for P in (P0, P1)] == [4, 4] and STAGE_SLICES[1].stop == len(LENET_SHAPES)
-
-
-@pytest.mark.parametrize("n_stages,n_micro", [(1, 1), (2, 1), (2, 4), (3, 5), (4, 2)])
-def test_gpipe_schedule_respects_dependencies(n_stages, n_micro):
-    done = {}
-    schedule = gpipe_schedule(n_stages, n_micro)
-    for tick, actions in enumerate(schedule):
-        assert len({s for _, s, _ in actions}) == len(actions), "a stage does two things in one tick"
-        for phase, s, m in actions:
-            if phase == "F" and s > 0:
-                assert done[("F", s - 1, m)] < tick
-            if phase == "B":
-                assert done[("F", s, m)] < tick
-                assert s == n_stages - 1 or done[("B", s + 1, m)] < tick
-        for action in actions:
-            done[action] = tick
-    every = {(p, s, m) for p in "FB" for s in range(n_stages) for m in range(n_micro)}
-    assert set(done) == every and sum(map(len, schedule)) == len(every)
-    assert len(schedule) == 2 * (n_micro + n_stages - 1)
-    assert bubble_fraction(schedule, n_stages) == pytest.approx((n_stages - 1) / (n_micro + n_stages - 1))
 
 
 @pytest.mark.parametrize("n,m", [(13, 3), (12, 4), (3, 5), (1, 1)])
