@@ -5,6 +5,7 @@ MXNet: the command line reads its flags before MXNet loads (manual_dp.fast.runti
 """
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -95,8 +96,8 @@ class RunConfig:
                         choices=BACKENDS)
     timeout: float = flag(120.0, "seconds without progress after which a process of a multi-process "
                                  "job gives up", "more than one process (see docs/multi-machine.md)")
-    memory_per_device: Optional[str] = flag(None, "emulate devices of this many bytes (suffix K, M, G, T: "
-                                                  "powers of 1024): refuse, before training, a layout whose "
+    memory_per_device: Optional[str] = flag(None, "emulate devices of this many bytes (300MiB, 2G: K, M, "
+                                                  "G of 1000, KiB, MiB, GiB of 1024): refuse, before training, a layout whose "
                                                   "measured peak on a context exceeds it, and name the modes "
                                                   "that fit (manual_dp/memory.py)", "parallelism")
     sync_every: Optional[int] = flag(None, "local only: inner optimiser steps each replica takes on its own "
@@ -298,20 +299,20 @@ def device_request(cfg):
     return ("gpu", n) if n else ("cpu", DEFAULT_CPU_CONTEXTS)
 
 
-BYTE_SUFFIXES = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+BYTE_UNITS = {"": 1, "B": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "KB": 10 ** 3,
+              "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,
+              "TIB": 2 ** 40}
 
 
 def parse_bytes(text):
-    """A positive byte count from "1000", "64M", "2G", "1.5GiB" (K, M, G, T: powers of 1024);
-    UsageError otherwise."""
-    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    number, suffix = (s[:-1], s[-1]) if s[-1:] in BYTE_SUFFIXES and s[-1:] else (s, "")
-    try:
-        value = float(number) * BYTE_SUFFIXES[suffix]
-    except ValueError:
-        value = None
-    if value is None or not (value >= 1 and math.isfinite(value)):
-        raise UsageError(f"--memory-per-device must be a byte count such as 64M or 2G, got {text!r}")
+    """Bytes of "300MiB", "1.5G", "4096" (K, M, G, T: powers of 1000; KiB, MiB, GiB, TiB: of 1024),
+    for --memory-per-device here and in the planner; UsageError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    value = float(match.group(1)) * BYTE_UNITS[match.group(2).upper()] \
+        if match and match.group(2).upper() in BYTE_UNITS else 0
+    if not (value >= 1 and math.isfinite(value)):
+        raise UsageError(f"--memory-per-device must be a byte count such as 300MiB, 2G or 1048576 "
+                         f"(K, M, G: powers of 1000; KiB, MiB, GiB: of 1024), got {text!r}")
     return int(value)
 # --compress: name -> (what its argument is, its default; None: no argument, required: must be given)
 COMPRESSORS = {"none": None, "fp16": None, "2bit": (float, 0.5), "1bit": None,

@@ -143,7 +143,7 @@ def measure(build, ctx, batch_size, shapes=None, lr=1e-3):
 
 
 def format_bytes(n):
-    """n bytes as "12.3 MiB" (powers of 1024, as --memory-per-device reads them)."""
+    """n bytes as "12.3 MiB" (powers of 1024)."""
     for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"

@@ -7,31 +7,18 @@ time, those that fit marked, one recommended; --verify runs the top ones on CPU 
 The models behind the numbers: manual_dp/planner/predict.py (docstring); docs/design.md "The planner".
 """
 import argparse
-import re
 import sys
 
+from .config import parse_bytes
 from .errors import UsageError
 from .fast.runtime import configure, machine
 
-UNITS = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9,
-         "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
 LINKS = ("pcie", "nvlink", "eth25", "eth100")
 
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message)
-
-
-def parse_bytes(text):
-    """Bytes of "300MiB", "1.5G", "4096": K, M, G (and KB, MB, GB) powers of 1000, KiB, MiB, GiB of 1024."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).upper() not in UNITS:
-        raise UsageError(f"--memory-per-device {text!r}: give bytes, e.g. 300MiB, 2G or 1048576")
-    value = float(match.group(1)) * UNITS[match.group(2).upper()]
-    if value < 1:
-        raise UsageError(f"--memory-per-device must be at least 1 byte, got {text!r}")
-    return int(value)
 
 
 def build_parser():

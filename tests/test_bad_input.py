@@ -117,9 +117,9 @@ FLAGS = [
     ("check-replicas in async", ["--mode", "async", "--check-replicas", "5"], 2, "--check-replicas applies only to"),
     ("unknown flag", ["--no-such-flag"], 2, "unrecognized arguments"),
     ("memory-per-device 12X", ["--memory-per-device", "12X"], 2,
-     "--memory-per-device must be a byte count such as 64M or 2G, got '12X'"),
-    ("memory-per-device too small", ["--cpus", "1", "--memory-per-device", "100K"], 2,
-     r"--memory-per-device 100K: --mode sync needs .*iB on cpu\(0\) \(measured\), .*iB more than 100.0 KiB; "
+     r"--memory-per-device must be a byte count such as 300MiB, 2G or 1048576 .*got '12X'"),
+    ("memory-per-device too small", ["--cpus", "1", "--memory-per-device", "100KiB"], 2,
+     r"--memory-per-device 100KiB: --mode sync needs .*iB on cpu\(0\) \(measured\), .*iB more than 100.0 KiB; "
      "no mode fits"),
     ("zero-stage in sync", ["--zero-stage", "2"], 2, "--zero-stage applies only to --mode zero, not --mode sync"),
     ("zero-stage in pipeline", ["--cpus", "2", "--mode", "pipeline", "--zero-stage", "3"], 2, "--zero-stage applies only to --mode zero"),

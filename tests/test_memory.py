@@ -86,11 +86,11 @@ def test_limit_names_the_excess_and_the_modes_that_fit(monkeypatch):
     report = {"cpu(0)": {"peak_bytes": 3 << 20}, "cpu(1)": {"peak_bytes": 1 << 20}}
     others = {"sync": report, "model": {"cpu(0)": {"peak_bytes": 2 << 20}, "cpu(1)": {"peak_bytes": 1 << 20}}}
     monkeypatch.setattr(memcheck, "probe_modes", lambda cfg, kind, n: others)
-    cfg = dataclasses.replace(RunConfig(cpus=2), memory_per_device="2M")
-    with pytest.raises(UsageError, match=r"--memory-per-device 2M: --mode sync needs 3.0 MiB on cpu\(0\) "
+    cfg = dataclasses.replace(RunConfig(cpus=2), memory_per_device="2MiB")
+    with pytest.raises(UsageError, match=r"--memory-per-device 2MiB: --mode sync needs 3.0 MiB on cpu\(0\) "
                                          r"\(measured\), 1.0 MiB more than 2.0 MiB; modes that fit, with their default .*: model$"):
         memcheck.check_limit(cfg, report, "cpu", 2)
-    memcheck.check_limit(dataclasses.replace(cfg, memory_per_device="3M"), report, "cpu", 2)   # fits: silent
+    memcheck.check_limit(dataclasses.replace(cfg, memory_per_device="3MiB"), report, "cpu", 2)   # fits: silent
 
 
 def test_generous_limit_trains_and_reports_memory(capsys, tmp_path, data_dir):

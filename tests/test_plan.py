@@ -137,8 +137,8 @@ def test_parse_bytes(text, value):
 
 BAD = [(["--devices", "0", "--memory-per-device", "1G"], "--devices must be >= 1, got 0"),
        (["--devices", "two", "--memory-per-device", "1G"], "argument --devices: invalid int value"),
-       (["--devices", "2", "--memory-per-device", "lots"], "--memory-per-device 'lots': give bytes"),
-       (["--devices", "2", "--memory-per-device", "5XB"], "--memory-per-device '5XB': give bytes"),
+       (["--devices", "2", "--memory-per-device", "lots"], "--memory-per-device must be a byte count such as 300MiB"),
+       (["--devices", "2", "--memory-per-device", "5XB"], "got '5XB'"),
        (["--devices", "2", "--memory-per-device", "1G", "--link", "carrier-pigeon"],
         "--link carrier-pigeon: choose from pcie, nvlink, eth25, eth100"),
        (["--devices", "8", "--memory-per-device", "1G", "--batch-size", "4"], "--batch-size 4 is smaller"),
