@@ -29,7 +29,7 @@ _EXPORTS = {
     "strategies.tensor": ["TensorParallel"],
     "loop": ["fit", "evaluate"],
     "schedule": ["make_lr", "scaled_lr", "Warmup", "lr_at", "updates_per_epoch"],
-    "memory": ["per_context"],
+    "memory": ["per_context", "measure"],
     "strategies.zero": ["ZeroRedundancy"],
     "strategies.local_sgd": ["LocalSGD"],
 }

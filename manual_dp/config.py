@@ -95,6 +95,10 @@ class RunConfig:
                         choices=BACKENDS)
     timeout: float = flag(120.0, "seconds without progress after which a process of a multi-process "
                                  "job gives up", "more than one process (see docs/multi-machine.md)")
+    memory_per_device: Optional[str] = flag(None, "emulate devices of this many bytes (suffix K, M, G, T: "
+                                                  "powers of 1024): refuse, before training, a layout whose "
+                                                  "measured peak on a context exceeds it, and name the modes "
+                                                  "that fit (manual_dp/memory.py)", "parallelism")
     sync_every: Optional[int] = flag(None, "local only: inner optimiser steps each replica takes on its own "
                                            "shards between syncs (H; default 4)", "parallelism")
     outer_optimizer: Optional[str] = flag(None, "local only: what applies the averaged change at a sync "
@@ -124,6 +128,9 @@ class RunConfig:
                                                 "1/T shard of every split layer; the groups are data "
                                                 "parallel (default: every context, one group)",
                                           "parallelism")
+    compress: str = flag("none", "sync only: what each replica sends instead of its float32 gradient, "
+                                 "with error feedback: none, fp16, 2bit[:T] (MXNet's, T=0.5), 1bit, "
+                                 "topk:K, powersgd:R (manual_dp/fast/compress.py)", "speed")
 
 
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
@@ -149,14 +156,16 @@ APPLIES = {
     "bucket_mb": ("sync",),
     "trace": ("sync",),
     "tensor_parallel": ("tensor",),
+    "compress": ("sync",),
 }
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
             "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
-            "sync_every", "outer_optimizer", "outer_lr", "outer_momentum")
+            "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
-DEFAULTS_OF_NEWER_KEYS = {"width": 1}
+DEFAULTS_OF_NEWER_KEYS = {"width": 1, "sync_every": None, "outer_optimizer": None, "outer_lr": None,
+                          "outer_momentum": None, "compress": "none"}
 
 
 def resolve(cfg):
@@ -189,6 +198,8 @@ def check(cfg):
             raise UsageError(f"--{name.replace('_', '-')} must be positive and finite, got {value}")
     if not (cfg.warmup_epochs >= 0 and math.isfinite(cfg.warmup_epochs)):
         raise UsageError(f"--warmup-epochs must be >= 0 and finite, got {cfg.warmup_epochs}")
+    if cfg.memory_per_device is not None:
+        parse_bytes(cfg.memory_per_device)
     if cfg.stages is not None and not 1 <= cfg.stages <= MAX_STAGES:
         raise UsageError(f"--stages must be 1 to {MAX_STAGES} (LeNet has {MAX_STAGES} layers to cut "
                          f"between), got {cfg.stages}")
@@ -207,15 +218,16 @@ def check(cfg):
         raise UsageError(f"--backend {cfg.backend} runs every mode but async (for asynchronous "
                          f"training across processes use --backend dist_async)")
     if cfg.deterministic and (cfg.allreduce is not None or cfg.fuse_grads is not None or
-                              cfg.bucket_mb is not None or cfg.trace):
+                              cfg.bucket_mb is not None or cfg.trace or cfg.compress != "none"):
         raise UsageError("--deterministic adds the gradients in its own fixed order: without "
-                         "--allreduce, --fuse-grads, --bucket-mb and --trace")
+                         "--allreduce, --fuse-grads, --bucket-mb, --trace and --compress")
     if cfg.deterministic and cfg.backend == "dist_async":
         raise UsageError("--deterministic needs synchronous updates: --backend local, horovod or dist_sync")
     if cfg.backend == "dist_async" and (cfg.mode != "sync" or cfg.grad_accum > 1):
         raise UsageError("--backend dist_async runs its own asynchronous SGD: --mode sync without "
                          "--grad-accum only")
     check_local(cfg)
+    check_compress(cfg)
 
 
 def check_local(cfg):
@@ -284,3 +296,60 @@ def device_request(cfg):
         return "cpu", cfg.cpus
     n = visible_gpus()
     return ("gpu", n) if n else ("cpu", DEFAULT_CPU_CONTEXTS)
+
+
+BYTE_SUFFIXES = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def parse_bytes(text):
+    """A positive byte count from "1000", "64M", "2G", "1.5GiB" (K, M, G, T: powers of 1024);
+    UsageError otherwise."""
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    number, suffix = (s[:-1], s[-1]) if s[-1:] in BYTE_SUFFIXES and s[-1:] else (s, "")
+    try:
+        value = float(number) * BYTE_SUFFIXES[suffix]
+    except ValueError:
+        value = None
+    if value is None or not (value >= 1 and math.isfinite(value)):
+        raise UsageError(f"--memory-per-device must be a byte count such as 64M or 2G, got {text!r}")
+    return int(value)
+# --compress: name -> (what its argument is, its default; None: no argument, required: must be given)
+COMPRESSORS = {"none": None, "fp16": None, "2bit": (float, 0.5), "1bit": None,
+               "topk": (int, "required"), "powersgd": (int, "required")}
+GATHERED = ("fp16", "2bit", "1bit", "topk")     # cannot be summed compressed: gathered instead
+
+
+def parse_compress(spec):
+    """(name, argument or None) of a --compress value; UsageError if it names nothing we have."""
+    name, _, arg = spec.partition(":")
+    if name not in COMPRESSORS:
+        raise UsageError(f"--compress {spec}: choose from none, fp16, 2bit[:T], 1bit, topk:K, powersgd:R")
+    kind = COMPRESSORS[name]
+    if kind is None:
+        if arg:
+            raise UsageError(f"--compress {name} takes no argument, got {spec}")
+        return name, None
+    if not arg and kind[1] == "required":
+        raise UsageError(f"--compress {name} needs its argument: {name}:{'K' if name == 'topk' else 'R'}")
+    try:
+        value = kind[0](arg) if arg else kind[1]
+    except ValueError:
+        raise UsageError(f"--compress {spec}: {arg!r} is not a{'n integer' if kind[0] is int else ' number'}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise UsageError(f"--compress {spec}: the argument must be positive, got {arg}")
+    return name, value
+
+
+def check_compress(cfg):
+    """UsageError for a --compress value or combination no run can use."""
+    name, _ = parse_compress(cfg.compress)
+    if name == "none":
+        return
+    if cfg.fuse_grads is False:
+        raise UsageError(f"--compress {cfg.compress} compresses the fused gradient buffer: drop --no-fuse-grads")
+    if cfg.backend == "dist_async":
+        raise UsageError(f"--compress applies to summed gradients, not to --backend dist_async's "
+                         f"parameter changes")
+    if name in GATHERED and cfg.allreduce is not None:
+        raise UsageError(f"--compress {name} gathers the compressed gradients instead of all-reducing "
+                         f"them: --allreduce does not apply (it does with powersgd:R)")

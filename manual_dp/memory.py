@@ -1,14 +1,32 @@
-"""Bytes per context: the arrays a strategy keeps, and the activations one step holds until backward.
+"""Bytes per context: the peak one training step holds on each context, split into parameters,
+gradients, optimiser state and activations/temporaries.
 
-Parameter and state bytes are measured: the sizes of the NDArrays the strategy holds, grouped by
-their `.context`. Activation bytes are computed from the layer shapes (see `stage_activation_elems`):
-MXNet exposes no per-context memory counter on CPU.
+`measure` reads the peak from what MXNet allocates (manual_dp.fast.memtrack: the storage manager's
+per-device counters, through its profiler): a fresh copy of the strategy is built, warmed up and
+stepped inside one window, and the most bytes held at once during its last step, counted from
+the window's start, are that context's peak. Parameters, gradients and optimiser state are the
+sizes of the arrays the strategy keeps (Strategy.arrays), on the context that holds them;
+activations/temporaries = peak - those: autograd's saved outputs, the input shards, gradients of
+activations in flight, the cached graph's planned memory, operators' scratch space, copies.
+Limits (see memtrack, docs/design.md): the bytes are those MXNet reserves, which on CPU the OS
+backs only where touched; MXNet's CPU scratch space is one pool registered on cpu(0), so cpu(0)
+carries every CPU context's scratch; bytes outside MXNet's storage (oneDNN's own buffers) are
+not counted; scratch space grown earlier in the same process is not counted again, so the figure
+is exact only in a fresh process (the command line measures before any other MXNet work).
+
+Where the profiler cannot count a context (cpu(i) past the processors + 2) `per_context`
+computes activations from the layer shapes instead (`stage_activation_elems`, the hand count of
+what autograd keeps); every report says which ("method").
 """
+import os
+
 import numpy as np
 
+from .fast import memtrack
 from .lesson import LENET_SHAPES
 
 FLOAT_BYTES = 4
+KINDS = ("param", "grad", "state")
 
 
 def stage_activation_elems(image=(1, 28, 28), shapes=None):
@@ -29,20 +47,6 @@ def stage_activation_elems(image=(1, 28, 28), shapes=None):
     (d_in, hidden), (_, classes) = shapes[4], shapes[6]
     dense = [d_in] + [hidden] * 3 + [classes] * 3 + [1]        # input, dot, +b, ReLU, dot, +b, log-softmax, loss
     return [sum(convs), sum(dense)]
-
-
-def per_context(model, batch_size, shapes=None):
-    """{context name: {"param_bytes", "state_bytes", "activation_bytes"}} for a step on `batch_size`
-    (activations of LeNet's parameters of `shapes`, default the lesson's)."""
-    report = {str(c): {"param_bytes": 0, "state_bytes": 0, "activation_bytes": 0} for c in model.ctx}
-    for kind, arrays in model.arrays().items():
-        for a in arrays:
-            report[str(a.context)][f"{kind}_bytes"] += a.size * np.dtype(a.dtype).itemsize
-    elems = stage_activation_elems(shapes=shapes)
-    for c, s, n in model.layout(batch_size):
-        per_example = elems[s] if isinstance(s, int) else part_activation_elems(s, shapes=shapes)
-        report[str(c)]["activation_bytes"] += n * per_example * FLOAT_BYTES
-    return report
 
 
 def piece_activation_elems(image=(1, 28, 28), shapes=None):
@@ -69,8 +73,87 @@ def part_activation_elems(part, image=(1, 28, 28), shapes=None):
     return pieces[part[0]][0] + sum(pieces[i][1] for i in part)
 
 
+def held_bytes(model):
+    """{context name: {"param_bytes", "grad_bytes", "state_bytes"}}: the arrays the strategy keeps
+    (gradients listed under "state" by an older strategy count as state)."""
+    report = {str(c): {f"{k}_bytes": 0 for k in KINDS} for c in model.ctx}
+    for kind, arrays in model.arrays().items():
+        for a in arrays:
+            report[str(a.context)][f"{kind}_bytes"] += a.size * np.dtype(a.dtype).itemsize
+    return report
+
+
+def scratch_buffers(ctx_name):
+    """How many scratch buffers MXNet shares among this kind of context (its defaults: 4 on CPU, 1
+    per GPU); on CPU they all count on cpu(0)."""
+    cpu = ctx_name.startswith("cpu")
+    return int(os.environ.get("MXNET_CPU_TEMP_COPY" if cpu else "MXNET_GPU_TEMP_COPY", 4 if cpu else 1))
+
+
+def finish(report, peaks, method):
+    """`report` with "activation_bytes" = peak - kept arrays, "peak_bytes", "method" and
+    "scratch_buffers" added."""
+    for c, r in report.items():
+        r["activation_bytes"] = peaks[c] - sum(r[f"{k}_bytes"] for k in KINDS)
+        r["peak_bytes"], r["method"], r["scratch_buffers"] = peaks[c], method, scratch_buffers(c)
+    return report
+
+
+def per_context(model, batch_size, shapes=None):
+    """The computed report for a step on `batch_size`: kept arrays measured, activations from the
+    layer shapes of LeNet's parameters of `shapes` (default the lesson's)."""
+    report, elems = held_bytes(model), stage_activation_elems(shapes=shapes)
+    peaks = {c: sum(r.values()) for c, r in report.items()}
+    for c, s, n in model.layout(batch_size):
+        per_example = elems[s] if isinstance(s, int) else part_activation_elems(s, shapes=shapes)
+        peaks[str(c)] += n * per_example * FLOAT_BYTES
+    return finish(report, peaks, "shapes")
+
+
+def random_batch(batch_size, seed=0):
+    """Images (batch_size, 1, 28, 28) and labels (batch_size,) as the loop feeds them."""
+    rng = np.random.default_rng(seed)
+    return rng.random((batch_size, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, batch_size).astype(np.float32)
+
+
+def steps_to_update(model, X, y, lr, updates=1):
+    """Steps on (X, y) until `updates` more optimiser updates are taken (gradient accumulation
+    takes several batches per update)."""
+    target, steps = model.t + updates, 0
+    while model.t < target:
+        model.step(X, y, lr)
+        steps += 1
+        if steps > 10_000:
+            raise RuntimeError(f"{type(model).__name__} took no update in {steps} steps")
+
+
+def measure(build, ctx, batch_size, shapes=None, lr=1e-3):
+    """The report of a step on `batch_size` of the strategy `build()` makes on `ctx`: measured peak
+    (method "profiler") where MXNet can count every context, else `per_context`'s."""
+    X, y = random_batch(batch_size)
+    if memtrack.counter_names(ctx) is None or not memtrack.configured():
+        return per_context(build(), batch_size, shapes)
+    with memtrack.Window(ctx) as window:
+        model = build()
+        steps_to_update(model, X, y, lr, updates=2)            # warm-up: graphs built, state made
+        window.mark()
+        steps_to_update(model, X, y, lr)
+        report = held_bytes(model)
+    return finish(report, window.peak, "profiler")
+
+
+def format_bytes(n):
+    """n bytes as "12.3 MiB" (powers of 1024, as --memory-per-device reads them)."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def format_report(report):
-    """One line: parameters + state, and activations, per context, in KiB."""
-    return "; ".join(f"{c}: {r['param_bytes'] / 1024:.0f} KiB params + {r['state_bytes'] / 1024:.0f} KiB "
-                     f"grads/state, {r['activation_bytes'] / 1024:.0f} KiB activations"
-                     for c, r in report.items())
+    """One line: per context, the peak and its split."""
+    return "; ".join(f"{c}: peak {format_bytes(r['peak_bytes'])} = {format_bytes(r['param_bytes'])} params + "
+                     f"{format_bytes(r['grad_bytes'])} grads + {format_bytes(r['state_bytes'])} optimiser state "
+                     f"+ {format_bytes(r['activation_bytes'])} activations/temporaries"
+                     for c, r in report.items()) + " ({method}, {scratch_buffers} scratch buffers)".format(
+        **next(iter(report.values())))

@@ -66,8 +66,15 @@ def rewrite(ck, change, resign=True):
 
 
 def flip_bytes(ck):
+    """8 bytes flipped in the middle of the largest array's data (the file's middle could land in a
+    zip header field that nothing reads, depending on how long the metadata is)."""
     raw = bytearray((ck / checkpoint.NAME).read_bytes())
-    raw[len(raw) // 2:len(raw) // 2 + 8] = b"\xff" * 8
+    with zipfile.ZipFile(ck / checkpoint.NAME) as z:
+        big = max(z.infolist(), key=lambda i: i.file_size)
+    name_len, extra_len = int.from_bytes(raw[big.header_offset + 26:big.header_offset + 28], "little"), \
+        int.from_bytes(raw[big.header_offset + 28:big.header_offset + 30], "little")
+    middle = big.header_offset + 30 + name_len + extra_len + big.file_size // 2
+    raw[middle:middle + 8] = b"\xff" * 8
     (ck / checkpoint.NAME).write_bytes(bytes(raw))
 
 
@@ -109,6 +116,11 @@ FLAGS = [
     ("deterministic ring", ["--deterministic", "--allreduce", "ring"], 2, "--deterministic adds the gradients in its own"),
     ("check-replicas in async", ["--mode", "async", "--check-replicas", "5"], 2, "--check-replicas applies only to"),
     ("unknown flag", ["--no-such-flag"], 2, "unrecognized arguments"),
+    ("memory-per-device 12X", ["--memory-per-device", "12X"], 2,
+     "--memory-per-device must be a byte count such as 64M or 2G, got '12X'"),
+    ("memory-per-device too small", ["--cpus", "1", "--memory-per-device", "100K"], 2,
+     r"--memory-per-device 100K: --mode sync needs .*iB on cpu\(0\) \(measured\), .*iB more than 100.0 KiB; "
+     "no mode fits"),
     ("zero-stage in sync", ["--zero-stage", "2"], 2, "--zero-stage applies only to --mode zero, not --mode sync"),
     ("zero-stage in pipeline", ["--cpus", "2", "--mode", "pipeline", "--zero-stage", "3"], 2, "--zero-stage applies only to --mode zero"),
     ("zero-stage 4", ["--mode", "zero", "--zero-stage", "4"], 2, r"--zero-stage: invalid choice: 4 \(choose from 1, 2, 3\)"),
@@ -160,6 +172,19 @@ FLAGS = [
     ("tensor-parallel in sync", ["--cpus", "4", "--tensor-parallel", "2"], 2,
      "--tensor-parallel applies only to --mode tensor, not --mode sync"),
     ("tensor-parallel 0", ["--mode", "tensor", "--tensor-parallel", "0"], 2, "--tensor-parallel must be >= 1"),
+    ("compress topk:0", ["--compress", "topk:0"], 2, "--compress topk:0: the argument must be positive"),
+    ("compress powersgd:0", ["--compress", "powersgd:0"], 2, "--compress powersgd:0: the argument must be positive"),
+    ("compress topk alone", ["--compress", "topk"], 2, "--compress topk needs its argument: topk:K"),
+    ("compress topk:x", ["--compress", "topk:1.5"], 2, "'1.5' is not an integer"),
+    ("compress 2bit:-1", ["--compress", "2bit:-1"], 2, "the argument must be positive"),
+    ("compress fp16:3", ["--compress", "fp16:3"], 2, "--compress fp16 takes no argument"),
+    ("compress unknown", ["--compress", "3bit"], 2, "--compress 3bit: choose from none, fp16"),
+    ("compress in pipeline", ["--cpus", "2", "--mode", "pipeline", "--compress", "2bit"], 2,
+     "--compress applies only to --mode sync"),
+    ("compress without fusion", ["--compress", "1bit", "--no-fuse-grads"], 2, "drop --no-fuse-grads"),
+    ("compress dist_async", ["--backend", "dist_async", "--compress", "fp16"], 2, "not to --backend dist_async"),
+    ("compress gathered with allreduce", ["--compress", "2bit", "--allreduce", "ring"], 2,
+     "--allreduce does not apply"),
 ]
 
 
@@ -259,6 +284,9 @@ def test_divergence_in_epoch_2_keeps_epoch_1(capsys, monkeypatch, data_dir, tmp_
         if len(calls) == 6 * 2:                 # two replicas update per step
             params[0][:] = float("nan")
     monkeypatch.setattr(data_parallel, "apply_update_and_clear", faulty)
+    from manual_dp.cli import memcheck                    # the memory measurement's updates do not count
+    measure = memcheck.measure_run
+    monkeypatch.setattr(memcheck, "measure_run", lambda *a: (measure(*a), calls.clear())[0])
     log = tmp_path / "log.jsonl"
     got, lines = run(capsys, ["--data-dir", str(data_dir), *TINY, "--cpus", "2", "--epochs", "3",
                               "--checkpoint-dir", str(tmp_path / "ck"), "--log-json", str(log)])

@@ -73,7 +73,8 @@ def test_model_flag_fits_the_run_and_prints_the_table(tiny_run):
     assert "ResNet-50" in done.stdout and "100 Gb/s Ethernet" in done.stdout
 
 
-@pytest.mark.parametrize("argv", [["--quick", "--full"], ["--only", "nothing"], ["--bogus"]])
+@pytest.mark.parametrize("argv", [["--quick", "--full"], ["--only", "nothing"], ["--bogus"],
+                                  ["--memory", "--width", "0"], ["--memory", "--cpus", "-1"]])
 def test_bad_input_is_one_line_and_exit_2(argv):
     done = subprocess.run([sys.executable, "-m", "manual_dp.bench"] + argv,
                           capture_output=True, text=True, timeout=60)

@@ -14,6 +14,8 @@ from conftest import synthetic
 from manual_dp import replicas
 from manual_dp.loop import evaluate
 from manual_dp.strategies.deterministic import DeterministicDataParallel
+from manual_dp.fast.compress import make_reducer
+from manual_dp.strategies.compressed import Compressed
 from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParallel, Strategy,
                        init_lenet_params, make_allreduce)
 from manual_dp import ZeroRedundancy
@@ -59,6 +61,13 @@ STRATEGIES = {
     "tensor T=2 x2": lambda p, opt: TensorParallel(p, cpus(2), opt),
     "tensor T=4 x4": lambda p, opt: TensorParallel(p, cpus(4), opt),
     "tensor TPxDP 2x2": lambda p, opt: TensorParallel(p, cpus(4), opt, 2),
+    # topk with K >= every gradient sends everything: compression that must change nothing
+    "compress topk:all x2": lambda p, opt: Compressed(
+        DataParallel(p, cpus(2), opt, r := make_reducer("topk:1000000", None, [q.shape for q in p])),
+        r, "topk:1000000"),
+    "compress powersgd:1000 x2": lambda p, opt: Compressed(
+        DataParallel(p, cpus(2), opt, r := make_reducer("powersgd:1000", make_allreduce("reduce_bcast"),
+                                                        [q.shape for q in p])), r, "powersgd:1000"),
 }
 # Strategies that keep the contract but compute, by design, something other than the one-device
 # step (their own references are in their own tests): every test here but the equality with it.
@@ -116,8 +125,9 @@ def test_arrays_live_on_the_strategys_contexts_and_layout_covers_the_batch(name)
     model = CONTRACT[name](init_lenet_params(seed=0), "adam")
     run(model, steps=1)
     held = model.arrays()
-    assert set(held) == {"param", "state"} and held["param"] and held["state"]
-    assert {a.context for a in held["param"] + held["state"]} <= set(model.ctx)
+    assert set(held) in ({"param", "state"}, {"param", "grad", "state"}) and held["param"]
+    assert held.get("grad", held["state"])           # gradients, in "grad" or (older) in "state"
+    assert {a.context for a in sum(held.values(), [])} <= set(model.ctx)
     covered = [sum(n for _, s, n in model.layout(13) if piece in pieces(s)) for piece in range(4)]
     if "1f1b" in name or "recompute" in name:  # at most S - s micro-batches, or one, held at once
         assert all(0 < n <= 13 for n in covered), covered

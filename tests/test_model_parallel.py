@@ -7,7 +7,7 @@ from mxnet import autograd, nd
 from conftest import assert_on, synthetic
 from manual_dp import DataParallel, cross_entropy, get_params, init_lenet_params, lenet
 from manual_dp.strategies.accum import GradAccum
-from manual_dp.memory import per_context, stage_activation_elems
+from manual_dp.memory import per_context, scratch_buffers, stage_activation_elems
 from manual_dp.lesson import LENET_SHAPES, conv_block
 from manual_dp.optim import apply_update, init_states
 from manual_dp.strategies.pipeline import PipelineParallel, cut
@@ -158,12 +158,13 @@ def test_memory_per_context(optimizer, n_state):
     conv, dense = stage_activation_elems()
     stage0, stage1 = param_bytes({"W1", "b1", "W2", "b2"}), param_bytes({"W3", "b3", "W4", "b4"})
     model = per_context(PipelineParallel(init_lenet_params(), cpus(4), optimizer, 2), 10)
-    assert model == {
-        "cpu(0)": {"param_bytes": stage0, "state_bytes": (1 + n_state) * stage0, "activation_bytes": 4 * 5 * conv},
-        "cpu(1)": {"param_bytes": stage1, "state_bytes": (1 + n_state) * stage1, "activation_bytes": 4 * 5 * dense},
-        "cpu(2)": {"param_bytes": stage0, "state_bytes": (1 + n_state) * stage0, "activation_bytes": 4 * 5 * conv},
-        "cpu(3)": {"param_bytes": stage1, "state_bytes": (1 + n_state) * stage1, "activation_bytes": 4 * 5 * dense},
-    }
+
+    def expect(params, act):
+        return {"param_bytes": params, "grad_bytes": params, "state_bytes": n_state * params,
+                "activation_bytes": act, "peak_bytes": (2 + n_state) * params + act, "method": "shapes",
+                "scratch_buffers": scratch_buffers("cpu(0)")}
+    assert model == {"cpu(0)": expect(stage0, 4 * 5 * conv), "cpu(1)": expect(stage1, 4 * 5 * dense),
+                     "cpu(2)": expect(stage0, 4 * 5 * conv), "cpu(3)": expect(stage1, 4 * 5 * dense)}
     sync = per_context(DataParallel(init_lenet_params(), cpus(3), optimizer), 10)
     assert [r["activation_bytes"] for r in sync.values()] == [4 * n * (conv + dense) for n in (4, 3, 3)]
     assert all(r["param_bytes"] == stage0 + stage1 for r in sync.values())

@@ -96,7 +96,8 @@ def test_log_records_mode_memory_and_what_was_measured(capsys, tmp_path, data_di
     # 32, 32, 32 cut in 5 micro-batches; the tail of 4 in 4
     assert records[0]["bubble_fraction"] == pytest.approx(np.mean([1 / 6] * 3 + [1 / 5]))
     mem = records[0]["memory"]
-    assert mem["cpu(0)"]["activation_bytes"] > 10 * mem["cpu(1)"]["activation_bytes"]
+    assert {r["method"] for r in mem.values()} == {"profiler"}           # measured (manual_dp.memory)
+    assert mem["cpu(0)"]["activation_bytes"] > mem["cpu(1)"]["activation_bytes"]   # the conv stage's
     assert mem["cpu(1)"]["param_bytes"] > 4 * mem["cpu(0)"]["param_bytes"]
 
 

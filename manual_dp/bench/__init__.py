@@ -8,5 +8,6 @@
     overlap     do two CPU contexts compute at the same time? (MXNet's profiler)
     report      scaling efficiency, the targets' ratios, tables, results.json
     plots       the PNG plots
+    memory      every mode's measured memory per context (--memory)
     local_sgd   local SGD at H = 1, 4, 16: test accuracy and communication rounds per epoch
 """

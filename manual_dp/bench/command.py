@@ -3,7 +3,9 @@ to DIR/results.json (a list of records with bench, impl, devices and the figures
 
     --quick   the default, under 3 minutes on 2 cores    --full   every payload, count and peer
     --tiny    seconds, synthetic data (for the tests)     --model  the cost model's table and plot
+    --memory  every mode's measured memory per context (--width, --batch-size, --cpus)
     --local-sgd   instead, local SGD at H = 1, 4, 16: accuracy and communication rounds (bench/local_sgd.py)
+    --compress  every gradient compression trained side by side (manual_dp.bench.compress)
 
 Every measurement runs in a fresh process (manual_dp.bench.worker) whose thread settings are in
 its environment before MXNet or PyTorch loads: "tuned" is manual_dp.runtime's choice for its
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 from ..cli.options import OneLineParser
+from ..config import RunConfig
 from ..errors import UsageError
 from ..fast.runtime import machine, thread_env, usable_cores
 from .plots import FAST
@@ -213,9 +216,18 @@ def main(argv=None):
     if args.model:
         print(report_model(out))
         return
+    if args.memory:
+        from .memory import run
+        run(out, args.width, args.batch_size, args.cpus)
+        return
     if args.local_sgd:
         from .local_sgd import run as run_local_sgd
         run_local_sgd(args.plan, out, args.data_dir, args.timeout, commit())
+        return
+    if args.compress:
+        from .compress import bench_compress
+        m = dict(machine(), commit=commit())
+        bench_compress(args.plan, args, f"{m['cpu']} ({m['vector']}), {m['cores']} cores, commit {m['commit']}")
         return
     records = measure(PLANS[args.plan], args)
     records += report(records)
@@ -228,6 +240,14 @@ def main(argv=None):
 def report_model(out, records=None):
     from .report import model_section
     return model_section(out, records)
+
+
+def positive(text):
+    """An int >= 1 (argparse type)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
 
 
 def build_parser():
@@ -245,9 +265,16 @@ def build_parser():
     p.add_argument("--wait-for-cores", type=float, default=0.0,
                    help="on a shared machine: before each training measurement wait (up to --timeout) "
                         "until this many cores are free, e.g. 1.8 of 2")
+    p.add_argument("--memory", action="store_true",
+                   help="every mode's measured peak memory per context (OUT/memory.json), nothing else")
+    p.add_argument("--width", type=positive, default=RunConfig.width, help="with --memory: LeNet's width")
+    p.add_argument("--batch-size", type=positive, default=RunConfig.batch_size, help="with --memory: the global batch")
+    p.add_argument("--cpus", type=positive, default=2, help="with --memory: CPU contexts")
     p.add_argument("--local-sgd", action="store_true",
                    help="instead: local SGD at H = 1, 4, 16 side by side, test accuracy and communication "
                         "rounds per epoch (OUT/local_sgd.json, local_sgd.png; --timeout is per epoch)")
+    p.add_argument("--compress", action="store_true",
+                   help="instead: train with every --compress setting side by side (manual_dp/bench/compress.py)")
     return p
 
 

@@ -27,9 +27,9 @@ STRATEGIES = {
 def peak_bytes(model):
     """{context name: [parameter bytes, gradient + optimiser-state bytes]} at the step's peak."""
     out = {str(c): [0, 0] for c in model.ctx}
-    for slot, kind in enumerate(("param", "state")):
-        for a in model.peak_arrays()[kind]:
-            out[str(a.context)][slot] += a.size * np.dtype(a.dtype).itemsize
+    for kind, arrays in model.peak_arrays().items():          # "grad" (if listed apart) goes with "state"
+        for a in arrays:
+            out[str(a.context)][0 if kind == "param" else 1] += a.size * np.dtype(a.dtype).itemsize
     return out
 
 

@@ -69,7 +69,7 @@ def describe(cfg):
         line = ("sync, deterministic: pieces of the batch added in one fixed tree, the same bits on any "
                 "number of contexts and processes")
     return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
-        f", LeNet x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg)
+        f", LeNet x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg) + compression(cfg)
 
 
 def pipeline_settings(cfg):
@@ -77,6 +77,15 @@ def pipeline_settings(cfg):
     return ((f", {cfg.stages} stages" if (cfg.stages or 2) != 2 and cfg.mode != "hybrid" else "")
             + (", 1F1B schedule" if cfg.schedule == "1f1b" and cfg.mode == "hybrid" else "")
             + (", activations recomputed in the backward" if cfg.recompute else ""))
+
+
+def compression(cfg):
+    """What --compress changes, if given."""
+    if cfg.compress == "none":
+        return ""
+    return (f", gradients sent as --compress {cfg.compress} with error feedback" +
+            (" (summed by the all-reduce)" if cfg.compress.startswith("powersgd") else
+             " (gathered and summed on the first context instead of all-reduced)"))
 
 
 def format_record(r, epochs):
@@ -89,6 +98,8 @@ def format_record(r, epochs):
         line += f"  bubble {r['bubble_fraction']:.2f}"
     if "comm_rounds" in r:
         line += f"  {r['comm_rounds']} comm rounds"
+    if "compress_bytes_per_step" in r:
+        line += f"  {r['compress_bytes_per_step']:,} B/step sent ({r['compress']})"
     return line
 
 

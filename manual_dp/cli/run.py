@@ -15,6 +15,7 @@ from ..errors import (CheckpointError, DataError, DistributedError, DivergedErro
                       ReplicaMismatchError, UsageError)
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
+from ..fast.compress import make_reducer
 from ..fast.trace import TRACE_UPDATES
 from ..lesson import init_lenet_params
 from ..loop import fit
@@ -25,9 +26,11 @@ from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.pipeline import PipelineParallel
+from ..strategies.compressed import Compressed
 from ..strategies.local_sgd import LocalSGD
 from ..strategies.tensor import TensorParallel
 from ..strategies.zero import ZeroRedundancy
+from . import memcheck
 from .output import Progress, describe, fail, format_record, interrupted, write_log
 
 
@@ -68,14 +71,16 @@ def build_model(cfg, params, ctx, world):
             print(f"cached graph: convolution channels padded to multiples of {pad}" if pad > 1 else
                   "cached graph: convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
         bucket_mb = float("inf") if cfg.trace and cfg.bucket_mb is None else cfg.bucket_mb  # inf: one buffer
+        compressed = make_reducer(cfg.compress, reduce, [p.shape for p in params], world)
         model = DeterministicDataParallel(
             params, ctx, cfg.optimizer, graph=cfg.graph, conv_pad=pad, rank=world.rank, size=world.size,
             exchange=lambda table: world.allreduce(table, "tree" + "x".join(map(str, table.shape)))) \
             if cfg.deterministic else \
-            DataParallel(params, ctx, cfg.optimizer, reduce, cfg.fuse_grads, cfg.graph, conv_pad=pad,
-                         bucket_mb=bucket_mb)
+            DataParallel(params, ctx, cfg.optimizer, compressed or reduce, cfg.fuse_grads, cfg.graph,
+                         conv_pad=pad, bucket_mb=bucket_mb)
         if cfg.trace:
             model.trace(cfg.trace, algorithm=name)
+        model = Compressed(model, compressed, cfg.compress, world) if compressed else model
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
     elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
@@ -183,9 +188,10 @@ def run_in(cfg, world):
 
 def train_in(cfg, world, ctx):
     """run_in's training, its outputs checked and its checkpoint directory ours."""
+    params = init_lenet_params(cfg.seed, cfg.init_scale, width=cfg.width)
+    mem = memcheck.run_report(cfg, params, ctx, build_model, world.size)   # before anything else runs
     data_dir, data_label = locate_data(cfg.data_dir)
     train_data, test_data = load_fashion_mnist(data_dir, cfg.train_size, cfg.test_size)
-    params = init_lenet_params(cfg.seed, cfg.init_scale, width=cfg.width)
     model = build_model(cfg, params, ctx, world)
     if len(train_data[0]) < model.min_batch:
         raise UsageError(f"{len(train_data[0])} training example(s) cannot be split over the "
@@ -195,7 +201,6 @@ def train_in(cfg, world, ctx):
     if cfg.trace and updates < TRACE_UPDATES:
         raise UsageError(f"--trace records updates 3 to {TRACE_UPDATES}, but this run takes {updates}: "
                          f"use more --epochs or --train-size")
-    mem = memory.per_context(model, cfg.batch_size, [p.shape for p in params])
     run_config = {k: getattr(cfg, k) for k in config.RUN_KEYS}
     start_epoch, history, rng_state = resume_from(cfg, world, model, run_config)
     if history and cfg.log_json and world.is_root:
@@ -224,7 +229,8 @@ def train_in(cfg, world, ctx):
     if history:
         total = sum(r["epoch_sec"] for r in history)
         print(f"done: test acc {history[-1]['test_acc']:.4f} after {len(history)} epochs, "
-              f"{total:.0f} s training, {np.mean([r['images_per_sec'] for r in history]):.0f} img/s")
+              f"{total:.0f} s training, {np.mean([r['images_per_sec'] for r in history]):.0f} img/s; peak memory "
+              + ", ".join(f"{c} {memory.format_bytes(r['peak_bytes'])}" for c, r in mem.items()))
     return history
 
 

@@ -102,7 +102,7 @@ class AsyncDataParallel(Strategy):
     def arrays(self):
         params = self.master + [q for W in self.replicas for q in W]
         states = [s for st in self.master_states for s in st]
-        return {"param": params, "state": [p.grad for p in params] + states}
+        return {"param": params, "grad": [p.grad for p in params], "state": states}
 
     def state_dict(self):
         """The master's parameters and optimiser state, and every replica's (possibly stale) copy of

@@ -88,8 +88,10 @@ class Strategy:
         raise NotImplementedError
 
     def arrays(self):
-        """{"param": [...], "state": [...]}: every parameter array the strategy keeps, and every
-        gradient and optimiser-state array, each on the context that holds it."""
+        """{"param": [...], "grad": [...], "state": [...]}: every parameter array the strategy
+        keeps, every gradient array, every optimiser-state array, each on the context that holds
+        it. "grad" may be left out, the gradients then listed in "state" (the older contract);
+        manual_dp.memory subtracts these from the measured peak to leave the activations."""
         raise NotImplementedError
 
     def peak_arrays(self):

@@ -156,7 +156,7 @@ class DataParallel(Strategy):
     def arrays(self):
         params = [p for W in self.replicas for p in W]
         states = [s for S in self.states for st in S for s in st]
-        return {"param": params, "state": [p.grad for p in params] + states}
+        return {"param": params, "grad": [p.grad for p in params], "state": states}
 
     def state_dict(self):
         """Replica 0's parameters and optimiser state (every replica holds the same)."""

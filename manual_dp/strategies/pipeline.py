@@ -199,10 +199,10 @@ class PipelineParallel(Strategy):
         return out
 
     def arrays(self):
-        """Every array this strategy keeps: {"param": [...], "state": grads and optimiser state}."""
+        """Every array this strategy keeps: {"param", "grad", "state"} (see Strategy.arrays)."""
         params = [p for row in self.params for P in row for p in P]
         state = [s for row in self.states for S in row for st in S for s in st]
-        return {"param": params, "state": [p.grad for p in params] + state}
+        return {"param": params, "grad": [p.grad for p in params], "state": state}
 
     @property
     def min_batch(self):

@@ -1,0 +1,103 @@
+"""Memory before training: this run's peak per context, measured on a throwaway copy of its
+strategy (manual_dp.memory), and --memory-per-device, which refuses a layout whose peak exceeds
+the emulated device and names the modes that would fit.
+
+With --memory-per-device every figure, this run's and the other modes', is measured in a fresh
+process of its own (manual_dp.cli.memprobe) with one scratch buffer per device, as MXNet gives a
+GPU: with manual_dp's 1024 shared CPU scratch buffers the reservation on cpu(0) grows with every
+step (docs/design.md), so it would say more about the step count than about the layout.
+"""
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+
+from .. import config, memory
+from ..errors import UsageError
+from ..multiprocess.world import World
+
+PROBE_ENV = {"MXNET_CPU_TEMP_COPY": "1"}    # one scratch buffer per device, as on a GPU
+
+
+def measure_run(cfg, params, ctx, build, n_processes=1):
+    """memory.measure of build(cfg, params, ctx, World()) on this process's share of a batch."""
+    def make():
+        with contextlib.redirect_stdout(io.StringIO()):            # build's notes are printed once, later
+            return build(cfg, params, ctx, World())
+    return memory.measure(make, ctx, max(1, cfg.batch_size // n_processes), [p.shape for p in params])
+
+
+def peak(report):
+    """(context, bytes) of the report's largest peak."""
+    return max(((c, r["peak_bytes"]) for c, r in report.items()), key=lambda cr: cr[1])
+
+
+def as_mode(cfg, mode):
+    """`cfg` in `mode`, its mode-specific flags back to their defaults, resolved; None if the
+    mode cannot run these settings."""
+    defaults = {f.name: f.default for f in config.fields() if f.name in config.APPLIES}   # mode-specific
+    try:
+        return config.resolve(dataclasses.replace(cfg, mode=mode, **defaults))
+    except UsageError:
+        return None
+
+
+def start_probe(cfg, kind, n, env=None):
+    """A fresh process measuring `cfg` on n contexts of `kind` (read it with read_probe)."""
+    cmd = [sys.executable, "-m", "manual_dp.cli.memprobe", json.dumps(dataclasses.asdict(cfg)), kind, str(n)]
+    env = dict(os.environ if env is None else env, **PROBE_ENV)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+
+
+def read_probe(proc):
+    """The report a start_probe process printed; None if it failed."""
+    out, _ = proc.communicate()
+    return json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 else None
+
+
+def probe_modes(cfg, kind, n):
+    """{mode: report} for every mode that can be laid out on n contexts, each measured in its own
+    fresh process (started together, read in turn)."""
+    procs = {}
+    for mode in config.MODES:
+        other = as_mode(cfg, mode)
+        try:
+            config.check_layout(other, n) if other else None
+        except UsageError:
+            other = None
+        if other:
+            procs[mode] = start_probe(other, kind, n)
+    reports = {mode: read_probe(proc) for mode, proc in procs.items()}
+    return {mode: r for mode, r in reports.items() if r}
+
+
+def run_report(cfg, params, ctx, build, n_processes=1):
+    """This run's memory report: measured here, or with --memory-per-device in a fresh process
+    (one scratch buffer per device) and checked against it (check_limit)."""
+    if not (cfg.memory_per_device or cfg.trace):
+        return measure_run(cfg, params, ctx, build, n_processes)
+    # in a fresh process; with --trace also because MXNet takes one profiler configuration per
+    # process, and the trace needs this one's
+    kind, n = ctx[0].device_type, len(ctx)
+    share = dataclasses.replace(cfg, batch_size=max(1, cfg.batch_size // n_processes), trace=None)
+    report = read_probe(start_probe(share, kind, n)) or measure_run(cfg, params, ctx, build, n_processes)
+    check_limit(cfg, report, kind, n)
+    return report
+
+
+def check_limit(cfg, report, kind, n):
+    """UsageError, naming the excess and the modes that would fit, if the largest peak of
+    `report` exceeds --memory-per-device."""
+    limit = config.parse_bytes(cfg.memory_per_device) if cfg.memory_per_device else None
+    where, most = peak(report)
+    if limit is None or most <= limit:
+        return
+    fits = [m for m, r in probe_modes(cfg, kind, n).items() if peak(r)[1] <= limit]
+    raise UsageError(
+        f"--memory-per-device {cfg.memory_per_device}: --mode {cfg.mode} needs {memory.format_bytes(most)} on "
+        f"{where} (measured), {memory.format_bytes(most - limit)} more than {memory.format_bytes(limit)}; "
+        + (f"modes that fit, with their default settings (measured likewise): {', '.join(fits)}" if fits else
+           "no mode fits these contexts: use more contexts, a smaller --batch-size or --width"))

@@ -1,0 +1,45 @@
+"""python -m manual_dp.bench --compress: the runs side by side, their ratios and targets. (Timing is
+never asserted: the machine is shared.)"""
+import argparse
+import json
+import subprocess
+import sys
+
+from conftest import write_dataset
+from manual_dp.bench import compress as bench
+
+
+def test_targets_compare_every_row_with_the_uncompressed_run():
+    rows = [{"compress": "none", "test_acc": 0.88, "images_per_sec": 100.0, "bytes_per_step": 4000,
+             "fp32_bytes_per_step": 4000},
+            {"compress": "2bit", "test_acc": 0.875, "images_per_sec": 50.0, "bytes_per_step": 250,
+             "fp32_bytes_per_step": 4000},
+            {"compress": "1bit", "test_acc": 0.80, "images_per_sec": 50.0, "bytes_per_step": 200,
+             "fp32_bytes_per_step": 4000},
+            {"compress": "powersgd:2", "test_acc": 0.86, "images_per_sec": 80.0, "bytes_per_step": 100,
+             "fp32_bytes_per_step": 4000},
+            {"compress": "topk:10", "error": "exit 1: boom"}]
+    got = {r["compress"]: r for r in bench.targets(rows)}
+    assert got["2bit"]["bytes_fraction"] == 1 / 16 and got["2bit"]["bytes_target_met"]
+    assert abs(got["2bit"]["acc_points_vs_none"] + 0.5) < 1e-9 and got["2bit"]["accuracy_target_met"]
+    assert not got["1bit"]["bytes_target_met"] and "accuracy_target_met" not in got["1bit"]
+    assert not got["powersgd:2"]["accuracy_target_met"] and got["powersgd:2"]["speed_vs_none"] == 0.8
+    assert "boom" in bench.table(list(got.values()))
+
+
+def test_tiny_runs_side_by_side(tmp_path, monkeypatch):
+    data = write_dataset(tmp_path / "data")
+    monkeypatch.setattr(bench, "SETTINGS", ["none", "2bit", "powersgd:2"])
+    args = argparse.Namespace(out=str(tmp_path), cpus=2, data_dir=str(data), timeout=300)
+    rows = bench.bench_compress("tiny", args, "this machine")
+    assert [r["compress"] for r in rows] == ["none", "2bit", "powersgd:2"] and not [r for r in rows if "error" in r]
+    assert rows[1]["bytes_per_step"] == 32268 and rows[1]["bytes_target_met"]
+    assert 0 < rows[2]["bytes_fraction"] < 1 and all(0 <= r["test_acc"] <= 1 for r in rows)
+    saved = json.loads((tmp_path / "compress.json").read_text())
+    assert [r["compress"] for r in saved] == ["none", "2bit", "powersgd:2"] and saved[0]["plan"] == "tiny"
+
+
+def test_the_flag_is_in_the_bench_command():
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert "--compress" in done.stdout
