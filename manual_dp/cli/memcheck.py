@@ -77,12 +77,14 @@ def probe_modes(cfg, kind, n):
 def run_report(cfg, params, ctx, build, n_processes=1):
     """This run's memory report: measured here, or with --memory-per-device in a fresh process
     (one scratch buffer per device) and checked against it (check_limit)."""
-    if not (cfg.memory_per_device or cfg.trace):
+    if not (cfg.memory_per_device or cfg.trace or n_processes > 1):
         return measure_run(cfg, params, ctx, build, n_processes)
     # in a fresh process; with --trace also because MXNet takes one profiler configuration per
-    # process, and the trace needs this one's
+    # process, and the trace needs this one's; in a job of several processes so that MXNet's
+    # profiler never runs beside Horovod's or ps-lite's threads (one Horovod run crashed there)
     kind, n = ctx[0].device_type, len(ctx)
-    share = dataclasses.replace(cfg, batch_size=max(1, cfg.batch_size // n_processes), trace=None)
+    share = dataclasses.replace(cfg, batch_size=max(1, cfg.batch_size // n_processes), trace=None,
+                                backend="local")
     report = read_probe(start_probe(share, kind, n)) or measure_run(cfg, params, ctx, build, n_processes)
     check_limit(cfg, report, kind, n)
     return report

@@ -63,13 +63,13 @@ def counter_names(ctxs, n_procs=None, n_gpus=None):
 
 
 def trace_file():
-    """The profiler's trace file, configured (memory counters only) on the first call; removed
-    when the process exits."""
+    """The profiler's trace file, configured on the first call (by this module or by --trace's
+    manual_dp.fast.trace: MXNet takes one configuration per process, so it records everything,
+    operators and memory counters alike, for both); removed when the process exits."""
     if not _trace:
-        path = Path(tempfile.mkdtemp(prefix="manual_dp_mem_")) / "trace.json"
+        path = Path(tempfile.mkdtemp(prefix="manual_dp_profile_")) / "trace.json"
         atexit.register(shutil.rmtree, path.parent, ignore_errors=True)
-        mx.profiler.set_config(profile_memory=True, profile_symbolic=False, profile_imperative=False,
-                               profile_api=False, aggregate_stats=False, filename=str(path))
+        mx.profiler.set_config(profile_all=True, aggregate_stats=False, filename=str(path))
         _trace.append(path)
     return _trace[0]
 

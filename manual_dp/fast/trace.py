@@ -18,11 +18,8 @@ little slower than others. Marks on one array keep their order (each all-reduce,
 after an update, waits for the marker before it); marks on different arrays may not, by that
 latency: a span whose end was noted before its start is drawn with no length.
 """
-import atexit
 import json
 import os
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,11 +28,12 @@ import mxnet as mx
 from mxnet import nd
 
 from ..errors import OutputError
+from . import memtrack
 
 OP = "manual_dp_mark"
 TRACE_UPDATES = 5                  # by default updates 3..5 are recorded (2 warm up, 3 traced)
 TRAINER_PID = 1_000_000            # pid of context i's trainer lane in the trace: TRAINER_PID + i
-_noted, _lock, _registered, _profile_file = [], threading.Lock(), [], []
+_noted, _lock, _registered = [], threading.Lock(), []
 
 
 class Mark(mx.operator.CustomOp):
@@ -116,12 +114,7 @@ class Tracer:
         a dump), and each dump appends a trace to the file: this trace starts at its current end."""
         nd.waitall()
         with _lock:
-            if not _profile_file:
-                where = tempfile.mkdtemp(prefix="manual_dp_trace_")
-                atexit.register(shutil.rmtree, where, True)
-                _profile_file.append(os.path.join(where, "mxnet.json"))
-                mx.profiler.set_config(profile_all=True, aggregate_stats=False, filename=_profile_file[0])
-        self.tmp = _profile_file[0]
+            self.tmp = str(memtrack.trace_file())    # the one configuration of this process
         self.offset = os.path.getsize(self.tmp) if os.path.exists(self.tmp) else 0
         _noted.clear()
         mx.profiler.set_state("run")
