@@ -1,0 +1,23 @@
+"""`python -m manual_dp.bench.modes`: every mode timed side by side in one run, each against sync."""
+import json
+import subprocess
+import sys
+
+from manual_dp.bench.modes import strategies
+from manual_dp.config import MODES
+
+
+def test_every_mode_is_timed_beside_sync(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.modes", "--out", str(tmp_path), "--batch", "8",
+                           "--steps", "1", "--rounds", "1"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rates = json.loads((tmp_path / "modes.json").read_text())["images_per_sec"]
+    assert set(rates) == set(strategies(None)) and all(r > 0 for r in rates.values())
+    assert "1.00x sync" in done.stdout and "cores, commit" in done.stdout
+    assert all(any(name.startswith(mode) for name in rates) for mode in MODES)   # every --mode
+
+
+def test_bad_values_are_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.modes", "--steps", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--steps" in done.stderr
