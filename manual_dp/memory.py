@@ -127,11 +127,11 @@ def steps_to_update(model, X, y, lr, updates=1):
             raise RuntimeError(f"{type(model).__name__} took no update in {steps} steps")
 
 
-def measure(build, ctx, batch_size, shapes=None, lr=1e-3):
+def measure(build, ctx, batch_size, shapes=None, lr=1e-3, counters=True):
     """The report of a step on `batch_size` of the strategy `build()` makes on `ctx`: measured peak
-    (method "profiler") where MXNet can count every context, else `per_context`'s."""
+    (method "profiler") where MXNet can count every context (and `counters`), else `per_context`'s."""
     X, y = random_batch(batch_size)
-    if memtrack.counter_names(ctx) is None or not memtrack.configured():
+    if not counters or memtrack.counter_names(ctx) is None or not memtrack.configured():
         return per_context(build(), batch_size, shapes)
     with memtrack.Window(ctx) as window:
         model = build()

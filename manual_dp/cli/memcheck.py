@@ -23,11 +23,14 @@ PROBE_ENV = {"MXNET_CPU_TEMP_COPY": "1"}    # one scratch buffer per device, as 
 
 
 def measure_run(cfg, params, ctx, build, n_processes=1):
-    """memory.measure of build(cfg, params, ctx, World()) on this process's share of a batch."""
+    """memory.measure of build(cfg, params, ctx, World()) on this process's share of a batch; in a
+    job of several processes from the shapes, so that MXNet's profiler never runs beside Horovod's
+    or ps-lite's threads (one run of 2 Horovod processes crashed there)."""
     def make():
         with contextlib.redirect_stdout(io.StringIO()):            # build's notes are printed once, later
             return build(cfg, params, ctx, World())
-    return memory.measure(make, ctx, max(1, cfg.batch_size // n_processes), [p.shape for p in params])
+    return memory.measure(make, ctx, max(1, cfg.batch_size // n_processes), [p.shape for p in params],
+                          counters=n_processes == 1)
 
 
 def peak(report):
@@ -77,11 +80,10 @@ def probe_modes(cfg, kind, n):
 def run_report(cfg, params, ctx, build, n_processes=1):
     """This run's memory report: measured here, or with --memory-per-device in a fresh process
     (one scratch buffer per device) and checked against it (check_limit)."""
-    if not (cfg.memory_per_device or cfg.trace or n_processes > 1):
+    if not (cfg.memory_per_device or cfg.trace):
         return measure_run(cfg, params, ctx, build, n_processes)
     # in a fresh process; with --trace also because MXNet takes one profiler configuration per
-    # process, and the trace needs this one's; in a job of several processes so that MXNet's
-    # profiler never runs beside Horovod's or ps-lite's threads (one Horovod run crashed there)
+    # process, and the trace needs this one's
     kind, n = ctx[0].device_type, len(ctx)
     share = dataclasses.replace(cfg, batch_size=max(1, cfg.batch_size // n_processes), trace=None,
                                 backend="local")
