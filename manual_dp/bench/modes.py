@@ -51,9 +51,16 @@ def speed(width, batch, steps, rounds):
     import mxnet as mx
     from ..lesson import init_lenet_params
     ctx = [mx.cpu(i) for i in range(4)]
+    models = {name: make(init_lenet_params(0, width=width)) for name, make in strategies(ctx).items()}
+    return take_turns(models, batch, steps, rounds)
+
+
+def take_turns(models, batch, steps, rounds):
+    """{name: median images/s} of each model's `steps` steps on one random batch of `batch`, the
+    models taking turns for `rounds` rounds after one that warms up (graphs, kernels)."""
+    import mxnet as mx
     rng = np.random.RandomState(0)
     X, y = rng.rand(batch, 1, 28, 28).astype(np.float32), rng.randint(0, 10, batch).astype(np.int32)
-    models = {name: make(init_lenet_params(0, width=width)) for name, make in strategies(ctx).items()}
     times = {name: [] for name in models}
     for r in range(rounds + 1):
         for name, model in models.items():

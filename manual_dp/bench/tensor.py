@@ -11,7 +11,6 @@ Writes DIR/tensor.json (with the machine and commit) and DIR/tensor.png.
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -56,21 +55,10 @@ def memory(n, width, optimizer="adam"):
 
 def speed(n, width, batch, steps, rounds):
     """{strategy: median images/s over `rounds`} of `steps` momentum steps each, taken in turns."""
-    import mxnet as mx
     from ..lesson import init_lenet_params
-    rng = np.random.RandomState(0)
-    X, y = rng.rand(batch, 1, 28, 28).astype(np.float32), rng.randint(0, 10, batch).astype(np.int32)
+    from .modes import take_turns
     models = {name: make(init_lenet_params(0, width=width), "momentum") for name, make in strategies(n).items()}
-    times = {name: [] for name in models}
-    for r in range(rounds + 1):                     # round 0 warms up (graphs, kernels), not counted
-        for name, model in models.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                model.step(X, y, 0.01)
-            mx.nd.waitall()
-            if r:
-                times[name].append(time.perf_counter() - start)
-    return {name: steps * batch / float(np.median(t)) for name, t in times.items()}
+    return take_turns(models, batch, steps, rounds)
 
 
 def plot(results, out):
