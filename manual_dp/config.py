@@ -4,8 +4,6 @@ The notebooks, the benchmark and the tests read their defaults here too. Nothing
 MXNet: the command line reads its flags before MXNet loads (manual_dp.fast.runtime).
 """
 import dataclasses
-import math
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -182,107 +180,6 @@ def resolve(cfg):
     return dataclasses.replace(cfg, **values)
 
 
-def check(cfg):
-    """Raise UsageError for values no run can use (before any device, file or MXNet is touched)."""
-    for name in ("batch_size", "gpus", "cpus", "width", "train_size", "test_size", "micro_batches",
-                 "grad_accum", "check_replicas", "tensor_parallel"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("epochs", "staleness"):
-        value = getattr(cfg, name)
-        if value is not None and value < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    for name in ("lr", "init_scale", "timeout"):
-        value = getattr(cfg, name)
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise UsageError(f"--{name.replace('_', '-')} must be positive and finite, got {value}")
-    if not (cfg.warmup_epochs >= 0 and math.isfinite(cfg.warmup_epochs)):
-        raise UsageError(f"--warmup-epochs must be >= 0 and finite, got {cfg.warmup_epochs}")
-    if cfg.memory_per_device is not None:
-        parse_bytes(cfg.memory_per_device)
-    if cfg.stages is not None and not 1 <= cfg.stages <= MAX_STAGES:
-        raise UsageError(f"--stages must be 1 to {MAX_STAGES} (LeNet has {MAX_STAGES} layers to cut "
-                         f"between), got {cfg.stages}")
-    if cfg.bucket_mb is not None and not (cfg.bucket_mb >= 0 and math.isfinite(cfg.bucket_mb)):
-        raise UsageError(f"--bucket-mb must be >= 0 and finite, got {cfg.bucket_mb}")
-    if (cfg.bucket_mb is not None or cfg.trace) and cfg.fuse_grads is False:
-        raise UsageError("--bucket-mb and --trace cut the fused gradient buffer into buckets: not with "
-                         "--no-fuse-grads")
-    if cfg.trace and cfg.backend != "local":
-        raise UsageError("--trace records the steps of one process: --backend local only")
-    if not 0 <= cfg.seed < 2 ** 32:
-        raise UsageError(f"--seed must be in 0..2**32-1, got {cfg.seed}")
-    if cfg.resume and not cfg.checkpoint_dir:
-        raise UsageError("--resume needs --checkpoint-dir")
-    if cfg.backend in ("horovod", "dist_sync") and cfg.mode == "async":
-        raise UsageError(f"--backend {cfg.backend} runs every mode but async (for asynchronous "
-                         f"training across processes use --backend dist_async)")
-    if cfg.deterministic and (cfg.allreduce is not None or cfg.fuse_grads is not None or
-                              cfg.bucket_mb is not None or cfg.trace or cfg.compress != "none"):
-        raise UsageError("--deterministic adds the gradients in its own fixed order: without "
-                         "--allreduce, --fuse-grads, --bucket-mb, --trace and --compress")
-    if cfg.deterministic and cfg.backend == "dist_async":
-        raise UsageError("--deterministic needs synchronous updates: --backend local, horovod or dist_sync")
-    if cfg.backend == "dist_async" and (cfg.mode != "sync" or cfg.grad_accum > 1):
-        raise UsageError("--backend dist_async runs its own asynchronous SGD: --mode sync without "
-                         "--grad-accum only")
-    check_local(cfg)
-    check_compress(cfg)
-
-
-def check_local(cfg):
-    """UsageError for local SGD's values no run can use (the flags' modes are resolve's concern)."""
-    if cfg.sync_every is not None and cfg.sync_every < 1:
-        raise UsageError(f"--sync-every must be >= 1, got {cfg.sync_every}")
-    if cfg.outer_lr is not None and not (cfg.outer_lr > 0 and math.isfinite(cfg.outer_lr)):
-        raise UsageError(f"--outer-lr must be positive and finite, got {cfg.outer_lr}")
-    if cfg.outer_momentum is not None and not 0 <= cfg.outer_momentum < 1:
-        raise UsageError(f"--outer-momentum must be in [0, 1), got {cfg.outer_momentum}")
-    if cfg.mode == "local" and cfg.outer_momentum is not None and cfg.outer_optimizer != "nesterov":
-        raise UsageError("--outer-momentum applies only to --outer-optimizer nesterov")
-
-
-def check_layout(cfg, n_contexts, n_processes=1):
-    """Raise UsageError if the mode cannot be laid out on n_contexts contexts per process."""
-    n, S = n_contexts, cfg.stages or STAGES
-    if cfg.mode in ("model", "pipeline") and n != S:
-        raise UsageError(f"--mode {cfg.mode} needs exactly {S} contexts (one per stage of --stages {S}), "
-                         f"got {n}: use --cpus {S} or --mode hybrid")
-    if cfg.mode == "hybrid" and n % S:
-        raise UsageError(f"--mode hybrid needs a multiple of {S} contexts (replicas x {S} "
-                         f"stages), got {n}")
-    replicas = (n // S if cfg.mode in ("model", "pipeline", "hybrid") else n) * n_processes
-    if cfg.batch_size < replicas:
-        raise UsageError(f"--batch-size {cfg.batch_size} is smaller than the {replicas} devices it is "
-                         f"split over")
-    micro = cfg.micro_batches or 1
-    if micro > cfg.batch_size // replicas:
-        raise UsageError(f"--micro-batches {micro} is larger than the per-device batch of "
-                         f"{cfg.batch_size // replicas} (--batch-size {cfg.batch_size} over "
-                         f"{replicas} pipeline(s))")
-    if cfg.mode == "tensor":
-        check_tensor_layout(cfg.tensor_parallel or n, n, cfg.width)
-
-
-def tensor_split_sizes(width):
-    """{what --mode tensor splits: its size} for LeNet of `width` (lesson.lenet_shapes; conv2's
-    input channels are conv1's outputs, the second dense layer's inputs the first's units)."""
-    return {"conv1's output channels": 20 * width, "the first dense layer's units": 128 * width}
-
-
-def check_tensor_layout(T, n, width):
-    """Raise UsageError unless T contexts per tensor group divide the n contexts and every split size."""
-    if n % T:
-        raise UsageError(f"--tensor-parallel {T} does not divide the {n} contexts into tensor groups")
-    sizes = tensor_split_sizes(width)
-    for what, size in sizes.items():
-        if size % T:
-            fits = [t for t in range(1, n + 1) if n % t == 0 and all(s % t == 0 for s in sizes.values())]
-            raise UsageError(f"--tensor-parallel {T} does not divide {what} ({size} at --width {width}): "
-                             f"use --tensor-parallel {' or '.join(map(str, fits))} on {n} contexts")
-
-
 def fields():
     """RunConfig's fields, in the order --help lists them."""
     return dataclasses.fields(RunConfig)
@@ -299,58 +196,9 @@ def device_request(cfg):
     return ("gpu", n) if n else ("cpu", DEFAULT_CPU_CONTEXTS)
 
 
-BYTE_UNITS = {"": 1, "B": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "KB": 10 ** 3,
-              "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,
-              "TIB": 2 ** 40}
-
-
-def parse_bytes(text):
-    """Bytes of "300MiB", "1.5G", "4096" (K, M, G, T: powers of 1000; KiB, MiB, GiB, TiB: of 1024),
-    for --memory-per-device here and in the planner; UsageError otherwise."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    value = float(match.group(1)) * BYTE_UNITS[match.group(2).upper()] \
-        if match and match.group(2).upper() in BYTE_UNITS else 0
-    if not (value >= 1 and math.isfinite(value)):
-        raise UsageError(f"--memory-per-device must be a byte count such as 300MiB, 2G or 1048576 "
-                         f"(K, M, G: powers of 1000; KiB, MiB, GiB: of 1024), got {text!r}")
-    return int(value)
 # --compress: name -> (what its argument is, its default; None: no argument, required: must be given)
 COMPRESSORS = {"none": None, "fp16": None, "2bit": (float, 0.5), "1bit": None,
                "topk": (int, "required"), "powersgd": (int, "required")}
 GATHERED = ("fp16", "2bit", "1bit", "topk")     # cannot be summed compressed: gathered instead
 
 
-def parse_compress(spec):
-    """(name, argument or None) of a --compress value; UsageError if it names nothing we have."""
-    name, _, arg = spec.partition(":")
-    if name not in COMPRESSORS:
-        raise UsageError(f"--compress {spec}: choose from none, fp16, 2bit[:T], 1bit, topk:K, powersgd:R")
-    kind = COMPRESSORS[name]
-    if kind is None:
-        if arg:
-            raise UsageError(f"--compress {name} takes no argument, got {spec}")
-        return name, None
-    if not arg and kind[1] == "required":
-        raise UsageError(f"--compress {name} needs its argument: {name}:{'K' if name == 'topk' else 'R'}")
-    try:
-        value = kind[0](arg) if arg else kind[1]
-    except ValueError:
-        raise UsageError(f"--compress {spec}: {arg!r} is not a{'n integer' if kind[0] is int else ' number'}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise UsageError(f"--compress {spec}: the argument must be positive, got {arg}")
-    return name, value
-
-
-def check_compress(cfg):
-    """UsageError for a --compress value or combination no run can use."""
-    name, _ = parse_compress(cfg.compress)
-    if name == "none":
-        return
-    if cfg.fuse_grads is False:
-        raise UsageError(f"--compress {cfg.compress} compresses the fused gradient buffer: drop --no-fuse-grads")
-    if cfg.backend == "dist_async":
-        raise UsageError(f"--compress applies to summed gradients, not to --backend dist_async's "
-                         f"parameter changes")
-    if name in GATHERED and cfg.allreduce is not None:
-        raise UsageError(f"--compress {name} gathers the compressed gradients instead of all-reducing "
-                         f"them: --allreduce does not apply (it does with powersgd:R)")

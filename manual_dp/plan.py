@@ -9,7 +9,7 @@ The models behind the numbers: manual_dp/planner/predict.py (docstring); docs/de
 import argparse
 import sys
 
-from .config import parse_bytes
+from .checks import parse_bytes
 from .errors import UsageError
 from .fast.runtime import configure, machine
 

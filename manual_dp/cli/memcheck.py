@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from .. import config, memory
+from .. import checks, config, memory
 from ..errors import UsageError
 from ..multiprocess.world import World
 
@@ -68,7 +68,7 @@ def probe_modes(cfg, kind, n):
     for mode in config.MODES:
         other = as_mode(cfg, mode)
         try:
-            config.check_layout(other, n) if other else None
+            checks.check_layout(other, n) if other else None
         except UsageError:
             other = None
         if other:
@@ -95,7 +95,7 @@ def run_report(cfg, params, ctx, build, n_processes=1):
 def check_limit(cfg, report, kind, n):
     """UsageError, naming the excess and the modes that would fit, if the largest peak of
     `report` exceeds --memory-per-device."""
-    limit = config.parse_bytes(cfg.memory_per_device) if cfg.memory_per_device else None
+    limit = checks.parse_bytes(cfg.memory_per_device) if cfg.memory_per_device else None
     where, most = peak(report)
     if limit is None or most <= limit:
         return

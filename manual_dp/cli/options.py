@@ -3,7 +3,8 @@ and help from the field. Parsing needs no MXNet (the thread settings must be cho
 import argparse
 import typing
 
-from ..config import RunConfig, check, fields, resolve
+from ..checks import check
+from ..config import RunConfig, fields, resolve
 from ..errors import UsageError
 
 

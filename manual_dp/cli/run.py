@@ -9,7 +9,7 @@ from pathlib import Path
 import mxnet as mx
 import numpy as np
 
-from .. import checkpoint, config, memory
+from .. import checkpoint, checks, config, memory
 from ..data import load_fashion_mnist, locate_data
 from ..errors import (CheckpointError, DataError, DistributedError, DivergedError, OutputError,
                       ReplicaMismatchError, UsageError)
@@ -177,7 +177,7 @@ def resume_from(cfg, world, model, run_config):
 def run_in(cfg, world):
     """The run as one process of `world`; returns the history."""
     ctx = contexts(cfg, world)
-    config.check_layout(cfg, len(ctx), world.size)
+    checks.check_layout(cfg, len(ctx), world.size)
     if world.is_root:
         check_outputs(cfg)
     with contextlib.ExitStack() as stack:

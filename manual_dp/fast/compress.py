@@ -21,7 +21,7 @@ replicas: N processes x k contexts add what one process with N*k contexts adds.
 import numpy as np
 from mxnet import nd
 
-from ..config import parse_compress
+from ..checks import parse_compress
 from .powersgd import PowerSGDAllreduce
 
 
