@@ -1,6 +1,8 @@
 """`python -m manual_dp.bench --compress`: every --compress setting trained side by side, one
 fresh `python -m manual_dp.train` process each, on the same data, seed and contexts; a table of
-bytes sent per step, test accuracy against the uncompressed run, and images/s.
+bytes sent per step, test accuracy against the uncompressed run, and images/s. The row mxnet-2bit
+is the same run through MXNet's own 2bit in kvstore('device') (manual_dp.bench.kvstore_compress):
+the scheme's accuracy, apart from this project's code of it.
 
     --tiny    1 epoch of 512 images (seconds; for the tests)
     --quick   2 epochs of 12,000 images (a few minutes)
@@ -15,7 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-SETTINGS = ["none", "fp16", "2bit", "2bit:0.05", "1bit", "topk:1291", "powersgd:1", "powersgd:2",
+REFERENCE = "mxnet-2bit"              # the same run through MXNet's own kvstore 2bit (kvstore_compress)
+SETTINGS = ["none", "fp16", "2bit", REFERENCE, "2bit:0.05", "1bit", "topk:1291", "powersgd:1", "powersgd:2",
             "powersgd:4"]                                   # topk:1291: 1% of LeNet's 129,068
 PLANS = {"tiny": ["--epochs", "1", "--train-size", "512", "--test-size", "256", "--batch-size", "64"],
          "quick": ["--epochs", "2", "--train-size", "12000", "--test-size", "2000"],
@@ -25,10 +28,12 @@ ACCURACY_TARGET = ("fp16", "2bit", "powersgd:2", "powersgd:4")
 
 
 def run_one(spec, plan, args, out):
-    """The last epoch's record of one training run with --compress `spec` (or an error record)."""
+    """The last epoch's record of one training run with --compress `spec`, or of MXNet's own 2bit
+    for REFERENCE (or an error record)."""
     log = Path(out) / f"compress-{spec.replace(':', '_')}.jsonl"
-    cmd = [sys.executable, "-m", "manual_dp.train", "--no-progress", "--cpus", str(args.cpus),
-           "--compress", spec, "--log-json", str(log), *PLANS[plan]]
+    cmd = [sys.executable, "-m", "manual_dp.bench.kvstore_compress"] if spec == REFERENCE else \
+        [sys.executable, "-m", "manual_dp.train", "--no-progress", "--compress", spec]
+    cmd += ["--cpus", str(args.cpus), "--log-json", str(log), *PLANS[plan]]
     cmd += ["--data-dir", args.data_dir] if args.data_dir else []
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -49,9 +54,13 @@ def targets(rows):
     """Each row with its ratios to the uncompressed run and whether it meets its target."""
     base = next((r for r in rows if r["compress"] == "none" and "error" not in r), None)
     fp32 = next((r["fp32_bytes_per_step"] for r in rows if r.get("fp32_bytes_per_step")), None)
+    ours_2bit = next((r for r in rows if r["compress"] == "2bit" and "error" not in r), None)
     out = []
     for r in rows:
         r = dict(r)
+        if r["compress"] == REFERENCE and "error" not in r and ours_2bit:   # MXNet's own: the same payload
+            r["bytes_per_step"] = ours_2bit["bytes_per_step"]
+            r["acc_points_vs_2bit"] = 100 * (r["test_acc"] - ours_2bit["test_acc"])
         if "error" not in r and base:
             r["bytes_per_step"] = r["bytes_per_step"] or fp32
             r["bytes_fraction"] = r["bytes_per_step"] / fp32 if fp32 else 1.0
@@ -76,6 +85,7 @@ def table(rows):
             continue
         met = [f"{k.split('_')[0]} {'met' if r[k] else 'MISSED'}"
                for k in ("bytes_target_met", "accuracy_target_met") if k in r]
+        met += [f"manual_dp's 2bit {-r['acc_points_vs_2bit']:+.2f} points from it"] if "acc_points_vs_2bit" in r else []
         lines.append(f"{r['compress']:12} {r['bytes_per_step']:>11,} {r.get('bytes_fraction', 1):>8.4f} "
                      f"{r['test_acc']:>9.4f} {r.get('acc_points_vs_none', 0):>+8.2f} "
                      f"{r['images_per_sec']:>7.0f} {r.get('speed_vs_none', 1):>8.2f}  {', '.join(met)}")

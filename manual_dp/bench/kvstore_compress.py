@@ -1,0 +1,92 @@
+"""The reference for --compress 2bit's accuracy: the same training run through MXNet's own
+gradient compression, gluon.Trainer over kvstore('device') with
+set_gradient_compression({'type': '2bit', 'threshold': T}).
+
+The same LeNet (gluon layers holding init_lenet_params(seed)), the same batches in the same order
+(manual_dp.data.batches with numpy's generator seeded by --seed, as `python -m manual_dp.train`),
+SGD with momentum 0.9 (MXNet's form, mom = 0.9 mom - lr g; w += mom, is the project's v = 0.9 v + g;
+w -= lr v), one JSON line per epoch. If manual_dp's 2bit and this run end at the same accuracy, a
+gap to the uncompressed run belongs to the 2bit scheme, not to this project's code of it.
+
+    python -m manual_dp.bench.kvstore_compress --cpus 2 --epochs 10 --threshold 0.5
+"""
+import argparse
+import json
+import time
+
+from ..config import RunConfig
+
+
+def train(ctx, epochs, threshold, lr, batch_size, seed, data):
+    """Yields {"epoch", "test_acc", "train_loss", "images_per_sec"} per epoch of gluon.Trainer with 2bit compression
+    (threshold None: none)."""
+    import numpy as np
+    from mxnet import autograd, gluon, nd
+    from ..data import batches
+    from ..lesson import init_lenet_params
+    from .train import gluon_lenet
+
+    (X, y), (Xt, yt) = data
+    net = gluon_lenet()
+    net.initialize(ctx=ctx)
+    net(nd.zeros((1, 1, 28, 28), ctx=ctx[0]))
+    layers = [net[0], net[2], net[5], net[6]]
+    params = init_lenet_params(seed)
+    for i, (layer, W, b) in enumerate(zip(layers, params[0::2], params[1::2])):
+        layer.weight.set_data(W.T if i >= 2 else W)   # gluon's Dense weight is (out, in)
+        layer.bias.set_data(b)
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": lr, "momentum": 0.9},
+                            kvstore="device", update_on_kvstore=False,
+                            compression_params=None if threshold is None else
+                            {"type": "2bit", "threshold": threshold})
+    loss = gluon.loss.SoftmaxCrossEntropyLoss()
+    rng = np.random.default_rng(seed)
+    for epoch in range(1, epochs + 1):
+        total, seen, start = 0.0, 0, time.perf_counter()
+        for Xb, yb in batches(X, y, batch_size, rng):
+            Xs = gluon.utils.split_and_load(nd.array(Xb), ctx)
+            ys = gluon.utils.split_and_load(nd.array(yb), ctx)
+            with autograd.record():
+                ls = [loss(net(a), b) for a, b in zip(Xs, ys)]
+            autograd.backward(ls)
+            trainer.step(len(Xb))
+            total += sum(float(l.sum().asscalar()) for l in ls)
+            seen += len(Xb)
+        seconds = time.perf_counter() - start
+        correct = sum(float((net(nd.array(Xb, ctx=ctx[0])).argmax(axis=1) ==
+                             nd.array(yb, ctx=ctx[0])).sum().asscalar())
+                      for Xb, yb in batches(Xt, yt, batch_size))
+        yield {"epoch": epoch, "test_acc": correct / len(Xt), "train_loss": total / seen,
+               "images_per_sec": seen / seconds}
+
+
+def main(argv=None):
+    d = RunConfig()
+    p = argparse.ArgumentParser(prog="python -m manual_dp.bench.kvstore_compress",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--threshold", type=float, default=0.5, help="2bit's T (MXNet's default 0.5)")
+    p.add_argument("--uncompressed", action="store_true", help="the same run without compression")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--train-size", type=int)
+    p.add_argument("--test-size", type=int)
+    p.add_argument("--data-dir")
+    p.add_argument("--log-json", help="also write the records here, one JSON object per line")
+    args = p.parse_args(argv)
+    import mxnet as mx
+    from ..data import load_fashion_mnist
+    data = load_fashion_mnist(args.data_dir, args.train_size, args.test_size)
+    ctx = [mx.cpu(i) for i in range(args.cpus)]
+    out = open(args.log_json, "w") if args.log_json else None
+    for record in train(ctx, args.epochs, None if args.uncompressed else args.threshold, args.lr, args.batch_size, args.seed, data):
+        print(json.dumps(record), flush=True)
+        if out:
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+
+if __name__ == "__main__":
+    main()
