@@ -50,6 +50,9 @@ def check(cfg):
                          "--allreduce, --fuse-grads, --bucket-mb, --trace and --compress")
     if cfg.deterministic and cfg.backend == "dist_async":
         raise UsageError("--deterministic needs synchronous updates: --backend local, horovod or dist_sync")
+    if cfg.no_autotune and cfg.mode == "zero" and not cfg.deterministic:
+        raise UsageError("--no-autotune applies to --mode zero only with --deterministic (whose leaves "
+                         "run LeNet's cached graph)")
     if cfg.backend == "dist_async" and (cfg.mode != "sync" or cfg.grad_accum > 1):
         raise UsageError("--backend dist_async runs its own asynchronous SGD: --mode sync without "
                          "--grad-accum only")

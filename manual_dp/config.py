@@ -85,9 +85,10 @@ class RunConfig:
                                       "speed")
     graph: Optional[bool] = flag(None, "sync only: LeNet as a cached symbolic graph instead of layer "
                                        "by layer (default on)", "speed")
-    no_autotune: bool = flag(False, "sync only: do not measure which padding of the convolutions' "
-                                    "channels is fastest on this CPU (manual_dp/fast/autotune.py); use "
-                                    "none ($MANUAL_DP_CONV_PAD names one)", "speed")
+    no_autotune: bool = flag(False, "sync, and zero with --deterministic: do not measure which padding "
+                                    "of the convolutions' channels is fastest on this CPU "
+                                    "(manual_dp/fast/autotune.py); use none ($MANUAL_DP_CONV_PAD names one)",
+                             "speed")
     backend: str = flag("local", "local: this process alone; horovod: under horovodrun; dist_sync, "
                                  "dist_async: MXNet's parameter-server KVStore under python -m "
                                  "manual_dp.launch", "more than one process (see docs/multi-machine.md)",
@@ -141,8 +142,8 @@ APPLIES = {
     "allreduce": ("sync", "hybrid", "local", "tensor"),
     "fuse_grads": ("sync",),
     "graph": ("sync",),
-    "no_autotune": ("sync",),
-    "deterministic": ("sync",),
+    "no_autotune": ("sync", "zero"),
+    "deterministic": ("sync", "zero"),
     "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor"),
     "zero_stage": ("zero",),
     "sync_every": ("local",),

@@ -185,6 +185,14 @@ FLAGS = [
     ("compress dist_async", ["--backend", "dist_async", "--compress", "fp16"], 2, "not to --backend dist_async"),
     ("compress gathered with allreduce", ["--compress", "2bit", "--allreduce", "ring"], 2,
      "--allreduce does not apply"),
+    ("deterministic local", ["--deterministic", "--mode", "local"], 2,
+     "--deterministic applies only to --mode sync.* zero, not --mode local"),
+    ("deterministic zero dist_async", ["--mode", "zero", "--deterministic", "--backend", "dist_async"], 2,
+     "--deterministic needs synchronous updates"),
+    ("no-autotune zero alone", ["--mode", "zero", "--no-autotune"], 2,
+     "--no-autotune applies to --mode zero only with --deterministic"),
+    ("deterministic zero allreduce", ["--mode", "zero", "--deterministic", "--allreduce", "ring"], 2,
+     "--deterministic adds the gradients in its own fixed order"),
 ]
 
 

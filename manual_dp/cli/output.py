@@ -68,6 +68,10 @@ def describe(cfg):
     if cfg.deterministic:
         line = ("sync, deterministic: pieces of the batch added in one fixed tree, the same bits on any "
                 "number of contexts and processes")
+    if cfg.deterministic and cfg.mode == "zero":
+        line = (f"zero, deterministic: ZeRO stage {cfg.zero_stage}, pieces of the batch added in one "
+                "fixed tree, each shard's sum on its context, the same bits on any number of contexts "
+                "and processes")
     return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
         f", LeNet x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg) + compression(cfg)
 

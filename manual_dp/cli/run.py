@@ -30,6 +30,7 @@ from ..strategies.compressed import Compressed
 from ..strategies.local_sgd import LocalSGD
 from ..strategies.tensor import TensorParallel
 from ..strategies.zero import ZeroRedundancy
+from ..strategies.zero_deterministic import DeterministicZero
 from . import memcheck
 from .output import Progress, describe, fail, format_record, interrupted, write_log
 
@@ -83,6 +84,11 @@ def build_model(cfg, params, ctx, world):
         model = Compressed(model, compressed, cfg.compress, world) if compressed else model
     elif cfg.mode == "async":
         model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
+    elif cfg.mode == "zero" and cfg.deterministic:   # across processes: a zero-slot table per shard
+        model = DeterministicZero(
+            params, ctx, cfg.optimizer, cfg.zero_stage, conv_pad=world.share(lambda: conv_pad(cfg)),
+            rank=world.rank, size=world.size, exchange=lambda table, i: world.allreduce(
+                table, f"zero-tree{i}-" + "x".join(map(str, table.shape))))
     elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
         model = ZeroRedundancy(params, ctx, cfg.optimizer, cfg.zero_stage,
                                cross_sum=world.allreduce if world.size > 1 else None)

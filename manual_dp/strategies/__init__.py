@@ -9,4 +9,5 @@
     zero           ZeroRedundancy: ZeRO stages 1-3, state, gradients, parameters sharded
     zero_layers    LeNet a layer at a time, for ZeRO stages 2 and 3
     tensor         TensorParallel: Megatron-style split layers, tensor groups data parallel
+    zero_deterministic  DeterministicZero: --deterministic's fixed tree in ZeRO stages 1-3
 """

@@ -76,6 +76,28 @@ def root_of(m):
     return (math.ceil(math.log2(m)) if m > 1 else 0, 0)
 
 
+def piece_leaves(ctx, params, grads, graph, X, y, bounds, runs):
+    """Yields (context index, piece, leaf): each piece's [gradient, loss sum, correct] (n + 2,) on
+    the context that owns it, pushed a piece per context in turn so that every context starts at
+    once. params[i]: LeNet's 8 arrays on ctx[i], views of the flat grads[i] (n,) that their
+    backward writes (grad_req "write"); graph: a LeNetGraph, or None for the imperative pass."""
+    shards = []
+    for c, (lo, hi) in zip(ctx, runs):
+        start, stop = (bounds[lo][0], bounds[hi - 1][1]) if hi > lo else (0, 0)
+        shards.append((lo, hi, start, host(X[start:stop]).as_in_context(c) if hi > lo else None,
+                       host(y[start:stop]).as_in_context(c) if hi > lo else None))
+    for step in range(max(hi - lo for lo, hi in runs)):
+        for i, ((lo, hi, start, Xc, yc), W, g) in enumerate(zip(shards, params, grads)):
+            j = lo + step
+            if j < hi:
+                a, b = bounds[j][0] - start, bounds[j][1] - start
+                (loss, correct), = graph_forward_backward(graph, [Xc[a:b]], [yc[a:b]], [W]) \
+                    if graph else forward_backward([Xc[a:b]], [yc[a:b]], [W])
+                # + 0 turns -0 into +0: then no sum in the tree is -0, and the exchange's adding
+                # of zeros changes no bit
+                yield i, j, nd.concat(g, loss.reshape((1,)), correct.reshape((1,)), dim=0) + 0
+
+
 class DeterministicDataParallel(DataParallel):
     """Data parallelism whose every sum is in one fixed order (see the module docstring).
 
@@ -127,25 +149,9 @@ class DeterministicDataParallel(DataParallel):
         return have
 
     def leaves(self, X, y, bounds, runs):
-        """{piece: [gradient, loss sum, correct] (n + 2,)} on the context that owns the piece,
-        pushed a piece per context in turn so that every context starts at once."""
-        shards = []
-        for c, (lo, hi) in zip(self.ctx, runs):
-            start, stop = (bounds[lo][0], bounds[hi - 1][1]) if hi > lo else (0, 0)
-            shards.append((c, lo, hi, start, host(X[start:stop]).as_in_context(c) if hi > lo else None,
-                           host(y[start:stop]).as_in_context(c) if hi > lo else None))
-        leaves = {}
-        for step in range(max(hi - lo for lo, hi in runs)):
-            for (c, lo, hi, start, Xc, yc), W, f in zip(shards, self.replicas, self.flat):
-                j = lo + step
-                if j < hi:
-                    a, b = bounds[j][0] - start, bounds[j][1] - start
-                    (loss, correct), = graph_forward_backward(self.graph, [Xc[a:b]], [yc[a:b]], [W]) \
-                        if self.graph else forward_backward([Xc[a:b]], [yc[a:b]], [W])
-                    # + 0 turns -0 into +0: then no sum in the tree is -0, and the exchange's adding
-                    # of zeros changes no bit
-                    leaves[j] = nd.concat(f.grad, loss.reshape((1,)), correct.reshape((1,)), dim=0) + 0
-        return leaves
+        """{piece: [gradient, loss sum, correct] (n + 2,)} on the context that owns the piece."""
+        return {j: leaf for _, j, leaf in piece_leaves(self.ctx, self.replicas, [f.grad for f in self.flat],
+                                                       self.graph, X, y, bounds, runs)}
 
     def swap(self, have, runs, m):
         """Every process's subtrees, on every process: each fills its own rows of one zero array
