@@ -21,6 +21,7 @@ from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParal
 from manual_dp import ZeroRedundancy
 from manual_dp import LocalSGD
 from manual_dp.strategies.tensor import TensorParallel
+from manual_dp.strategies.tensor_deterministic import TensorDeterministic
 
 
 def cpus(n):
@@ -68,6 +69,7 @@ STRATEGIES = {
     "compress powersgd:1000 x2": lambda p, opt: Compressed(
         DataParallel(p, cpus(2), opt, r := make_reducer("powersgd:1000", make_allreduce("reduce_bcast"),
                                                         [q.shape for q in p])), r, "powersgd:1000"),
+    "tensor-deterministic T2 x4": lambda p, opt: TensorDeterministic(p, cpus(4), opt, 2, piece=4),
 }
 # Strategies that keep the contract but compute, by design, something other than the one-device
 # step (their own references are in their own tests): every test here but the equality with it.
