@@ -18,8 +18,9 @@ from mxnet import autograd, nd
 
 from conftest import synthetic, write_dataset
 from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, saved_arrays, train_cmd
-from manual_dp import GradAccum, init_lenet_params
+from manual_dp import DataParallel, GradAccum, init_lenet_params
 from manual_dp.strategies.deterministic import root_of, tree_sum
+from manual_dp.strategies.tensor import TensorParallel
 from manual_dp.strategies.tensor_deterministic import TensorDeterministic
 from manual_dp.strategies.tensor_pieces import TreeF, TreeG, cut, join, tree_reduce
 from test_distributed import needs_horovod
@@ -136,6 +137,23 @@ def test_grad_accumulation_and_a_checkpoint_moved_between_layouts_keep_the_bits(
             moved.step(*batch(20, seed=s), 0.05)
     assert moved.t == whole.t == 4
     assert digest(moved.state_dict()["params"]) == digest(whole.state_dict()["params"])
+
+
+def test_its_checkpoint_moves_to_and_from_sync_and_plain_tensor():
+    """state_dict is the whole, unsharded state: loaded into DataParallel and TensorParallel (T=4)
+    and back, every array comes through bit for bit."""
+    model = TensorDeterministic(init_lenet_params(seed=3), cpus(4), "adam", 2, piece=8)
+    model.step(*batch(20, seed=0), 0.05)
+    state = model.state_dict()
+    for other in (DataParallel(init_lenet_params(seed=7), cpus(2), "adam"),
+                  TensorParallel(init_lenet_params(seed=7), cpus(4), "adam", 4)):
+        other.load_state_dict(state)
+        back = TensorDeterministic(init_lenet_params(seed=9), cpus(1), "adam")
+        back.load_state_dict(other.state_dict())
+        for got in (other.state_dict(), back.state_dict()):
+            assert got["t"] == 1
+            for a, b in zip(got["params"] + sum(got["opt_state"], []), state["params"] + sum(state["opt_state"], [])):
+                np.testing.assert_array_equal(a, b)
 
 
 def test_a_tensor_degree_that_does_not_divide_the_pieces_is_refused():
