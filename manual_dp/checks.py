@@ -4,7 +4,7 @@ one line; the defaults and tables they read are manual_dp.config's."""
 import math
 import re
 
-from .config import COMPRESSORS, GATHERED, MAX_STAGES, STAGES
+from .config import COMPRESSORS, GATHERED, MAX_STAGES, STAGES, TENSOR_PIECES
 from .errors import UsageError
 
 
@@ -92,6 +92,8 @@ def check_layout(cfg, n_contexts, n_processes=1):
                          f"{replicas} pipeline(s))")
     if cfg.mode == "tensor":
         check_tensor_layout(cfg.tensor_parallel or n, n, cfg.width)
+    if cfg.mode == "tensor" and cfg.deterministic:
+        check_tensor_pieces(cfg.tensor_parallel or n, cfg.width)
 
 
 def tensor_split_sizes(width):
@@ -110,6 +112,20 @@ def check_tensor_layout(T, n, width):
             fits = [t for t in range(1, n + 1) if n % t == 0 and all(s % t == 0 for s in sizes.values())]
             raise UsageError(f"--tensor-parallel {T} does not divide {what} ({size} at --width {width}): "
                              f"use --tensor-parallel {' or '.join(map(str, fits))} on {n} contexts")
+
+
+
+def check_tensor_pieces(T, width):
+    """Raise UsageError unless --deterministic's TENSOR_PIECES channel pieces divide every split size
+    and T divides them (strategies/tensor_deterministic.py)."""
+    for what, size in tensor_split_sizes(width).items():
+        if size % TENSOR_PIECES:
+            raise UsageError(f"--deterministic --mode tensor cuts {what} into {TENSOR_PIECES} pieces, "
+                             f"which do not divide {size} at --width {width}")
+    if TENSOR_PIECES % T:
+        fits = [t for t in range(1, TENSOR_PIECES + 1) if TENSOR_PIECES % t == 0]
+        raise UsageError(f"--deterministic --mode tensor cuts every split layer into {TENSOR_PIECES} channel "
+                         f"pieces: --tensor-parallel {T} does not divide them (use {' or '.join(map(str, fits))})")
 
 
 BYTE_UNITS = {"": 1, "B": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "KB": 10 ** 3,

@@ -19,6 +19,7 @@ DEFAULT_CPU_CONTEXTS = 2      # contexts when there is no GPU and none are named
 FAST_STEP = dict(allreduce="reduce_bcast", fuse_grads=True, graph=True)
 LESSON_STEP = dict(allreduce="lesson", fuse_grads=False, graph=False)
 PIECE_ROWS = 32               # --deterministic: rows per piece, the unit whose gradient is computed whole
+TENSOR_PIECES = 4             # --deterministic --mode tensor: channel pieces of every split layer, whatever T
 
 
 def flag(default, help, group="training", **argparse):
@@ -143,7 +144,7 @@ APPLIES = {
     "fuse_grads": ("sync",),
     "graph": ("sync",),
     "no_autotune": ("sync", "zero"),
-    "deterministic": ("sync", "zero"),
+    "deterministic": ("sync", "zero", "tensor"),
     "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor"),
     "zero_stage": ("zero",),
     "sync_every": ("local",),

@@ -193,6 +193,12 @@ FLAGS = [
      "--no-autotune applies to --mode zero only with --deterministic"),
     ("deterministic zero allreduce", ["--mode", "zero", "--deterministic", "--allreduce", "ring"], 2,
      "--deterministic adds the gradients in its own fixed order"),
+    ("deterministic tensor T=3 at width 3", ["--cpus", "3", "--width", "3", "--mode", "tensor", "--deterministic"], 2,
+     "cuts every split layer into 4 channel pieces: --tensor-parallel 3 does not divide them \\(use 1 or 2 or 4\\)"),
+    ("deterministic tensor T=8 at width 2", ["--cpus", "8", "--width", "2", "--mode", "tensor", "--deterministic"], 2,
+     "--tensor-parallel 8 does not divide them"),
+    ("deterministic tensor with allreduce", ["--cpus", "2", "--mode", "tensor", "--deterministic", "--allreduce",
+                                             "ring"], 2, "--deterministic adds the gradients in its own fixed order"),
 ]
 
 

@@ -5,6 +5,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..config import TENSOR_PIECES
+
 
 def write_atomic(path, text):
     """Replace the file at `path` with `text`: a crash or a full disk leaves the old file or the
@@ -72,6 +74,10 @@ def describe(cfg):
         line = (f"zero, deterministic: ZeRO stage {cfg.zero_stage}, pieces of the batch added in one "
                 "fixed tree, each shard's sum on its context, the same bits on any number of contexts "
                 "and processes")
+    if cfg.deterministic and cfg.mode == "tensor":
+        line = (f"tensor, deterministic: layers split over {cfg.tensor_parallel or 'all'} context(s) per "
+                f"tensor group in {TENSOR_PIECES} fixed channel pieces, pieces of the batch and of the "
+                f"channels added in fixed trees, the same bits on any such layout and process count")
     return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
         f", LeNet x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg) + compression(cfg)
 

@@ -29,6 +29,7 @@ from ..strategies.pipeline import PipelineParallel
 from ..strategies.compressed import Compressed
 from ..strategies.local_sgd import LocalSGD
 from ..strategies.tensor import TensorParallel
+from ..strategies.tensor_deterministic import TensorDeterministic
 from ..strategies.zero import ZeroRedundancy
 from ..strategies.zero_deterministic import DeterministicZero
 from . import memcheck
@@ -95,6 +96,10 @@ def build_model(cfg, params, ctx, world):
     elif cfg.mode == "local":
         model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
                          cfg.outer_momentum, reduce)
+    elif cfg.mode == "tensor" and cfg.deterministic:   # every sum in a fixed tree; processes swap subtrees
+        model = TensorDeterministic(
+            params, ctx, cfg.optimizer, cfg.tensor_parallel, rank=world.rank, size=world.size,
+            exchange=lambda table: world.allreduce(table, "tensortree" + "x".join(map(str, table.shape))))
     elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
         model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name))
     else:
