@@ -186,7 +186,7 @@ FLAGS = [
     ("compress gathered with allreduce", ["--compress", "2bit", "--allreduce", "ring"], 2,
      "--allreduce does not apply"),
     ("deterministic local", ["--deterministic", "--mode", "local"], 2,
-     "--deterministic applies only to --mode sync.* zero, not --mode local"),
+     "--deterministic applies only to --mode sync or zero or tensor, not --mode local"),
     ("deterministic zero dist_async", ["--mode", "zero", "--deterministic", "--backend", "dist_async"], 2,
      "--deterministic needs synchronous updates"),
     ("no-autotune zero alone", ["--mode", "zero", "--no-autotune"], 2,
