@@ -69,3 +69,13 @@ def test_the_flag_is_in_the_bench_command():
     done = subprocess.run([sys.executable, "-m", "manual_dp.bench", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert "--compress" in done.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compress", "--settings", "none", "foo:1"], "--compress foo:1: choose from"),
+    (["--settings", "none"], "--settings applies only with --compress")])
+def test_bad_settings_end_with_one_line_before_any_run(tmp_path, argv, message):
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench", "--out", str(tmp_path), *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())

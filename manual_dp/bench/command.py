@@ -208,6 +208,8 @@ def main(argv=None):
     from .report import report, write
     try:
         args = build_parser().parse_args(argv)
+        from .compress import check_settings
+        check_settings(args)
     except UsageError as e:
         print(f"manual_dp.bench: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -275,6 +277,8 @@ def build_parser():
                         "rounds per epoch (OUT/local_sgd.json, local_sgd.png; --timeout is per epoch)")
     p.add_argument("--compress", action="store_true",
                    help="instead: train with every --compress setting side by side (manual_dp/bench/compress.py)")
+    p.add_argument("--settings", nargs="+", metavar="SPEC",
+                   help="with --compress: only these settings, e.g. none fp16 2bit mxnet-2bit powersgd:2")
     return p
 
 

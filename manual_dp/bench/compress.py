@@ -17,6 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..checks import parse_compress
+from ..errors import UsageError
+
 REFERENCE = "mxnet-2bit"              # the same run through MXNet's own kvstore 2bit (kvstore_compress)
 SETTINGS = ["none", "fp16", "2bit", REFERENCE, "2bit:0.05", "1bit", "topk:1291", "powersgd:1", "powersgd:2",
             "powersgd:4"]                                   # topk:1291: 1% of LeNet's 129,068
@@ -25,6 +28,15 @@ PLANS = {"tiny": ["--epochs", "1", "--train-size", "512", "--test-size", "256", 
          "full": []}
 HEADER_BYTES = 4 * 8 + 4              # 1bit's scale per LeNet parameter; 2bit's last 4-byte block
 ACCURACY_TARGET = ("fp16", "2bit", "powersgd:2", "powersgd:4")
+
+
+def check_settings(args):
+    """UsageError for a --settings list the bench cannot run (before any run starts)."""
+    if args.settings and not args.compress:
+        raise UsageError("--settings applies only with --compress")
+    for spec in args.settings or []:
+        if spec != REFERENCE:
+            parse_compress(spec)
 
 
 def run_one(spec, plan, args, out):
@@ -94,12 +106,12 @@ def table(rows):
 
 def bench_compress(plan, args, where):
     """Every setting trained in turn; the table printed, the records in OUT/compress.json."""
-    out = Path(args.out)
-    print(f"compression: {len(SETTINGS)} runs of python -m manual_dp.train {' '.join(PLANS[plan]) or '(defaults)'} "
+    out, settings = Path(args.out), getattr(args, "settings", None) or SETTINGS
+    print(f"compression: {len(settings)} runs of python -m manual_dp.train {' '.join(PLANS[plan]) or '(defaults)'} "
           f"--cpus {args.cpus}; {where}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(dir=out) as logs:
-        for spec in SETTINGS:
+        for spec in settings:
             rows.append(run_one(spec, plan, args, logs))
             print(f"  {spec}: " + (rows[-1].get("error") or f"test acc {rows[-1]['test_acc']:.4f}, "
                                    f"{rows[-1]['images_per_sec']:.0f} img/s"), flush=True)
