@@ -263,7 +263,7 @@ def build_parser():
     p.add_argument("--model", action="store_true",
                    help="print and plot the cost model, fitted to OUT/results.json when it has all-reduce figures")
     p.add_argument("--data-dir", help="Fashion-MNIST directory (as for training)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed to one measurement")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed to one measurement (with --local-sgd, --compress: to one epoch)")
     p.add_argument("--wait-for-cores", type=float, default=0.0,
                    help="on a shared machine: before each training measurement wait (up to --timeout) "
                         "until this many cores are free, e.g. 1.8 of 2")

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from ..checks import parse_compress
+from ..config import RunConfig
 from ..errors import UsageError
 
 REFERENCE = "mxnet-2bit"              # the same run through MXNet's own kvstore 2bit (kvstore_compress)
@@ -47,10 +48,12 @@ def run_one(spec, plan, args, out):
         [sys.executable, "-m", "manual_dp.train", "--no-progress", "--compress", spec]
     cmd += ["--cpus", str(args.cpus), "--log-json", str(log), *PLANS[plan]]
     cmd += ["--data-dir", args.data_dir] if args.data_dir else []
+    epochs = int(PLANS[plan][PLANS[plan].index("--epochs") + 1]) if "--epochs" in PLANS[plan] else RunConfig.epochs
+    timeout = args.timeout * epochs                                   # --timeout is per epoch, as --local-sgd's
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"compress": spec, "error": f"timed out after {args.timeout:.0f} s"}
+        return {"compress": spec, "error": f"timed out after {timeout:.0f} s"}
     if done.returncode:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {"compress": spec, "error": f"exit {done.returncode}: {tail}"}
