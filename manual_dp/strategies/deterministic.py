@@ -98,7 +98,21 @@ def piece_leaves(ctx, params, grads, graph, X, y, bounds, runs):
                 yield i, j, nd.concat(g, loss.reshape((1,)), correct.reshape((1,)), dim=0) + 0
 
 
-class DeterministicDataParallel(DataParallel):
+class WholeBatch:
+    """What every --deterministic strategy tells the loop and the world: each process takes the
+    whole global batch and picks its own pieces (the tree needs every piece's number), and a
+    context without a piece waits."""
+
+    @property
+    def min_batch(self):
+        return 1
+
+    def rows(self, n, rank, size):
+        """Every row: each process picks its pieces of the global batch itself."""
+        return 0, n
+
+
+class DeterministicDataParallel(WholeBatch, DataParallel):
     """Data parallelism whose every sum is in one fixed order (see the module docstring).
 
     rank, size: this process's place among the job's processes; exchange(array): afterwards
@@ -115,14 +129,6 @@ class DeterministicDataParallel(DataParallel):
         self.piece, self.rank, self.size, self.exchange = piece, rank, size, exchange
         self.n = self.flat[0].flat.size                  # parameters; a leaf is [gradient, loss, correct]
         self.held = None
-
-    @property
-    def min_batch(self):
-        return 1                                         # contexts without a piece wait
-
-    def rows(self, n, rank, size):
-        """Every row: each process picks its pieces of the global batch itself."""
-        return 0, n
 
     def backward(self, X, y):
         bounds = pieces(len(X), self.piece)

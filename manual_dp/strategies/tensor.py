@@ -154,10 +154,7 @@ class TensorParallel(Strategy):
         """Each context of a group holds activations for the group's examples, but only its own
         channels and units of the split layers: priced as 1/T of the group's examples each (a floor:
         the pooled conv2 output and the scores are whole on every context)."""
-        out = []
-        for row, n in zip(self.grid, even_split(batch_size, len(self.grid))):
-            out += [(c, s, k) for c, k in zip(row, even_split(n, self.T)) for s in (0, 1)]
-        return out
+        return group_layout(self.grid, self.T, batch_size)
 
     def arrays(self):
         params = [p for P_row in self.shards for P in P_row for p in P]
@@ -186,6 +183,14 @@ class TensorParallel(Strategy):
                     for s, v in zip(S[i], state["opt_state"][i]):
                         s[:] = nd.array(shard(v, a, j, self.T), ctx=s.context)
         self.t = state["t"]
+
+
+def group_layout(grid, T, batch_size):
+    """[(context, stage, examples)]: each group of `grid` its share of the batch, 1/T per context."""
+    out = []
+    for row, n in zip(grid, even_split(batch_size, len(grid))):
+        out += [(c, s, k) for c, k in zip(row, even_split(n, T)) for s in (0, 1)]
+    return out
 
 
 def even_split(n, k):

@@ -30,8 +30,8 @@ from ..lesson import cross_entropy, n_correct
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
-from .deterministic import cover, pieces, root_of, spans, tree_sum
-from .tensor import NAMES, SPLIT, even_split
+from .deterministic import WholeBatch, cover, pieces, root_of, spans, tree_sum
+from .tensor import NAMES, SPLIT, group_layout
 from .tensor_pieces import PIECED, add_on, cut, group_scores, join, names
 
 
@@ -40,7 +40,7 @@ def copies(batch, row):
     return [batch.as_in_context(c) for c in row]
 
 
-class TensorDeterministic(Strategy):
+class TensorDeterministic(WholeBatch, Strategy):
     """len(ctx) // T data-parallel tensor groups, group r's shard position j on ctx[r * T + j],
     holding channel pieces j*Q/T .. (j+1)*Q/T - 1 of Q (see the module docstring).
 
@@ -73,14 +73,6 @@ class TensorDeterministic(Strategy):
         for a in arrays:
             a.attach_grad()
         return arrays
-
-    @property
-    def min_batch(self):
-        return 1                                         # groups without a piece wait
-
-    def rows(self, n, rank, size):
-        """Every row: each process picks its pieces of the global batch itself."""
-        return 0, n
 
     def backward(self, X, y):
         bounds = pieces(len(X), self.piece)
@@ -171,10 +163,7 @@ class TensorDeterministic(Strategy):
     def layout(self, batch_size):
         """As TensorParallel prices it: the group's examples, 1/T of them per context (an upper
         bound here: a group holds one batch piece's activations at a time)."""
-        out = []
-        for row, n in zip(self.grid, even_split(batch_size, len(self.grid))):
-            out += [(c, s, k) for c, k in zip(row, even_split(n, self.T)) for s in (0, 1)]
-        return out
+        return group_layout(self.grid, self.T, batch_size)
 
     def arrays(self):
         params = [p for P_row in self.shards for P in P_row for p in P]

@@ -31,7 +31,7 @@ from ..fast.flat import views
 from ..fast.graph import LeNetGraph
 from ..fast.sharded import empty_shards
 from ..optim import apply_update_and_clear
-from .deterministic import cover, piece_leaves, pieces, root_of, spans, tree_sum
+from .deterministic import WholeBatch, cover, piece_leaves, pieces, root_of, spans, tree_sum
 from .zero import ZeroRedundancy
 
 
@@ -59,7 +59,7 @@ class Fold:
         self.done[(level, i)] = value
 
 
-class DeterministicZero(ZeroRedundancy):
+class DeterministicZero(WholeBatch, ZeroRedundancy):
     """ZeRO stage 1, 2 or 3 over `ctx` whose every sum is deterministic.py's fixed tree.
 
     piece, graph, conv_pad: as DeterministicDataParallel's (the same leaves, so the same bits);
@@ -82,14 +82,6 @@ class DeterministicZero(ZeroRedundancy):
             self.grad_shards = empty_shards(self.n, self.ctx)
         # p.grad of each parameter shard is its gradient shard, for apply_update_and_clear
         autograd.mark_variables(self.shards, self.grad_shards, grad_reqs="add")
-
-    @property
-    def min_batch(self):
-        return 1                                             # contexts without a piece wait
-
-    def rows(self, n, rank, size):
-        """Every row: each process picks its pieces of the global batch itself."""
-        return 0, n
 
     def backward(self, X, y):
         """The tree's sum of the batch's leaves added into each context's gradient shard."""
