@@ -41,7 +41,7 @@ def terms(algorithm, k, n):
     if algorithm == "tree":
         rounds = math.ceil(math.log2(k))
         return 2 * rounds, 2 * rounds * n, rounds * n
-    if algorithm in ("lesson", "reduce_bcast", "kvstore"):  # everything through device 0
+    if algorithm in ("lesson", "reduce_bcast", "kvstore", "prepared"):  # everything through device 0
         return 2 * (k - 1), 2 * (k - 1) * n, (k - 1) * n
     raise ValueError(f"no cost model for allreduce {algorithm!r}")
 

@@ -55,7 +55,7 @@ def train_specs(plan, full):
         specs += [("manual_dp", dict(FAST, allreduce=name), "tuned", k) for k in (ks if full else two)]
     if full:  # each allreduce unfused, and each half of the fast step alone
         specs += [("manual_dp", {"allreduce": name, "graph": True}, "tuned", k) for k in two
-                  for name in ("reduce_bcast", "ring", "tree", "scatter_gather", "kvstore")]
+                  for name in ("reduce_bcast", "ring", "tree", "scatter_gather", "kvstore", "prepared")]
         specs += [("manual_dp", {"allreduce": FAST["allreduce"], "fused": True}, "tuned", k) for k in two]
     if plan["peers"]:
         specs += [("gluon", {"hybrid": h}, "tuned", k) for h in (False, True) for k in (ks if full else two)]

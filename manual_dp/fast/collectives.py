@@ -9,6 +9,9 @@ context; afterwards every replica holds the elementwise sum of all of them, on i
                     at once, then every rank fetches the summed chunks it lacks (all-to-all links:
                     shared memory, NVSwitch, a network switch), every rank doing the same work
     kvstore         MXNet's own kvstore('device') pushpull, as the reference to beat
+    prepared        reduce_bcast's engine calls built once per list of replicas and replayed
+                    (manual_dp.fast.prepared): the lesson's one call per gradient, without
+                    Python's cost per engine call
 
 Copies between contexts are engine operations like any other: the Python loop only describes who
 sends what to whom, and transfers between different arrays run at the same time on different
@@ -22,6 +25,7 @@ import mxnet as mx
 from mxnet import nd
 
 from ..lesson import allreduce as lesson_allreduce
+from .prepared import PreparedAllreduce, prepared_allreduce
 
 
 def any_shape(algorithm):
@@ -177,11 +181,15 @@ ALLREDUCE_ALGORITHMS = {
     "tree": tree_allreduce,
     "scatter_gather": scatter_gather_allreduce,
     "kvstore": kvstore_allreduce,
+    "prepared": prepared_allreduce,
 }
 
 
 def make_allreduce(name):
-    """The all-reduce called `name`, ready for repeated use (kvstore gets a store of its own)."""
+    """The all-reduce called `name`, ready for repeated use (kvstore gets a store of its own,
+    prepared a plan cache of its own)."""
     if name not in ALLREDUCE_ALGORITHMS:
         raise ValueError(f"unknown allreduce {name!r}; choose from {', '.join(ALLREDUCE_ALGORITHMS)}")
-    return KVStoreAllreduce() if name == "kvstore" else ALLREDUCE_ALGORITHMS[name]
+    if name == "kvstore":
+        return KVStoreAllreduce()
+    return PreparedAllreduce() if name == "prepared" else ALLREDUCE_ALGORITHMS[name]
