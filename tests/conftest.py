@@ -28,6 +28,17 @@ def synthetic(n, seed):
     return images, labels
 
 
+def cpus(n):
+    """CPU contexts cpu(0..n-1)."""
+    return [mx.cpu(i) for i in range(n)]
+
+
+def batch(n, seed):
+    """n synthetic images (n, 1, 28, 28) float32 in [0, 1] and their int32 labels."""
+    images, labels = synthetic(n, seed)
+    return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
+
+
 def write_dataset(directory, n_train=600, n_test=200, seed=0):
     directory.mkdir(parents=True, exist_ok=True)
     for split, n in (("train", n_train), ("test", n_test)):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import assert_on, synthetic
+from conftest import assert_on, cpus, synthetic
 from manual_dp import DataParallel, allreduce, cross_entropy, init_lenet_params, lenet
 from manual_dp.strategies.async_dp import AsyncDataParallel, last_refresh, refresh_due
 from manual_dp.checkpoint import CheckpointError
@@ -14,10 +14,6 @@ from manual_dp.lesson import shard_sizes
 def batch(n, seed=0):
     images, labels = synthetic(n, seed)
     return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
 
 
 def version_seen(k, t, staleness):

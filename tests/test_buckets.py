@@ -6,26 +6,16 @@ all-reduce of a bucket may add an element's k terms in another order than the on
 (the ring and scatter_gather cut each buffer into k chunks, so where an element falls decides
 its order), so parameters agree to float32 rounding: rtol 1e-5, atol 1e-6.
 """
-import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import nd
 
-from conftest import synthetic
+from conftest import batch, cpus
 from manual_dp import ALLREDUCE_ALGORITHMS, DataParallel, init_lenet_params, make_allreduce
 from manual_dp.fast.buckets import MB, plan_buckets
 from manual_dp.lesson import LENET_SHAPES
 
 LENET_BYTES = [4 * int(np.prod(s)) for _, s in LENET_SHAPES]
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
-
-
-def batch(n, seed):
-    images, labels = synthetic(n, seed)
-    return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
 
 
 def test_plan_buckets_in_reverse_order_closing_at_the_size():

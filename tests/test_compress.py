@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mxnet import nd
 
-from conftest import assert_on, synthetic
+from conftest import assert_on, batch, cpus
 from manual_dp import DataParallel, init_lenet_params
 from manual_dp.fast.collectives import make_allreduce
 from manual_dp.fast.compress import FP16, GatherAllreduce, OneBit, TopK, TwoBit, make_reducer
@@ -19,10 +19,6 @@ from manual_dp.lesson import LENET_SHAPES
 from manual_dp.strategies.compressed import Compressed
 
 SHAPES = [s for _, s in LENET_SHAPES]
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
 
 
 def grads(k, n, seed, scale=1.0):
@@ -194,11 +190,6 @@ def test_powersgd_equals_numpy(rank):
             assert r.context == c
             np.testing.assert_allclose(r.asnumpy(), r_ref, rtol=0, atol=1e-4 * scale)
     assert reducer.low == [0, 2, 4, 6] and reducer.whole == [1, 3, 5, 7]
-
-
-def batch(n, seed):
-    images, labels = synthetic(n, seed)
-    return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
 
 
 def compressed(spec, k=2, seed=3):

@@ -5,12 +5,11 @@ float32 gradients in another order, so parameters agree to ~1e-6 (adam divides b
 magnifies that noise near zero gradients: 1e-3 absolute), losses to a relative 1e-5; the numbers
 of correct predictions are integers and must be equal.
 """
-import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import nd
 
-from conftest import synthetic
+from conftest import batch, cpus
 from manual_dp import replicas
 from manual_dp.loop import evaluate
 from manual_dp.strategies.deterministic import DeterministicDataParallel
@@ -23,10 +22,6 @@ from manual_dp import LocalSGD
 from manual_dp.strategies.tensor import TensorParallel
 from manual_dp.strategies.zero_deterministic import DeterministicZero
 from manual_dp.strategies.tensor_deterministic import TensorDeterministic
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
 
 
 STRATEGIES = {
@@ -82,11 +77,6 @@ OWN_ALGORITHM = {
     "local H=1 x2 sgd lr 0.5": lambda p, opt: LocalSGD(p, cpus(2), opt, 1, "sgd", 0.5),
 }
 CONTRACT = {**STRATEGIES, **OWN_ALGORITHM}
-
-
-def batch(n, seed):
-    images, labels = synthetic(n, seed)
-    return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
 
 
 def run(model, steps=3, n=13, lr=0.05):

@@ -9,22 +9,13 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from conftest import synthetic, write_dataset
+from conftest import batch, cpus, write_dataset
 from jobs import assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, train_cmd
 from manual_dp import DataParallel, GradAccum, init_lenet_params
 from manual_dp.lesson import lenet
 from manual_dp.loop import evaluate
 from manual_dp.strategies.deterministic import DeterministicDataParallel, cover, pieces, spans, tree_sum
 from test_distributed import needs_horovod
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
-
-
-def batch(n, seed):
-    images, labels = synthetic(n, seed)
-    return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
 
 
 def digest(model):

@@ -11,24 +11,14 @@
 import importlib.util
 import json
 
-import mxnet as mx
 import numpy as np
 import pytest
 
-from conftest import synthetic
+from conftest import batch, cpus
 from manual_dp import DataParallel, GradAccum, LocalSGD, checkpoint, init_lenet_params
 from manual_dp.errors import CheckpointError
 from manual_dp.lesson import shard_sizes
 from manual_dp.train import main
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
-
-
-def batch(n, seed):
-    images, labels = synthetic(n, seed)
-    return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
 
 
 class Reference:

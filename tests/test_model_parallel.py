@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import assert_on, synthetic
+from conftest import assert_on, cpus, synthetic
 from manual_dp import DataParallel, cross_entropy, get_params, init_lenet_params, lenet
 from manual_dp.strategies.accum import GradAccum
 from manual_dp.memory import per_context, scratch_buffers, stage_activation_elems
@@ -17,10 +17,6 @@ from manual_dp.strategies.stages import STAGE_SLICES, conv_stage, dense_stage, s
 def batch(n, seed=0):
     images, labels = synthetic(n, seed)
     return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
 
 
 # (contexts, micro-batches): model, pipeline, hybrid of 2 and 3 replicas.

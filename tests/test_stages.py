@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import assert_on, synthetic
+from conftest import assert_on, cpus, synthetic
 from manual_dp import config, init_lenet_params, lenet
 from manual_dp.lesson import cross_entropy, get_params, lenet_shapes
 from manual_dp.memory import part_activation_elems, per_context, piece_activation_elems, stage_activation_elems
@@ -24,10 +24,6 @@ from manual_dp.strategies.stages import CUTS, MAX_STAGES, make_stages, param_sli
 def batch(n, seed=0):
     images, labels = synthetic(n, seed)
     return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
 
 
 @pytest.mark.parametrize("width", [1, 2])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import synthetic, write_dataset
+from conftest import batch, cpus, write_dataset
 from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, train_cmd
 from manual_dp import DataParallel, checks, init_lenet_params
 from manual_dp.errors import UsageError
@@ -25,15 +25,6 @@ from manual_dp.train import main
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None and \
     importlib.util.find_spec("horovod.mxnet") is not None
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
-
-
-def batch(n, seed):
-    images, labels = synthetic(n, seed)
-    return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
 
 
 def params_of(model):

@@ -11,12 +11,11 @@ import os
 import subprocess
 import sys
 
-import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import synthetic, write_dataset
+from conftest import batch, cpus, write_dataset
 from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, saved_arrays, train_cmd
 from manual_dp import DataParallel, GradAccum, init_lenet_params
 from manual_dp.strategies.deterministic import root_of, tree_sum
@@ -26,15 +25,6 @@ from manual_dp.strategies.tensor_pieces import TreeF, TreeG, cut, join, tree_red
 from test_distributed import needs_horovod
 
 LAYOUTS = [(1, 1), (2, 1), (2, 2), (3, 1), (4, 1), (4, 2), (4, 4)]     # (contexts, T)
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
-
-
-def batch(n, seed):
-    images, labels = synthetic(n, seed)
-    return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
 
 
 def digest(arrays):

@@ -3,18 +3,12 @@ overlap fraction worked out by hand on spans made up for it."""
 import json
 
 import mxnet as mx
-import numpy as np
 import pytest
 from mxnet import nd
 
-from conftest import synthetic
+from conftest import batch
 from manual_dp import DataParallel, init_lenet_params, timeline
 from manual_dp.train import main as train_main
-
-
-def batch(n, seed):
-    images, labels = synthetic(n, seed)
-    return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
 
 
 @pytest.fixture(scope="module")

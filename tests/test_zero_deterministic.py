@@ -7,25 +7,15 @@ thread per op from --deterministic (manual_dp.train), as every process of a job 
 """
 import hashlib
 
-import mxnet as mx
 import numpy as np
 import pytest
 
-from conftest import synthetic, write_dataset
+from conftest import batch, cpus, write_dataset
 from jobs import assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, saved_arrays, train_cmd
 from manual_dp import GradAccum, init_lenet_params
 from manual_dp.strategies.deterministic import DeterministicDataParallel, cover, root_of, spans, tree_sum
 from manual_dp.strategies.zero_deterministic import DeterministicZero, Fold
 from test_distributed import needs_horovod
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
-
-
-def batch(n, seed):
-    images, labels = synthetic(n, seed)
-    return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
 
 
 def bits(model):
