@@ -110,7 +110,20 @@ def test_adjacent_pairs_decide_the_pytorch_target_by_their_median():
     records.append(rec("pair", "torch", 1, 1.0, pair=3))  # a pair missing its other half is left out
     paired = [s for s in bench_report.targets(records) if "torch" in s["impl"]]
     assert len(paired) == 1 and "median of 3 adjacent pairs" in paired[0]["impl"]
-    assert paired[0]["ratio"] == pytest.approx(1.02) and paired[0]["met"]   # ratios 1.02, 0.96, 1.10
+    assert paired[0]["ratio"] == pytest.approx(1.02) and not paired[0]["met"]   # 1.02, 0.96, 1.10: < 1.1
+    records += [rec("pair", "torch", 1, 4000.0, pair=4), rec("pair", "manual_dp", 2, 4800.0, pair=4),
+                rec("pair", "torch", 1, 4000.0, pair=5), rec("pair", "manual_dp", 2, 4600.0, pair=5)]
+    paired = [s for s in bench_report.targets(records) if "torch" in s["impl"]]
+    assert paired[0]["ratio"] == pytest.approx(1.10) and paired[0]["met"]       # median of 5: 1.10
+
+
+def test_the_fast_step_against_pytorch_ddp_on_the_same_two_workers():
+    rec = lambda impl, k, ips, options: {"bench": "train", "impl": impl, "devices": k, "env": "tuned",
+                                         "options": options, "images_per_sec": ips, "final_loss": 0.5}
+    got = [s for s in bench_report.targets([rec("manual_dp", 2, 2200.0, bench.FAST),
+                                            rec("torch-ddp", 2, 2000.0, {}), rec("torch-ddp", 4, 9000.0, {})])
+           if "DDP" in s["impl"]]
+    assert len(got) == 1 and got[0]["ratio"] == pytest.approx(1.1) and got[0]["met"]
 
 
 def test_pairs_alternate_pytorch_and_the_fast_step(monkeypatch):
