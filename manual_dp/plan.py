@@ -6,23 +6,18 @@ time, those that fit marked, one recommended; --verify runs the top ones on CPU 
 
 The models behind the numbers: manual_dp/planner/predict.py (docstring); docs/design.md "The planner".
 """
-import argparse
-import sys
-
 from .checks import parse_bytes
+from .cli.options import OneLineParser
+from .cli.output import parsed_or_exit
+from .config import OPTIMIZERS
 from .errors import UsageError
 from .fast.runtime import configure, machine
 
 LINKS = ("pcie", "nvlink", "eth25", "eth100")
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
-
-
 def build_parser():
-    p = Parser(prog="python -m manual_dp.plan", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m manual_dp.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", type=int, required=True, help="devices to lay LeNet out on")
     p.add_argument("--memory-per-device", required=True, help="bytes each device has, e.g. 300MiB, 2G")
     p.add_argument("--width", type=int, default=1, help="LeNet's width multiplier (default 1)")
@@ -45,8 +40,8 @@ def parse(argv):
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.link not in LINKS:
         raise UsageError(f"--link {args.link}: choose from {', '.join(LINKS)}")
-    if args.optimizer not in ("sgd", "momentum", "adam"):
-        raise UsageError(f"--optimizer {args.optimizer}: choose from sgd, momentum, adam")
+    if args.optimizer not in OPTIMIZERS:
+        raise UsageError(f"--optimizer {args.optimizer}: choose from {', '.join(OPTIMIZERS)}")
     if args.batch_size < args.devices:
         raise UsageError(f"--batch-size {args.batch_size} is smaller than the {args.devices} devices")
     if args.plot and not args.verify:
@@ -56,11 +51,7 @@ def parse(argv):
 
 
 def main(argv=None):
-    try:
-        args = parse(argv)
-    except UsageError as e:
-        print(f"manual_dp.plan: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    args = parsed_or_exit(parse, argv, "manual_dp.plan")
     configure(args.devices)                     # thread settings before MXNet loads
     from .planner.report import run
     print(run(args, machine()))

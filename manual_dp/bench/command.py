@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from ..cli.options import OneLineParser
+from ..cli.output import parsed_or_exit
 from ..config import RunConfig
-from ..errors import UsageError
 from ..fast.runtime import machine, thread_env, usable_cores
 from .plots import FAST
 
@@ -204,15 +204,17 @@ def format_train(r):
             f"{r['sec_per_epoch']:6.1f} s/epoch  loss {r['final_loss']:.4f}")
 
 
+def parse(argv):
+    """The checked arguments; UsageError (one line) for values no run can use."""
+    from .compress import check_settings
+    args = build_parser().parse_args(argv)
+    check_settings(args)
+    return args
+
+
 def main(argv=None):
     from .report import report, write
-    try:
-        args = build_parser().parse_args(argv)
-        from .compress import check_settings
-        check_settings(args)
-    except UsageError as e:
-        print(f"manual_dp.bench: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    args = parsed_or_exit(parse, argv, "manual_dp.bench")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.model:

@@ -18,23 +18,16 @@ from ..config import RunConfig
 
 
 def train(ctx, epochs, threshold, lr, batch_size, seed, data):
-    """Yields {"epoch", "test_acc", "train_loss", "images_per_sec"} per epoch of gluon.Trainer with 2bit compression
-    (threshold None: none)."""
+    """Yields {"epoch", "test_acc", "train_loss", "images_per_sec"} per epoch of gluon.Trainer with
+    2bit compression (threshold None: none)."""
     import numpy as np
     from mxnet import autograd, gluon, nd
     from ..data import batches
-    from ..lesson import init_lenet_params
-    from .train import gluon_lenet
+    from ..lesson import init_lenet_params, n_correct
+    from .train import gluon_lenet_holding
 
     (X, y), (Xt, yt) = data
-    net = gluon_lenet()
-    net.initialize(ctx=ctx)
-    net(nd.zeros((1, 1, 28, 28), ctx=ctx[0]))
-    layers = [net[0], net[2], net[5], net[6]]
-    params = init_lenet_params(seed)
-    for i, (layer, W, b) in enumerate(zip(layers, params[0::2], params[1::2])):
-        layer.weight.set_data(W.T if i >= 2 else W)   # gluon's Dense weight is (out, in)
-        layer.bias.set_data(b)
+    net, _ = gluon_lenet_holding(init_lenet_params(seed), ctx)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": lr, "momentum": 0.9},
                             kvstore="device", update_on_kvstore=False,
                             compression_params=None if threshold is None else
@@ -50,11 +43,11 @@ def train(ctx, epochs, threshold, lr, batch_size, seed, data):
                 ls = [loss(net(a), b) for a, b in zip(Xs, ys)]
             autograd.backward(ls)
             trainer.step(len(Xb))
-            total += sum(float(l.sum().asscalar()) for l in ls)
+            total = total + nd.add_n(*[l.sum().as_in_context(ctx[0]) for l in ls])  # read once an epoch
             seen += len(Xb)
+        total = float(total.asscalar())
         seconds = time.perf_counter() - start
-        correct = sum(float((net(nd.array(Xb, ctx=ctx[0])).argmax(axis=1) ==
-                             nd.array(yb, ctx=ctx[0])).sum().asscalar())
+        correct = sum(float(n_correct(net(nd.array(Xb, ctx=ctx[0])), nd.array(yb, ctx=ctx[0])).asscalar())
                       for Xb, yb in batches(Xt, yt, batch_size))
         yield {"epoch": epoch, "test_acc": correct / len(Xt), "train_loss": total / seen,
                "images_per_sec": seen / seconds}

@@ -7,14 +7,13 @@ the machine's cores, so no mode is expected to beat sync here: the table is each
 Prints one line per mode and writes DIR/modes.json with the machine and commit.
 """
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from ..cli.options import OneLineParser
-from ..errors import UsageError
+from ..cli.output import parsed_or_exit
 from ..fast.runtime import configure, machine
 
 
@@ -88,11 +87,7 @@ def parse(argv):
 
 
 def main(argv=None):
-    try:
-        args = parse(argv)
-    except UsageError as e:
-        print(f"python -m manual_dp.bench.modes: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    args = parsed_or_exit(parse, argv, "python -m manual_dp.bench.modes")
     configure(4)                                    # thread settings before MXNet loads
     from ..bench.command import commit
     where = dict(machine(), commit=commit())

@@ -83,7 +83,8 @@ def gluon_lenet():
     return net
 
 
-def gluon_trainer(params, ctx, lr, batch, hybrid=False):
+def gluon_lenet_holding(params, ctx):
+    """(net, its 4 layers): gluon's LeNet on `ctx` holding lenet's 8 `params`."""
     net = gluon_lenet()
     net.initialize(ctx=ctx)
     net(nd.zeros((1, 1, 28, 28), ctx=ctx[0]))
@@ -91,6 +92,11 @@ def gluon_trainer(params, ctx, lr, batch, hybrid=False):
     for i, (layer, W, b) in enumerate(zip(layers, params[0::2], params[1::2])):
         layer.weight.set_data(W.T if i >= 2 else W)   # gluon's Dense weight is (out, in)
         layer.bias.set_data(b)
+    return net, layers
+
+
+def gluon_trainer(params, ctx, lr, batch, hybrid=False):
+    net, layers = gluon_lenet_holding(params, ctx)
     if hybrid:
         net.hybridize(static_alloc=True, static_shape=True)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": lr}, kvstore="device")

@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 
 from ..config import TENSOR_PIECES
+from ..errors import UsageError
 
 
 def write_atomic(path, text):
@@ -122,7 +123,15 @@ def interrupted():
     os._exit(130)
 
 
-def fail(message, code):
+def fail(message, code, prog="manual_dp.train"):
     """Print the one line of an error; returns the exit status."""
-    print(f"manual_dp.train: error: {message}", file=sys.stderr)
+    print(f"{prog}: error: {message}", file=sys.stderr)
     return code
+
+
+def parsed_or_exit(parse, argv, prog):
+    """parse(argv): a command's checked arguments, or, for bad input, its one line and exit 2."""
+    try:
+        return parse(argv)
+    except UsageError as e:
+        sys.exit(fail(e, 2, prog))

@@ -84,7 +84,7 @@ class PreparedAllreduce:
     def __call__(self, arrays):
         on_cpu = all(a.context.device_type == "cpu" for a in arrays)
         key = tuple(data_pointer(a) for a in arrays) if on_cpu else None
-        calls = self.plans.get(key) if on_cpu else None
+        calls = self.plans.get(key)                         # never a plan under None
         if calls is None:
             calls = self.prepare(arrays, key)
         else:
