@@ -28,6 +28,12 @@ def test_tiny_run_writes_records_with_the_required_keys(tiny_run):
             "peak", "autotune"} <= kinds
     # the distance to the machine's peak, beside images/s, for every training measurement
     assert all(r["gflops"] > 0 and 0 < r["peak_share"] < 1 for r in records if r["bench"] == "train")
+    # the peak: a team of every core's threads, and (on several cores) one thread times the cores
+    peaks = {r["impl"] for r in records if r["bench"] == "peak"}
+    from manual_dp.fast.runtime import usable_cores
+    cores = usable_cores()
+    assert {"dot", "fully_connected"} <= peaks
+    assert cores == 1 or {f"dot, one thread x {cores}", f"fully_connected, one thread x {cores}"} <= peaks
     assert all(r["cores_free"] > 0 for r in records if r["bench"] == "train")
     meta = records[0]
     assert meta["bench"] == "meta" and 0 < meta["cores_free_before"] <= meta["devices"] + 0.5

@@ -54,7 +54,9 @@ def run(spec):
                  "key": autotune.machine_key(), **autotune.read_cache().get(autotune.machine_key(), {})}]
     if spec["bench"] == "peak":
         from ..flops import gemm_peak
-        return [{"bench": "peak", "impl": kernel, "devices": 1, "gflops": g}
+        cores = spec.get("cores", 1)         # > 1: one thread's product, times the cores
+        return [{"bench": "peak", "impl": kernel if cores == 1 else f"{kernel}, one thread x {cores}",
+                 "devices": 1, "gflops": g * cores}
                 for kernel, g in gemm_peak(spec["n"], spec["repeats"]).items()]
     X, y = training_data(spec)
     if spec["impl"].startswith("torch"):
