@@ -130,11 +130,20 @@ def test_the_fast_step_against_pytorch_ddp_on_the_same_two_workers():
                                             rec("torch-ddp", 2, 2000.0, {}), rec("torch-ddp", 4, 9000.0, {})])
            if "DDP" in s["impl"]]
     assert len(got) == 1 and got[0]["ratio"] == pytest.approx(1.1) and got[0]["met"]
+    # measured in adjacent pairs, their median decides (here 1.0, 0.9, 1.2: 1.0), not the main rows
+    pair = lambda impl, ips, i: dict(rec(impl, 2, ips, {}), bench="pair", pair=i)
+    records = [rec("manual_dp", 2, 2200.0, bench.FAST), rec("torch-ddp", 2, 2000.0, {})]
+    for i, (m, d) in enumerate([(2000.0, 2000.0), (1800.0, 2000.0), (2400.0, 2000.0)]):
+        records += [pair("manual_dp", m, i), pair("torch-ddp", d, i)]
+    got = [s for s in bench_report.targets(records) if "DDP" in s["impl"]]
+    assert len(got) == 1 and "median of 3 adjacent pairs" in got[0]["impl"]
+    assert got[0]["ratio"] == pytest.approx(1.0) and not got[0]["met"]
 
 
 def test_pairs_alternate_pytorch_and_the_fast_step(monkeypatch):
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object())
-    assert bench.pair_specs(bench.PLANS["quick"]) == [("torch", {}, 1), ("manual_dp", bench.FAST, 2)] * 3   # a median of 3
+    assert bench.pair_specs(bench.PLANS["quick"]) == [("torch", {}, 1), ("manual_dp", bench.FAST, 2),
+                                                       ("torch-ddp", {}, 2)] * 3   # medians of 3
     assert bench.pair_specs(bench.PLANS["tiny"]) == []
 
 

@@ -172,19 +172,20 @@ def measure(plan, args):
         for impl, options, env, k in train_specs(plan, args.plan == "full"):
             records += train_point(plan, args, impl, options, env, k)
         for i, (impl, options, k) in enumerate(pair_specs(plan)):
-            records += train_point(plan, args, impl, options, "tuned", k, bench="pair", pair=i // 2)
+            records += train_point(plan, args, impl, options, "tuned", k, bench="pair", pair=i // 3)
     records[0]["load_after"], records[0]["cores_free_after"] = os.getloadavg(), cores_available()
     return records
 
 
 def pair_specs(plan):
-    """(impl, options, devices) to measure after the main list: PyTorch in one process, then the
-    fast step on 2 contexts, back to back, plan['pairs'] times. The target's ratio is the median
-    over these adjacent pairs, so the machine drifting between two measurements minutes apart
-    (up to 5% here) does not decide it."""
+    """(impl, options, devices) to measure after the main list: PyTorch in one process, the fast
+    step on 2 contexts and PyTorch DDP on 2 processes, back to back, plan['pairs'] times. The
+    PyTorch targets' ratios are medians over these adjacent pairs, so the machine drifting between
+    two measurements minutes apart (up to 5% on a quiet machine, up to 40% on a shared virtual
+    one) does not decide them."""
     if not (plan.get("pairs") and plan["peers"] and importlib.util.find_spec("torch")):
         return []
-    return [("torch", {}, 1), ("manual_dp", FAST, 2)] * plan["pairs"]
+    return [("torch", {}, 1), ("manual_dp", FAST, 2), ("torch-ddp", {}, 2)] * plan["pairs"]
 
 
 def train_point(plan, args, impl, options, env, k, bench="train", **extra):

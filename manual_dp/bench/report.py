@@ -66,8 +66,14 @@ def targets(records):
         out.append(ratio(f"{label(manual)} / {label(torch)} on {torch['devices']} (img/s)", 2,
                          manual["images_per_sec"] / torch["images_per_sec"], PEER_TARGET,
                          loss_difference=abs(manual["final_loss"] - torch["final_loss"])))
+    with_ddp = [p for _, p in sorted(pairs.items()) if {"manual_dp", "torch-ddp"} <= set(p)]
+    ddp_ratios = [p["manual_dp"]["images_per_sec"] / p["torch-ddp"]["images_per_sec"] for p in with_ddp]
+    if ddp_ratios:                # the same 2 workers' worth of cores: 2 contexts against 2 processes
+        out.append(ratio(f"{label(with_ddp[0]['manual_dp'])} / torch DDP, 2 contexts / 2 processes (img/s), "
+                         f"median of {len(ddp_ratios)} adjacent pairs", 2, statistics.median(ddp_ratios),
+                         PEER_TARGET, pair_ratios=ddp_ratios))
     ddp = next((r for r in at2 if r["impl"] == "torch-ddp"), None)
-    if fast and ddp:              # the same 2 workers' worth of cores: 2 contexts against 2 processes
+    if fast and ddp and not ddp_ratios:
         out.append(ratio(f"{label(fast)} / torch DDP, 2 contexts / 2 processes (img/s)", 2,
                          fast["images_per_sec"] / ddp["images_per_sec"], PEER_TARGET))
     lenet = defaultdict(dict)
