@@ -142,8 +142,8 @@ def test_the_fast_step_against_pytorch_ddp_on_the_same_two_workers():
 
 def test_pairs_alternate_pytorch_and_the_fast_step(monkeypatch):
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object())
-    assert bench.pair_specs(bench.PLANS["quick"]) == [("torch", {}, 1), ("manual_dp", bench.FAST, 2),
-                                                       ("torch-ddp", {}, 2)] * 3   # medians of 3
+    assert bench.pair_specs(bench.PLANS["quick"]) == [[("torch", {}, 1), ("manual_dp", bench.FAST, 2),
+                                                        ("torch-ddp", {}, 2)]] * 3   # medians of 3
     assert bench.pair_specs(bench.PLANS["tiny"]) == []
 
 

@@ -171,21 +171,22 @@ def measure(plan, args):
                       flush=True)
         for impl, options, env, k in train_specs(plan, args.plan == "full"):
             records += train_point(plan, args, impl, options, env, k)
-        for i, (impl, options, k) in enumerate(pair_specs(plan)):
-            records += train_point(plan, args, impl, options, "tuned", k, bench="pair", pair=i // 3)
+        for i, group in enumerate(pair_specs(plan)):
+            for impl, options, k in group:
+                records += train_point(plan, args, impl, options, "tuned", k, bench="pair", pair=i)
     records[0]["load_after"], records[0]["cores_free_after"] = os.getloadavg(), cores_available()
     return records
 
 
 def pair_specs(plan):
-    """(impl, options, devices) to measure after the main list: PyTorch in one process, the fast
-    step on 2 contexts and PyTorch DDP on 2 processes, back to back, plan['pairs'] times. The
+    """Groups of (impl, options, devices) to measure after the main list, plan['pairs'] of them:
+    PyTorch in one process, the fast step on 2 contexts and PyTorch DDP on 2 processes, back to back. The
     PyTorch targets' ratios are medians over these adjacent pairs, so the machine drifting between
     two measurements minutes apart (up to 5% on a quiet machine, up to 40% on a shared virtual
     one) does not decide them."""
     if not (plan.get("pairs") and plan["peers"] and importlib.util.find_spec("torch")):
         return []
-    return [("torch", {}, 1), ("manual_dp", FAST, 2), ("torch-ddp", {}, 2)] * plan["pairs"]
+    return [[("torch", {}, 1), ("manual_dp", FAST, 2), ("torch-ddp", {}, 2)]] * plan["pairs"]
 
 
 def train_point(plan, args, impl, options, env, k, bench="train", **extra):

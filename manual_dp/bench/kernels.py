@@ -13,6 +13,7 @@ on a busy machine the listed total can exceed the step's CPU time).
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -26,28 +27,12 @@ BEGIN, END = "== measured steps begin", "== measured steps end"
 def child(batch, conv_pad, steps):
     """Warm up, then run `steps` forward and backward passes between the two marker lines; prints
     the CPU milliseconds per image of the measured steps."""
-    import mxnet as mx
-    import numpy as np
-    from mxnet import autograd, nd
-
-    from ..fast.flat import FlatReplica
-    from ..fast.graph import LeNetGraph
-    from ..lesson import init_lenet_params
-    rng = np.random.RandomState(0)
-    X = nd.array(rng.rand(batch, 1, 28, 28).astype(np.float32))
-    y = nd.array(rng.randint(0, 10, batch).astype(np.float32))
-    replica, graph = FlatReplica(init_lenet_params(0), mx.cpu(0)), LeNetGraph(conv_pad)
-
-    def steps_of(n):
-        for _ in range(n):
-            with autograd.record():
-                loss, _ = graph(X, y, replica.params)
-            loss.backward()
-        nd.waitall()
-    steps_of(3)
+    from ..fast.autotune import graph_steps
+    run = graph_steps(conv_pad, batch)
+    run(3)
     print(BEGIN, flush=True)
     start = sum(os.times()[:2])
-    steps_of(steps)
+    run(steps)
     cpu = sum(os.times()[:2]) - start
     print(END, flush=True)
     print(f"step cpu ms per image {cpu * 1e3 / (steps * batch):.6f}", flush=True)
@@ -56,7 +41,6 @@ def child(batch, conv_pad, steps):
 def problem_flops(primitive, problem):
     """FLOPs of one call of a convolution or inner product from oneDNN's problem descriptor
     (e.g. mb128_ic24oc56_ih13oh9kh5sh1dh0ph0_iw13ow9kw5sw1dw0pw0, mb128ic896oc128); else 0."""
-    import re
     dims = {k: int(v) for k, v in re.findall(r"([a-z]+)(\d+)", problem.replace("_", ""))}
     if primitive == "convolution":
         return 2 * dims["mb"] * dims["oc"] * dims["ic"] * dims.get("oh", 1) * dims.get("ow", 1) \

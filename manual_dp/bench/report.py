@@ -38,6 +38,13 @@ def ratio(name, devices, value, target, higher_is_better=True, **extra):
                  "target": target, "higher_is_better": higher_is_better, "met": bool(met)}, **extra)
 
 
+def in_adjacent_pairs(pairs, peer):
+    """(the groups of `pairs` that measured both the fast step and `peer`, in order; the fast step's
+    images/s over the peer's in each)."""
+    groups = [p for _, p in sorted(pairs.items()) if {"manual_dp", peer} <= set(p)]
+    return groups, [p["manual_dp"]["images_per_sec"] / p[peer]["images_per_sec"] for p in groups]
+
+
 def targets(records):
     """Summary records: the ratios the issue asks for, measured in this run."""
     out, train = [], ok(records, "train")
@@ -56,8 +63,7 @@ def targets(records):
     pairs = defaultdict(dict)
     for r in ok(records, "pair"):
         pairs[r["pair"]][r["impl"]] = r
-    both = [p for _, p in sorted(pairs.items()) if {"manual_dp", "torch"} <= set(p)]
-    in_pairs = [p["manual_dp"]["images_per_sec"] / p["torch"]["images_per_sec"] for p in both]
+    both, in_pairs = in_adjacent_pairs(pairs, "torch")
     if in_pairs:
         out.append(ratio(f"{label(both[0]['manual_dp'])} / torch on 1 (img/s), median of {len(in_pairs)} adjacent pairs",
                          2, statistics.median(in_pairs), PEER_TARGET, pair_ratios=in_pairs,
@@ -66,8 +72,7 @@ def targets(records):
         out.append(ratio(f"{label(manual)} / {label(torch)} on {torch['devices']} (img/s)", 2,
                          manual["images_per_sec"] / torch["images_per_sec"], PEER_TARGET,
                          loss_difference=abs(manual["final_loss"] - torch["final_loss"])))
-    with_ddp = [p for _, p in sorted(pairs.items()) if {"manual_dp", "torch-ddp"} <= set(p)]
-    ddp_ratios = [p["manual_dp"]["images_per_sec"] / p["torch-ddp"]["images_per_sec"] for p in with_ddp]
+    with_ddp, ddp_ratios = in_adjacent_pairs(pairs, "torch-ddp")
     if ddp_ratios:                # the same 2 workers' worth of cores: 2 contexts against 2 processes
         out.append(ratio(f"{label(with_ddp[0]['manual_dp'])} / torch DDP, 2 contexts / 2 processes (img/s), "
                          f"median of {len(ddp_ratios)} adjacent pairs", 2, statistics.median(ddp_ratios),

@@ -56,23 +56,31 @@ def write_cache(cache):
         pass
 
 
-def cpu_ms_per_image(conv_pad, batch=128, steps=4, repeats=3):
-    """CPU milliseconds per image of the cached graph's forward and backward with `conv_pad`, on
-    cpu(0), best of `repeats` timings of `steps` steps after a warm-up (CPU time, not wall time:
-    it moves less when other work shares the machine)."""
+def graph_steps(conv_pad, batch=128):
+    """A function of n that runs n forward and backward passes of the cached graph with `conv_pad`
+    on cpu(0), over `batch` random images, and waits for them."""
     rng = np.random.RandomState(0)
     X = nd.array(rng.rand(batch, 1, 28, 28).astype(np.float32))
     y = nd.array(rng.randint(0, 10, batch).astype(np.float32))
     replica, graph = FlatReplica(init_lenet_params(0), mx.cpu(0)), LeNetGraph(conv_pad)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        nd.waitall()
-        start = sum(os.times()[:2])
-        for _ in range(steps):
+
+    def run(n):
+        for _ in range(n):
             with autograd.record():
                 loss, _ = graph(X, y, replica.params)
             loss.backward()
         nd.waitall()
+    return run
+
+
+def cpu_ms_per_image(conv_pad, batch=128, steps=4, repeats=3):
+    """CPU milliseconds per image of the cached graph's forward and backward with `conv_pad`, on
+    cpu(0), best of `repeats` timings of `steps` steps after a warm-up (CPU time, not wall time:
+    it moves less when other work shares the machine)."""
+    run, best = graph_steps(conv_pad, batch), float("inf")
+    for _ in range(repeats + 1):
+        start = sum(os.times()[:2])
+        run(steps)
         best = min(best, (sum(os.times()[:2]) - start) * 1e3 / (steps * batch))
     return best
 
