@@ -108,12 +108,11 @@ def check(meta, arrays):
             return f"damaged: '{key}' is missing or not of type {kind.__name__}"
     if digest(meta, arrays) != meta["sha256"]:
         return "damaged or changed since it was written (checksum mismatch)"
-    width = meta["config"].get("width", 1)
-    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
-        return f"damaged: its width {width!r} is not a positive integer"
-    shapes = lenet_shapes(width)
+    shapes = described_shapes(meta)
+    if isinstance(shapes, str):
+        return shapes
     if meta["n_params"] != len(shapes) or len(meta["n_opt"]) != len(shapes):
-        return f"holds {meta['n_params']} parameters, LeNet has {len(shapes)}"
+        return f"holds {meta['n_params']} parameters, its model has {len(shapes)}"
     for i, (name, shape) in enumerate(shapes):
         for key in [f"param_{i}"] + [f"opt_{i}_{j}" for j in range(meta["n_opt"][i])]:
             a = arrays.get(key)
@@ -123,6 +122,22 @@ def check(meta, arrays):
             if not np.isfinite(a).all():
                 return f"{name} ({key}) holds values that are not finite (the run it came from diverged)"
     return None
+
+
+def described_shapes(meta):
+    """[(name, shape)] of the model the checkpoint describes (models.Model.describe; a checkpoint
+    written before models existed holds LeNet of its width), or what is wrong, in a few words."""
+    if "model" not in meta:
+        width = meta["config"].get("width", 1)
+        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+            return f"damaged: its width {width!r} is not a positive integer"
+        return lenet_shapes(width)
+    table = meta["model"].get("params") if isinstance(meta["model"], dict) else None
+    if not isinstance(table, list) or not all(
+            isinstance(row, list) and len(row) == 2 and isinstance(row[0], str) and isinstance(row[1], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in row[1]) for row in table):
+        return "damaged: its model description is not a table of parameter names and shapes"
+    return [(name, tuple(shape)) for name, shape in table]
 
 
 @contextlib.contextmanager

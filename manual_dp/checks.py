@@ -4,14 +4,14 @@ one line; the defaults and tables they read are manual_dp.config's."""
 import math
 import re
 
-from .config import COMPRESSORS, GATHERED, MAX_STAGES, STAGES, TENSOR_PIECES
+from .config import COMPRESSORS, GATHERED, MAX_STAGES, MODELS, STAGES, TENSOR_PIECES
 from .errors import UsageError
 
 
 def check(cfg):
     """Raise UsageError for values no run can use (before any device, file or MXNet is touched)."""
     for name in ("batch_size", "gpus", "cpus", "width", "train_size", "test_size", "micro_batches",
-                 "grad_accum", "check_replicas", "tensor_parallel"):
+                 "grad_accum", "check_replicas", "tensor_parallel", "layers", "d_model", "heads"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -27,7 +27,8 @@ def check(cfg):
         raise UsageError(f"--warmup-epochs must be >= 0 and finite, got {cfg.warmup_epochs}")
     if cfg.memory_per_device is not None:
         parse_bytes(cfg.memory_per_device)
-    if cfg.stages is not None and not 1 <= cfg.stages <= MAX_STAGES:
+    check_model(cfg)
+    if cfg.stages is not None and cfg.model == "lenet" and not 1 <= cfg.stages <= MAX_STAGES:
         raise UsageError(f"--stages must be 1 to {MAX_STAGES} (LeNet has {MAX_STAGES} layers to cut "
                          f"between), got {cfg.stages}")
     if cfg.bucket_mb is not None and not (cfg.bucket_mb >= 0 and math.isfinite(cfg.bucket_mb)):
@@ -58,6 +59,21 @@ def check(cfg):
                          "--grad-accum only")
     check_local(cfg)
     check_compress(cfg)
+
+
+def check_model(cfg):
+    """UsageError for a --model no run can build, or modes that do not apply to it yet."""
+    if cfg.model not in MODELS and not re.fullmatch(r".+\.py:[A-Za-z_]\w*", cfg.model):
+        raise UsageError(f"--model {cfg.model}: choose {', '.join(MODELS)} or PATH.py:FUNCTION")
+    if cfg.stages is not None and cfg.stages < 1:
+        raise UsageError(f"--stages must be >= 1, got {cfg.stages}")
+    if cfg.patch is not None and (cfg.patch < 0 or (cfg.patch and 28 % cfg.patch)):
+        raise UsageError(f"--patch must be 0 (rows) or divide 28, got {cfg.patch}")
+    if cfg.heads and cfg.d_model and cfg.d_model % cfg.heads:
+        raise UsageError(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model}")
+    if cfg.mode == "tensor" and cfg.model != "lenet":
+        raise UsageError(f"--mode tensor splits LeNet's layer pairs only so far, not --model {cfg.model}: "
+                         f"use sync, async, local, zero, model, pipeline or hybrid")
 
 
 def check_local(cfg):

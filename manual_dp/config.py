@@ -12,6 +12,8 @@ from .fast.runtime import visible_gpus
 
 MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local", "tensor")
 OPTIMIZERS = ("sgd", "momentum", "adam")
+MODELS = ("lenet", "mlp", "transformer")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
+TRANSFORMER = dict(layers=2, d_model=64, heads=4, patch=0)   # --model transformer's default sizes
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
 STAGES = 2                    # LeNet cut in two by default: convolutions | dense layers
 MAX_STAGES = 4                # its layers: conv1 | conv2 | dense1 | dense2 (strategies/stages.py CUTS)
@@ -41,8 +43,19 @@ class RunConfig:
     init_scale: Optional[float] = flag(None, "std of normal(0, s) weights; default He init; "
                                              "0.01 is the lesson's")
     seed: int = flag(0, "seeds the initial weights and the data order")
-    width: int = flag(1, "multiply LeNet's channels and hidden units (20, 50, 128) by W: parameters, "
-                         "gradients, optimiser state and activations grow (W=16: 32.6M parameters)")
+    model: str = flag("lenet", "the network: lenet, mlp, transformer (a small vision transformer), or "
+                               "PATH.py:FUNCTION, a function returning your own Gluon HybridBlock "
+                               "(manual_dp/models/)", "model")
+    width: int = flag(1, "lenet and mlp: multiply the channels and hidden units (LeNet's 20, 50, 128) by W: "
+                         "parameters, gradients, optimiser state and activations grow (W=16: 32.6M "
+                         "parameters)", "model")
+    layers: Optional[int] = flag(None, f"transformer: blocks (default {TRANSFORMER['layers']})", "model")
+    d_model: Optional[int] = flag(None, f"transformer: width of a token (default {TRANSFORMER['d_model']})",
+                                  "model")
+    heads: Optional[int] = flag(None, f"transformer: attention heads, dividing --d-model (default "
+                                      f"{TRANSFORMER['heads']})", "model")
+    patch: Optional[int] = flag(None, "transformer: tokens are P x P patches (P divides 28); 0: image rows "
+                                      "(default 0)", "model")
     deterministic: bool = flag(False, "the same bits on any number of contexts and processes: every "
                                       f"batch cut into pieces of {PIECE_ROWS} rows whose gradients are "
                                       "added in one fixed tree; one thread per op "
@@ -159,13 +172,17 @@ APPLIES = {
     "tensor_parallel": ("tensor",),
     "compress": ("sync",),
 }
+# The model each size flag applies to (given for another: refused), and its default there.
+MODEL_APPLIES = {"width": ("lenet", "mlp"), "layers": ("transformer",), "d_model": ("transformer",),
+                 "heads": ("transformer",), "patch": ("transformer",)}
 # Settings that must match for --resume to continue the same run.
-RUN_KEYS = ("batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
+RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
             "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
             "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
-DEFAULTS_OF_NEWER_KEYS = {"width": 1, "sync_every": None, "outer_optimizer": None, "outer_lr": None,
+DEFAULTS_OF_NEWER_KEYS = {"model": "lenet", "layers": None, "d_model": None, "heads": None, "patch": None,
+                          "width": 1, "sync_every": None, "outer_optimizer": None, "outer_lr": None,
                           "outer_momentum": None, "compress": "none"}
 
 
@@ -179,6 +196,14 @@ def resolve(cfg):
                              f"{' or '.join(modes)}, not --mode {cfg.mode}")
         default = MODE_DEFAULTS.get(name, FAST_STEP.get(name, defaults[name]))
         values[name] = given if given is not None else (default if cfg.mode in modes else None)
+    kind = cfg.model if cfg.model in MODELS else "PATH.py:FUNCTION"
+    for name, models in MODEL_APPLIES.items():
+        given = getattr(cfg, name)
+        if given != defaults[name] and kind not in models:
+            raise UsageError(f"--{name.replace('_', '-')} applies only to --model {' or '.join(models)}, "
+                             f"not --model {cfg.model}")
+        if given is None and kind in models:
+            values[name] = TRANSFORMER[name]
     return dataclasses.replace(cfg, **values)
 
 

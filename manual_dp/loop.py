@@ -14,7 +14,6 @@ from mxnet import autograd, nd
 from .data import batches
 from .errors import DivergedError
 from . import replicas
-from .lesson import LENET_SHAPES
 from .fast.prefetch import prefetch
 from .schedule import lr_at
 
@@ -74,7 +73,8 @@ def check_loss(step, running_loss):
 
 def check_params(model):
     """DivergedError naming the first parameter that holds a NaN or an infinity."""
-    for (name, _), p in zip(LENET_SHAPES, model.state_dict()["params"]):
+    names = model.net.names() if model.net else [f"parameter {i}" for i in range(len(model.state_dict()["params"]))]
+    for name, p in zip(names, model.state_dict()["params"]):
         if not np.isfinite(p).all():
             raise DivergedError(f"parameter {name} holds {'NaN' if np.isnan(p).any() else 'infinite'} values")
 

@@ -23,54 +23,45 @@ import os
 import numpy as np
 
 from .fast import memtrack
-from .lesson import LENET_SHAPES
+from .models import as_model
 
 FLOAT_BYTES = 4
 KINDS = ("param", "grad", "state")
 
 
-def stage_activation_elems(image=(1, 28, 28), shapes=None):
-    """Per-example element counts that each stage keeps for its backward: [convs, dense], for
-    LeNet's parameters of `shapes` (default the lesson's).
-
-    Counted: the stage's input and every op's output (convolution, ReLU, pooling; dot, bias add,
-    ReLU, log-softmax, the picked loss), which autograd holds until the backward pass.
-    """
-    shapes = shapes or [shape for _, shape in LENET_SHAPES]
-    c, h, w = image
-    convs = [c * h * w]                                        # the input images
-    for out_c, _, k, _ in (shapes[0], shapes[2]):
-        h, w = h - k + 1, w - k + 1
-        convs += [out_c * h * w] * 2                           # convolution, ReLU
-        h, w = h // 2, w // 2
-        convs.append(out_c * h * w)                            # 2x2 average pooling
-    (d_in, hidden), (_, classes) = shapes[4], shapes[6]
-    dense = [d_in] + [hidden] * 3 + [classes] * 3 + [1]        # input, dot, +b, ReLU, dot, +b, log-softmax, loss
-    return [sum(convs), sum(dense)]
+def net_of(model=None, shapes=None):
+    """The models.Model whose layers are counted: `model`, or the lesson's LeNet of `shapes`."""
+    return as_model(model, shapes)
 
 
-def piece_activation_elems(image=(1, 28, 28), shapes=None):
-    """[(input, kept)] per-example elements for LeNet's pieces conv1, conv2, dense1, dense2
-    (strategies/stages.py): the piece's input, and the outputs of its ops (as counted in
-    stage_activation_elems; the loss goes with dense2). A stage of pieces i..j keeps the input of
-    piece i and the `kept` of each: pieces 0-1 and 2-3 give stage_activation_elems()."""
-    shapes = shapes or [shape for _, shape in LENET_SHAPES]
-    (c, h, w), pieces = image, []
-    for out_c, _, k, _ in (shapes[0], shapes[2]):
-        h2, w2 = h - k + 1, w - k + 1
-        pieces.append((c * h * w, 2 * out_c * h2 * w2 + out_c * (h2 // 2) * (w2 // 2)))
-        c, h, w = out_c, h2 // 2, w2 // 2
-    (d_in, hidden), (_, classes) = shapes[4], shapes[6]
-    return pieces + [(d_in, 3 * hidden), (hidden, 3 * classes + 1)]
+def piece_activation_elems(image=(1, 28, 28), shapes=None, model=None):
+    """[(input, kept)] per-example elements for each layer of the model (models.contract: a
+    layer's `inputs` and `acts`): the layer's input, and the outputs of its ops (the loss goes with
+    the last). A stage of layers i..j keeps the input of layer i and the `kept` of each. For LeNet
+    (default, of `shapes`): conv1, conv2, dense1, dense2."""
+    return [(layer.inputs, layer.acts) for layer in net_of(model, shapes).layers]
 
 
-def part_activation_elems(part, image=(1, 28, 28), shapes=None):
-    """Per-example elements a stage keeps for `part`: a tuple of consecutive piece indices (their
-    activations), or ("input", i) (only piece i's input, as under --recompute)."""
-    pieces = piece_activation_elems(image, shapes)
+def part_activation_elems(part, image=(1, 28, 28), shapes=None, model=None):
+    """Per-example elements a stage keeps for `part`: a tuple of consecutive layer indices (their
+    activations), or ("input", i) (only layer i's input, as under --recompute)."""
+    pieces = piece_activation_elems(image, shapes, model)
     if part[0] == "input":
         return pieces[part[1]][0]
     return pieces[part[0]][0] + sum(pieces[i][1] for i in part)
+
+
+def stage_activation_elems(image=(1, 28, 28), shapes=None, model=None):
+    """Per-example element counts that each half of the model (its 2-stage cut: for LeNet the
+    convolutions and the dense layers) keeps for its backward; [whole, 0] for a one-layer model.
+
+    Counted: the half's input and every op's output (convolution, ReLU, pooling; dot, bias add,
+    ReLU, log-softmax, the picked loss), which autograd holds until the backward pass.
+    """
+    net = net_of(model, shapes)
+    if len(net.layers) < 2:
+        return [part_activation_elems((0,), image, shapes, net), 0]
+    return [part_activation_elems(cut, image, shapes, net) for cut in net.cuts(2)]
 
 
 def held_bytes(model):
@@ -101,11 +92,12 @@ def finish(report, peaks, method):
 
 def per_context(model, batch_size, shapes=None):
     """The computed report for a step on `batch_size`: kept arrays measured, activations from the
-    layer shapes of LeNet's parameters of `shapes` (default the lesson's)."""
-    report, elems = held_bytes(model), stage_activation_elems(shapes=shapes)
+    layers of the strategy's model (Strategy.net; or LeNet of `shapes`)."""
+    net = net_of(getattr(model, "net", None), shapes)
+    report, elems = held_bytes(model), stage_activation_elems(model=net)
     peaks = {c: sum(r.values()) for c, r in report.items()}
     for c, s, n in model.layout(batch_size):
-        per_example = elems[s] if isinstance(s, int) else part_activation_elems(s, shapes=shapes)
+        per_example = elems[s] if isinstance(s, int) else part_activation_elems(s, model=net)
         peaks[str(c)] += n * per_example * FLOAT_BYTES
     return finish(report, peaks, "shapes")
 

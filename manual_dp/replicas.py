@@ -9,7 +9,6 @@ parameter, before a checkpoint of the bad state is written.
 import zlib
 
 from .errors import ReplicaMismatchError
-from .lesson import LENET_SHAPES
 
 
 def checksum(array):
@@ -18,8 +17,8 @@ def checksum(array):
 
 
 def fingerprint(place, params, names=None):
-    """(place, [(name, checksum)]) of one copy of `params` (lenet's names by default)."""
-    names = names or [name for name, _ in LENET_SHAPES]
+    """(place, [(name, checksum)]) of one copy of `params` (named p0, p1, ... unless `names`)."""
+    names = names or [f"p{i}" for i in range(len(params))]
     return str(place), [(name, checksum(p)) for name, p in zip(names, params)]
 
 

@@ -54,10 +54,10 @@ BUCKET_VARIANTS = [("one buffer", None, True), ("one buffer, unbulked", None, Fa
 
 def bucket_model(k, bucket_mb, bulk, pad):
     """The fast step on cpu(0..k-1) with `bucket_mb` buckets and the graph's backward bulked or not."""
-    from ..fast.graph import LeNetGraph
+    from ..fast.graph import ModelGraph
     model = DataParallel(init_lenet_params(0), [mx.cpu(i) for i in range(k)], "momentum", conv_pad=pad,
                          bucket_mb=bucket_mb)
-    model.graph = LeNetGraph(pad, bulk=bulk)
+    model.graph = ModelGraph(pad, bulk=bulk)
     return model
 
 

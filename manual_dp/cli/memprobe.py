@@ -12,12 +12,11 @@ def main(argv):
     fields, kind, n = json.loads(argv[0]), argv[1], int(argv[2])
     configure(n if kind == "cpu" else 0)
     import mxnet as mx                                            # loads with the settings above
-    from ..lesson import init_lenet_params
     from .memcheck import measure_run
-    from .run import build_model
+    from .run import build_model, network
     cfg = RunConfig(**fields)
     ctx = [mx.cpu(i) if kind == "cpu" else mx.gpu(i) for i in range(n)]
-    params = init_lenet_params(cfg.seed, cfg.init_scale, width=cfg.width)
+    params = network(cfg).init_params(cfg.seed, cfg.init_scale)
     print(json.dumps(measure_run(cfg, params, ctx, build_model)))
 
 

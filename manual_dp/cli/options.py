@@ -42,7 +42,7 @@ def add_flag(group, f):
 
 
 def build_parser(prog="python -m manual_dp.train"):
-    p = OneLineParser(prog=prog, description="Train LeNet on Fashion-MNIST with hand-written parallelism.",
+    p = OneLineParser(prog=prog, description="Train a network (LeNet by default) on Fashion-MNIST with hand-written parallelism.",
                       formatter_class=HelpFormatter)
     groups, devices = {}, p.add_mutually_exclusive_group()
     for f in fields():

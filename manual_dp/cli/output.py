@@ -80,7 +80,7 @@ def describe(cfg):
                 f"tensor group in {TENSOR_PIECES} fixed channel pieces, pieces of the batch and of the "
                 f"channels added in fixed trees, the same bits on any such layout and process count")
     return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
-        f", LeNet x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg) + compression(cfg)
+        f", {cfg.model} x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg) + compression(cfg)
 
 
 def pipeline_settings(cfg):

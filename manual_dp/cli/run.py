@@ -1,6 +1,7 @@
 """One training run from a RunConfig: devices, data, strategy, resume, then an epoch at a time with
 a checkpoint, a log record and one printed line after each. Rank 0 alone prints and writes."""
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -17,8 +18,8 @@ from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
 from ..fast.compress import make_reducer
 from ..fast.trace import TRACE_UPDATES
-from ..lesson import init_lenet_params
 from ..loop import fit
+from ..models import build as build_network
 from ..multiprocess.connect import connect
 from ..schedule import make_lr, updates_per_epoch
 from ..strategies.accum import GradAccum
@@ -60,42 +61,60 @@ def conv_pad(cfg):
         raise UsageError(str(e)) from None
 
 
+@functools.lru_cache(maxsize=4)
+def network_of(model, width, layers, d_model, heads, patch, seed):
+    try:
+        return build_network(model, width, layers, d_model, heads, patch, seed)
+    except ValueError as e:
+        raise UsageError(f"--model {model}: {e}") from None
+
+
+def network(cfg):
+    """The models.Model that cfg names, built once per process (a user's block is loaded once)."""
+    return network_of(cfg.model, cfg.width, cfg.layers, cfg.d_model, cfg.heads, cfg.patch, cfg.seed)
+
+
 def build_model(cfg, params, ctx, world):
-    """The strategy of cfg.mode on `ctx`, composed with the world (the cross-process sum and this
-    process's rows) and with gradient accumulation."""
+    """The strategy of cfg.mode on `ctx` for cfg's model, composed with the world (the cross-process
+    sum and this process's rows) and with gradient accumulation."""
+    net = network(cfg)
+    if (cfg.stages or 1) > len(net.layers):
+        raise UsageError(f"--stages {cfg.stages}: --model {cfg.model} has {len(net.layers)} layers to cut "
+                         f"between ({', '.join(layer.name for layer in net.layers)})")
     name = cfg.allreduce or config.FAST_STEP["allreduce"]  # model, pipeline: one replica, nothing to sum here
     if name not in ALLREDUCE_ALGORITHMS:
         raise UsageError(f"--allreduce {name}: choose from {', '.join(ALLREDUCE_ALGORITHMS)}")
     reduce = world.reducer(make_allreduce(name))
     if cfg.mode == "sync":
-        pad = world.share(lambda: conv_pad(cfg)) if cfg.graph else 1   # rank 0's, so all compute alike
-        if cfg.graph:
+        pad = world.share(lambda: conv_pad(cfg)) if cfg.graph and cfg.model == "lenet" else 1   # rank 0's
+        if cfg.graph and cfg.model == "lenet":
             print(f"cached graph: convolution channels padded to multiples of {pad}" if pad > 1 else
                   "cached graph: convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
         bucket_mb = float("inf") if cfg.trace and cfg.bucket_mb is None else cfg.bucket_mb  # inf: one buffer
         compressed = make_reducer(cfg.compress, reduce, [p.shape for p in params], world)
         model = DeterministicDataParallel(
             params, ctx, cfg.optimizer, graph=cfg.graph, conv_pad=pad, rank=world.rank, size=world.size,
-            exchange=lambda table: world.allreduce(table, "tree" + "x".join(map(str, table.shape)))) \
+            exchange=lambda table: world.allreduce(table, "tree" + "x".join(map(str, table.shape))), model=net) \
             if cfg.deterministic else \
             DataParallel(params, ctx, cfg.optimizer, compressed or reduce, cfg.fuse_grads, cfg.graph,
-                         conv_pad=pad, bucket_mb=bucket_mb)
+                         conv_pad=pad, bucket_mb=bucket_mb, model=net)
         if cfg.trace:
             model.trace(cfg.trace, algorithm=name)
         model = Compressed(model, compressed, cfg.compress, world) if compressed else model
     elif cfg.mode == "async":
-        model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness)
+        model = AsyncDataParallel(params, ctx, cfg.optimizer, cfg.staleness, model=net)
     elif cfg.mode == "zero" and cfg.deterministic:   # across processes: a zero-slot table per shard
         model = DeterministicZero(
-            params, ctx, cfg.optimizer, cfg.zero_stage, conv_pad=world.share(lambda: conv_pad(cfg)),
+            params, ctx, cfg.optimizer, cfg.zero_stage,
+            conv_pad=world.share(lambda: conv_pad(cfg)) if cfg.model == "lenet" else 1,
             rank=world.rank, size=world.size, exchange=lambda table, i: world.allreduce(
-                table, f"zero-tree{i}-" + "x".join(map(str, table.shape))))
+                table, f"zero-tree{i}-" + "x".join(map(str, table.shape))), model=net)
     elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
         model = ZeroRedundancy(params, ctx, cfg.optimizer, cfg.zero_stage,
-                               cross_sum=world.allreduce if world.size > 1 else None)
+                               cross_sum=world.allreduce if world.size > 1 else None, model=net)
     elif cfg.mode == "local":
         model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
-                         cfg.outer_momentum, reduce)
+                         cfg.outer_momentum, reduce, model=net)
     elif cfg.mode == "tensor" and cfg.deterministic:   # every sum in a fixed tree; processes swap subtrees
         model = TensorDeterministic(
             params, ctx, cfg.optimizer, cfg.tensor_parallel, rank=world.rank, size=world.size,
@@ -104,7 +123,7 @@ def build_model(cfg, params, ctx, world):
         model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name))
     else:
         model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce,
-                                 cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute)
+                                 cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute, model=net)
     model = world.wrap(model)
     return GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
 
@@ -199,7 +218,8 @@ def run_in(cfg, world):
 
 def train_in(cfg, world, ctx):
     """run_in's training, its outputs checked and its checkpoint directory ours."""
-    params = init_lenet_params(cfg.seed, cfg.init_scale, width=cfg.width)
+    net = network(cfg)
+    params = net.init_params(cfg.seed, cfg.init_scale)
     mem = memcheck.run_report(cfg, params, ctx, build_model, world.size)   # before anything else runs
     data_dir, data_label = locate_data(cfg.data_dir)
     train_data, test_data = load_fashion_mnist(data_dir, cfg.train_size, cfg.test_size)
@@ -222,6 +242,8 @@ def train_in(cfg, world, ctx):
     print(f"training on {', '.join(map(str, ctx))}: {len(train_data[0])} train / "
           f"{len(test_data[0])} test images from {data_label}, batch {cfg.batch_size}, "
           f"{cfg.optimizer} lr {cfg.lr}")
+    print(f"model {net.name} ({', '.join(f'{k} {v}' for k, v in net.config.items())}): "
+          f"{net.n_params():,} parameters in {len(net.layers)} layers")
     print(f"mode {describe(cfg)}; lr {lr}\nmemory per context: {memory.format_report(mem)}")
     show = sys.stderr.isatty() and not cfg.no_progress and world.is_root
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
@@ -229,11 +251,11 @@ def train_in(cfg, world, ctx):
         record, = fit(model, train_data, test_data, epoch, cfg.batch_size, lr, rng,
                       start_epoch=epoch - 1, on_batch=bar, check_replicas=cfg.check_replicas or 0)
         bar.close()
-        history.append(dict(record, mode=cfg.mode, memory=mem))
+        history.append(dict(record, mode=cfg.mode, memory=mem, model=net.describe()))
         if cfg.checkpoint_dir and world.is_root:
             checkpoint.save(cfg.checkpoint_dir, model.state_dict(),
                             {"epoch": epoch, "history": history, "config": run_config,
-                             "rng_state": rng.bit_generator.state})
+                             "rng_state": rng.bit_generator.state, "model": net.describe()})
         if cfg.log_json and world.is_root:
             save_log(cfg, history)
         print(format_record(record, cfg.epochs), flush=True)

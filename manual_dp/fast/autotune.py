@@ -19,7 +19,7 @@ from mxnet import autograd, nd
 
 from ..lesson import init_lenet_params
 from .flat import FlatReplica
-from .graph import LeNetGraph
+from .graph import ModelGraph
 from .runtime import machine
 
 CONV_PADS = (1, 8, 16)
@@ -62,7 +62,7 @@ def graph_steps(conv_pad, batch=128):
     rng = np.random.RandomState(0)
     X = nd.array(rng.rand(batch, 1, 28, 28).astype(np.float32))
     y = nd.array(rng.randint(0, 10, batch).astype(np.float32))
-    replica, graph = FlatReplica(init_lenet_params(0), mx.cpu(0)), LeNetGraph(conv_pad)
+    replica, graph = FlatReplica(init_lenet_params(0), mx.cpu(0)), ModelGraph(conv_pad)
 
     def run(n):
         for _ in range(n):

@@ -14,7 +14,6 @@ all-reduce per gradient, in reverse order), a huge one is the single fused buffe
 """
 import numpy as np
 
-from ..lesson import LENET_SHAPES
 from ..optim import apply_update_and_clear, init_states
 from .flat import FlatReplica
 
@@ -38,7 +37,7 @@ def plan_buckets(sizes, bucket_bytes):
 
 class BucketedReplica:
     """One device's parameters as views of one FlatReplica per bucket (`groups`, in bucket order);
-    `params` in lenet's order, `states` the per-parameter views of the flat optimiser state."""
+    `params` in the model's order, `states` the per-parameter views of the flat optimiser state."""
 
     def __init__(self, params, ctx, buckets, optimizer):
         self.buckets, self.groups = buckets, [FlatReplica([params[i] for i in b], ctx) for b in buckets]
@@ -57,12 +56,11 @@ class Buckets:
     `marks`, if set, is called mark(bucket, event, arrays) around them (manual_dp.fast.trace).
     """
 
-    def __init__(self, params, ctx, bucket_mb, optimizer):
+    def __init__(self, params, ctx, bucket_mb, optimizer, names=None):
         sizes = [p.size * np.dtype(p.dtype).itemsize for p in params]       # bytes
         self.plan = plan_buckets(sizes, bucket_mb * MB)
         self.bytes = [sum(sizes[i] for i in b) for b in self.plan]
-        names = [n for n, _ in LENET_SHAPES] if len(params) == len(LENET_SHAPES) else \
-            [f"p{i}" for i in range(len(params))]
+        names = names or [f"p{i}" for i in range(len(params))]
         self.names = [[names[i] for i in b] for b in self.plan]
         self.replicas = [BucketedReplica(params, c, self.plan, optimizer) for c in ctx]
         self.optimizer, self.marks = optimizer, None

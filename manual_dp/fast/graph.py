@@ -1,4 +1,4 @@
-"""The same `lenet` and `cross_entropy`, traced once into a symbolic graph and run as a cached op.
+"""A model's forward (models.contract) and `cross_entropy`, traced once into a symbolic graph and run as a cached op.
 
 Imperatively every layer is a separate call from Python into MXNet (shape checks, allocation,
 an engine push, an autograd node): about 30 calls forward and as many backward per device and
@@ -21,62 +21,47 @@ every backward operator on its own, so that gradient buckets can be all-reduced 
 of the backward runs (manual_dp.fast.buckets).
 """
 import mxnet as mx
+import numpy as np
 from mxnet import nd
 
-from ..lesson import LENET_SHAPES, cross_entropy, lenet
+from ..lesson import cross_entropy
+from ..models import as_model
 
 FLAGS = [("static_alloc", "true"), ("static_shape", "true")]
 UNBULKED = [("backward_bulk_size", "0")]
 
 
-def round_up(n, block):
-    return -(-n // block) * block
-
-
-def zero_padded(params, block, shapes):
-    """(LeNet's parameter symbols, of `shapes`, with the convolutions' channels zero-padded to
-    multiples of `block`, their shapes)."""
-    F = mx.sym
-    shapes = [list(shape) for shape in shapes]
-    (c1, _, k1, _), (c2, _, k2, _), (d_in, hidden) = shapes[0], shapes[2], shapes[4]
-    p1, p2, per_channel = round_up(c1, block), round_up(c2, block), d_in // c2
-    W1, b1, W2, b2, W3, b3, W4, b4 = params
-
-    def pad(s, axis, shape):                          # s followed by zeros of `shape` along axis
-        return F.concat(s, F.zeros(tuple(shape)), dim=axis) if shape[axis] else s
-    W1, b1 = pad(W1, 0, [p1 - c1, 1, k1, k1]), pad(b1, 0, [p1 - c1])          # (p1, 1, 3, 3)
-    W2 = pad(pad(W2, 1, [c2, p1 - c1, k2, k2]), 0, [p2 - c2, p1, k2, k2])     # (p2, p1, 5, 5)
-    b2 = pad(b2, 0, [p2 - c2])
-    W3 = pad(W3, 0, [(p2 - c2) * per_channel, hidden])                          # (p2 * 16, 128)
-    shapes[0], shapes[1], shapes[2], shapes[3] = (p1, 1, k1, k1), (p1,), (p2, p1, k2, k2), (p2,)
-    shapes[4] = (p2 * per_channel, hidden)
-    return [W1, b1, W2, b2, W3, b3, W4, b4], [tuple(s) for s in shapes]
-
-
-def lenet_loss_symbol(conv_pad=1, shapes=None):
-    """Outputs (sum of the batch's losses, number correct), of inputs X, y and the 8 parameters
-    of `shapes` (default: the lesson's LeNet)."""
+def loss_symbol(model, conv_pad=1, shapes=None):
+    """Outputs (sum of the batch's losses, number correct), of inputs X, y and the model's
+    parameters of `shapes` (default: the model's table), as `model.graph_params` lays them out."""
     X, y = mx.sym.var("X"), mx.sym.var("y")
-    params = [mx.sym.var(name) for name, _ in LENET_SHAPES]
-    params, shapes = zero_padded(params, conv_pad, shapes or [shape for _, shape in LENET_SHAPES])
-    scores = lenet(X, params, F=mx.sym, shapes=shapes)                    # (B, 10)
+    params = [mx.sym.var(name) for name in model.names()]
+    params, shapes = model.graph_params(params, shapes or [shape for _, shape in model.shapes()], conv_pad)
+    scores = model.forward(X, params, F=mx.sym, shapes=shapes)             # (B, 10)
     loss_sum = mx.sym.sum(cross_entropy(scores, y, F=mx.sym))             # (1,)
     correct = mx.sym.sum(mx.sym.argmax(scores, axis=1) == mx.sym.cast(y, "float32"))
     return mx.sym.Group([mx.sym.make_loss(loss_sum), mx.sym.BlockGrad(correct)])
 
 
-class LeNetGraph:
+def lenet_loss_symbol(conv_pad=1, shapes=None):
+    """loss_symbol of the lesson's LeNet of `shapes` (default width 1)."""
+    return loss_symbol(as_model(None, [np.empty(s) for s in shapes] if shapes else None), conv_pad, shapes)
+
+
+class ModelGraph:
     """Call as graph(X, y, params) under autograd.record(): (loss sum, correct) on X's context;
     backward from the loss sum fills the parameters' gradients, as the imperative pass does.
-    shapes: the parameters' shapes (default: the lesson's LeNet; see lesson.lenet_shapes)."""
+    model: a models.Model (None: the lesson's LeNet of `shapes`); shapes: the parameters' shapes
+    (default: the model's table)."""
 
-    def __init__(self, conv_pad=1, shapes=None, bulk=True):
-        symbol = lenet_loss_symbol(conv_pad, shapes)
-        self.conv_pad, self.bulk = conv_pad, bulk
+    def __init__(self, conv_pad=1, shapes=None, bulk=True, model=None):
+        model = as_model(model, [np.empty(s) for s in shapes] if shapes else None)
+        symbol = loss_symbol(model, conv_pad, shapes)
+        self.conv_pad, self.bulk, self.param_names = conv_pad, bulk, model.names()
         self.names = symbol.list_inputs()
         self.op = nd.CachedOp(symbol, FLAGS if bulk else FLAGS + UNBULKED)
 
     def __call__(self, X, y, params):
-        inputs = dict(zip([name for name, _ in LENET_SHAPES], params), X=X, y=y)
+        inputs = dict(zip(self.param_names, params), X=X, y=y)
         loss_sum, correct = self.op(*[inputs[name] for name in self.names])
         return loss_sum, correct

@@ -12,7 +12,8 @@ from mxnet import nd
 
 from ..config import RunConfig
 from ..errors import CheckpointError
-from ..lesson import forward_backward, get_params, lenet, n_correct, shard_sizes, split_and_load
+from ..lesson import forward_backward, get_params, n_correct, shard_sizes, split_and_load
+from ..models import as_model
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
@@ -43,10 +44,11 @@ def reshard_replicas(saved, master, k, t, staleness):
 class AsyncDataParallel(Strategy):
     """A master copy on ctx[0]; a replica per context, up to `staleness` updates behind it."""
 
-    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, staleness=0):
+    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, staleness=0, model=None):
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         self.ctx, self.optimizer, self.staleness = list(ctx), optimizer, staleness
+        self.net = as_model(model, params)
         self.master = get_params(params, self.ctx[0])          # .grad: where pushes arrive
         self.master_states = init_states(self.master, optimizer)
         self.replicas = [get_params(params, c) for c in self.ctx]
@@ -58,7 +60,7 @@ class AsyncDataParallel(Strategy):
     def backward(self, X, y):
         """Every device computes its shard's gradient on its replica and pushes it to the master."""
         metrics = forward_backward(split_and_load(X, self.ctx), split_and_load(y, self.ctx),
-                                   self.replicas)
+                                   self.replicas, self.net.forward)
         for W, version in zip(self.replicas, self.versions):
             for p, q in zip(self.master, W):
                 p.grad[:] += q.grad.copyto(p.context)
@@ -88,11 +90,11 @@ class AsyncDataParallel(Strategy):
     def correct(self, X, y):
         """Correct predictions of the master's parameters, on the master's context."""
         home = self.ctx[0]
-        return n_correct(lenet(X.as_in_context(home), self.master), y.as_in_context(home))
+        return n_correct(self.net.forward(X.as_in_context(home), self.master), y.as_in_context(home))
 
     def fingerprints(self):
         """Only the master: the replicas differ from it by design (they are stale)."""
-        return {"master": [fingerprint(self.ctx[0], self.master)]}
+        return {"master": [fingerprint(self.ctx[0], self.master, self.net.names())]}
 
     def layout(self, batch_size):
         """Every device runs both stages on its shard of the batch."""

@@ -30,9 +30,11 @@ class Strategy:
     Attributes every strategy sets:
         ctx     the contexts it computes on
         t       optimiser updates taken so far (from 0; checkpointed)
+        net     the model it trains (manual_dp.models.Model), read only through its contract
     """
     ctx = ()
     t = 0
+    net = None
 
     @property
     def min_batch(self):
@@ -101,7 +103,7 @@ class Strategy:
         return self.arrays()
 
     def state_dict(self):
-        """Host (numpy) copies of what a resumed run needs: {"params": [8 arrays in lenet's
+        """Host (numpy) copies of what a resumed run needs: {"params": [arrays in the model's
         order], "opt_state": [[arrays] per parameter], "t": updates, "extra": {name: [arrays]}}.
         params and opt_state are the same for every strategy, so a checkpoint moves between them;
         extra holds what only this strategy has (e.g. async's stale replicas)."""
@@ -123,6 +125,10 @@ class Wrapper(Strategy):
     @property
     def t(self):
         return self.model.t
+
+    @property
+    def net(self):
+        return self.model.net
 
     @property
     def min_batch(self):

@@ -15,17 +15,18 @@ from ..fast import autotune
 from ..fast.buckets import Buckets
 from ..fast.collectives import make_allreduce
 from ..fast.flat import FlatReplica
-from ..fast.graph import LeNetGraph
+from ..fast.graph import ModelGraph
 from ..fast.prefetch import host
 from ..fast.trace import Tracer
-from ..lesson import forward_backward, get_params, lenet, n_correct, shard_sizes, split_and_load, train_batch
+from ..lesson import forward_backward, get_params, n_correct, shard_sizes, split_and_load, train_batch
+from ..models import as_model
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
 
 
 def graph_forward_backward(graph, X_shards, y_shards, device_params, on_forward=None):
-    """forward_backward through LeNet's cached graph: one call per context, one backward for all
+    """forward_backward through the model's cached graph: one call per context, one backward for all
     (on_forward(losses), if given, is called in between)."""
     with autograd.record():
         metrics = [graph(X, y, W) for X, y, W in zip(X_shards, y_shards, device_params)]
@@ -59,21 +60,22 @@ class DataParallel(Strategy):
     or the lesson's with lesson=True. conv_pad: the graph's channel padding (manual_dp.fast.graph);
     None takes this machine's measured choice (manual_dp.fast.autotune). bucket_mb: None keeps one
     flat buffer (or none); a size in MB takes buckets of it instead (manual_dp.fast.buckets).
+    model: the network (manual_dp.models; None: the lesson's LeNet of the parameters' width).
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, allreduce_fn=None,
-                 fuse_grads=None, graph=None, lesson=False, conv_pad=None, bucket_mb=None):
+                 fuse_grads=None, graph=None, lesson=False, conv_pad=None, bucket_mb=None, model=None):
         choice = LESSON_STEP if lesson else FAST_STEP
         fuse_grads = choice["fuse_grads"] if fuse_grads is None else fuse_grads
         graph = choice["graph"] if graph is None else graph
-        self.ctx, self.optimizer = list(ctx), optimizer
+        self.ctx, self.optimizer, self.net = list(ctx), optimizer, as_model(model, params)
         self.allreduce_fn = allreduce_fn or make_allreduce(choice["allreduce"])
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
-        self.buckets = Buckets(params, self.ctx, bucket_mb, optimizer) if bucket_mb is not None else None
+        self.buckets = Buckets(params, self.ctx, bucket_mb, optimizer, self.net.names()) if bucket_mb is not None else None
         several = self.buckets is not None and len(self.buckets.plan) > 1
         # several buckets: the graph's backward unbulked, so that each bucket is ready on its own
-        self.graph = LeNetGraph(conv_pad, [p.shape for p in params], bulk=not several) if graph else None
+        self.graph = ModelGraph(conv_pad, [p.shape for p in params], not several, self.net) if graph else None
         self.flat = [FlatReplica(params, c) for c in self.ctx] if fuse_grads and not self.buckets else None
         if self.buckets:
             self.replicas = [r.params for r in self.buckets.replicas]
@@ -110,7 +112,8 @@ class DataParallel(Strategy):
         self.t += 1
         return train_batch(X, y, self.replicas, self.ctx, lr, self.allreduce_fn,
                            update=lambda W, lr, n: apply_update_and_clear(W, self.states_of[id(W)],
-                                                                           self.optimizer, lr, self.t, n))
+                                                                           self.optimizer, lr, self.t, n),
+                           net=self.net.forward)
 
     def backward(self, X, y):
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
@@ -119,7 +122,7 @@ class DataParallel(Strategy):
         if self.graph:
             return graph_forward_backward(self.graph, X_shards, y_shards, self.replicas,
                                           self.tracer and self.tracer.forward_done)
-        return forward_backward(X_shards, y_shards, self.replicas)
+        return forward_backward(X_shards, y_shards, self.replicas, self.net.forward)
 
     def update(self, lr, n_examples):
         self.t += 1
@@ -141,12 +144,12 @@ class DataParallel(Strategy):
     def correct(self, X, y):
         """Correct predictions on (X, y), sharded over every context (idle ones if X is tiny)."""
         ctx = self.ctx[:min(len(self.ctx), len(X))]
-        counts = [n_correct(lenet(Xs, W), ys).copyto(ctx[0]) for Xs, ys, W in
+        counts = [n_correct(self.net.forward(Xs, W), ys).copyto(ctx[0]) for Xs, ys, W in
                   zip(split_and_load(X, ctx), split_and_load(y, ctx), self.replicas)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
-        return {"replica": [fingerprint(c, W) for c, W in zip(self.ctx, self.replicas)]}
+        return {"replica": [fingerprint(c, W, self.net.names()) for c, W in zip(self.ctx, self.replicas)]}
 
     def layout(self, batch_size):
         """Every context runs both stages on its shard of the batch."""

@@ -76,11 +76,12 @@ def root_of(m):
     return (math.ceil(math.log2(m)) if m > 1 else 0, 0)
 
 
-def piece_leaves(ctx, params, grads, graph, X, y, bounds, runs):
+def piece_leaves(ctx, params, grads, graph, X, y, bounds, runs, net=None):
     """Yields (context index, piece, leaf): each piece's [gradient, loss sum, correct] (n + 2,) on
     the context that owns it, pushed a piece per context in turn so that every context starts at
-    once. params[i]: LeNet's 8 arrays on ctx[i], views of the flat grads[i] (n,) that their
-    backward writes (grad_req "write"); graph: a LeNetGraph, or None for the imperative pass."""
+    once. params[i]: the model's arrays on ctx[i], views of the flat grads[i] (n,) that their
+    backward writes (grad_req "write"); graph: a ModelGraph, or None for the imperative pass
+    through `net` (the model's forward)."""
     shards = []
     for c, (lo, hi) in zip(ctx, runs):
         start, stop = (bounds[lo][0], bounds[hi - 1][1]) if hi > lo else (0, 0)
@@ -92,7 +93,7 @@ def piece_leaves(ctx, params, grads, graph, X, y, bounds, runs):
             if j < hi:
                 a, b = bounds[j][0] - start, bounds[j][1] - start
                 (loss, correct), = graph_forward_backward(graph, [Xc[a:b]], [yc[a:b]], [W]) \
-                    if graph else forward_backward([Xc[a:b]], [yc[a:b]], [W])
+                    if graph else forward_backward([Xc[a:b]], [yc[a:b]], [W], net)
                 # + 0 turns -0 into +0: then no sum in the tree is -0, and the exchange's adding
                 # of zeros changes no bit
                 yield i, j, nd.concat(g, loss.reshape((1,)), correct.reshape((1,)), dim=0) + 0
@@ -121,9 +122,9 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
     """
 
     def __init__(self, params, ctx, optimizer, piece=PIECE_ROWS, graph=True, conv_pad=None,
-                 rank=0, size=1, exchange=None):
+                 rank=0, size=1, exchange=None, model=None):
         super().__init__(params, ctx, optimizer, allreduce_fn=lambda arrays: None, fuse_grads=True,
-                         graph=graph, conv_pad=conv_pad)
+                         graph=graph, conv_pad=conv_pad, model=model)
         for f in self.flat:
             f.mark("write")                              # each piece's backward overwrites
         self.piece, self.rank, self.size, self.exchange = piece, rank, size, exchange
@@ -157,7 +158,7 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
     def leaves(self, X, y, bounds, runs):
         """{piece: [gradient, loss sum, correct] (n + 2,)} on the context that owns the piece."""
         return {j: leaf for _, j, leaf in piece_leaves(self.ctx, self.replicas, [f.grad for f in self.flat],
-                                                       self.graph, X, y, bounds, runs)}
+                                                       self.graph, X, y, bounds, runs, self.net.forward)}
 
     def swap(self, have, runs, m):
         """Every process's subtrees, on every process: each fills its own rows of one zero array

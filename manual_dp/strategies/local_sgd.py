@@ -25,7 +25,8 @@ from ..errors import CheckpointError
 from ..fast.collectives import make_allreduce
 from ..fast.flat import FlatReplica, views
 from ..fast.prefetch import host
-from ..lesson import forward_backward, lenet, n_correct, shard_sizes, split_and_load
+from ..lesson import forward_backward, n_correct, shard_sizes, split_and_load
+from ..models import as_model
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
@@ -41,11 +42,12 @@ class LocalSGD(Strategy):
     World.reducer, every process's)."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, sync_every=1, outer_optimizer="sgd",
-                 outer_lr=1.0, outer_momentum=0.9, allreduce_fn=None):
+                 outer_lr=1.0, outer_momentum=0.9, allreduce_fn=None, model=None):
         if sync_every < 1 or not outer_lr > 0 or outer_optimizer not in OUTER_OPTIMIZERS:
             raise ValueError(f"local SGD needs sync_every >= 1, outer_lr > 0 and an outer optimiser in "
                              f"{OUTER_OPTIMIZERS}: got {sync_every}, {outer_lr}, {outer_optimizer!r}")
         self.ctx, self.optimizer, self.sync_every = list(ctx), optimizer, sync_every
+        self.net = as_model(model, params)
         self.outer_optimizer, self.outer_lr, self.outer_momentum = outer_optimizer, outer_lr, outer_momentum
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.flat = [FlatReplica(params, c) for c in self.ctx]           # W_k: (N,) and its views
@@ -66,7 +68,7 @@ class LocalSGD(Strategy):
         sizes = shard_sizes(len(X), len(self.ctx))
         self.pending = [p + n for p, n in zip(self.pending, sizes)]
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
-        return forward_backward(X_shards, y_shards, [f.params for f in self.flat])
+        return forward_backward(X_shards, y_shards, [f.params for f in self.flat], self.net.forward)
 
     def update(self, lr, n_examples):
         """Every replica steps on its own gradient / its own examples; every H steps, a sync."""
@@ -109,13 +111,13 @@ class LocalSGD(Strategy):
     def correct(self, X, y):
         """Correct predictions of the global parameters G, sharded over every context."""
         ctx = self.ctx[:min(len(self.ctx), len(X))]
-        counts = [n_correct(lenet(Xs, W), ys).copyto(ctx[0]) for Xs, ys, W in
+        counts = [n_correct(self.net.forward(Xs, W), ys).copyto(ctx[0]) for Xs, ys, W in
                   zip(split_and_load(X, ctx), split_and_load(y, ctx), self.outer_views)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
         """Only G's copies: the replicas differ from each other between syncs by design."""
-        return {"global parameters": [fingerprint(c, W) for c, W in zip(self.ctx, self.outer_views)]}
+        return {"global parameters": [fingerprint(c, W, self.net.names()) for c, W in zip(self.ctx, self.outer_views)]}
 
     def layout(self, batch_size):
         """Every context runs both stages on its shard of the batch."""

@@ -1,18 +1,19 @@
-"""Model, pipeline and hybrid parallelism: LeNet's stages on different contexts, copied across by
+"""Model, pipeline and hybrid parallelism: a model's stages (runs of its layers) on different contexts, copied across by
 hand, on GPipe's or 1F1B's schedule, optionally recomputing activations in the backward."""
 import numpy as np
 from mxnet import autograd, nd
 
 from ..config import FAST_STEP, RunConfig
 from ..fast.collectives import make_allreduce
-from ..lesson import LENET_SHAPES, cross_entropy, n_correct, shard_sizes, split_and_load
+from ..lesson import cross_entropy, n_correct, shard_sizes, split_and_load
+from ..models import as_model
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
 from .data_parallel import host_state, load_into
 from ..memory import FLOAT_BYTES, part_activation_elems
 from .schedules import bubble_fraction, held_peaks, schedule as schedule_ticks, stage_orders
-from .stages import CUTS, make_stages, param_slices, send, split_params
+from .stages import make_stages, param_slices, send, split_params
 
 
 def stage_params(params, ctx):
@@ -103,27 +104,29 @@ class ReplicaPass:
 
 
 class PipelineParallel(Strategy):
-    """len(ctx) // S data-parallel replicas of an S-stage LeNet; replica r's stage s on ctx[S r + s].
+    """len(ctx) // S data-parallel replicas of an S-stage model; replica r's stage s on ctx[S r + s].
 
     S contexts and micro_batches=1: model parallelism. More micro-batches: a pipeline, on GPipe's
     or 1F1B's schedule. More contexts: hybrid, data parallel over pipelines with gradients
     all-reduced per stage. recompute: activations dropped in the forward, recomputed in the backward.
-    Every variant takes the same step as one device on the whole batch.
+    Every variant takes the same step as one device on the whole batch. model: the network
+    (manual_dp.models; None: the lesson's LeNet of the parameters' width), cut by Model.cuts.
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, micro_batches=1, allreduce_fn=None,
-                 stages=2, schedule="gpipe", recompute=False):
-        if stages not in CUTS or len(ctx) < stages or len(ctx) % stages:
-            raise ValueError(f"{len(ctx)} contexts cannot be cut into {stages}-stage pipelines")
+                 stages=2, schedule="gpipe", recompute=False, model=None):
+        self.net = as_model(model, params)
+        if not 1 <= stages <= len(self.net.layers) or len(ctx) < stages or len(ctx) % stages:
+            raise ValueError(f"{len(ctx)} contexts cannot be cut into {stages}-stage pipelines "
+                             f"of {self.net.name}'s {len(self.net.layers)} layers")
         stage_orders(schedule, stages, 1)                               # refuses an unknown schedule
         self.ctx, self.optimizer = list(ctx), optimizer
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.micro_batches, self.schedule, self.recompute = micro_batches, schedule, recompute
-        self.stages, self.cuts = make_stages(stages), CUTS[stages]
-        shapes = [p.shape for p in params]
-        self.elems = [part_activation_elems(pieces, shapes=shapes) for pieces in self.cuts]
+        self.stages, self.cuts = make_stages(stages, self.net), self.net.cuts(stages)
+        self.elems = [part_activation_elems(pieces, model=self.net) for pieces in self.cuts]
         self.grid = [self.ctx[r:r + stages] for r in range(0, len(ctx), stages)]   # grid[replica][stage]
-        self.params = [[stage_params(P, c) for P, c in zip(split_params(params, stages), row)]
+        self.params = [[stage_params(P, c) for P, c in zip(split_params(params, stages, self.net), row)]
                        for row in self.grid]
         self.states = [[init_states(P, optimizer) for P in row] for row in self.params]
         self.t, self.bubbles, self.peaks = 0, [], {}
@@ -177,9 +180,9 @@ class PipelineParallel(Strategy):
 
     def fingerprints(self):
         """Per stage, the copy of every pipeline replica."""
-        names = [name for name, _ in LENET_SHAPES]
+        names = self.net.names()
         return {f"stage {s}": [fingerprint(row[s], P[s], names[sl]) for row, P in zip(self.grid, self.params)]
-                for s, sl in enumerate(param_slices(len(self.stages)))}
+                for s, sl in enumerate(param_slices(len(self.stages), self.net))}
 
     def layout(self, batch_size):
         """(context, part, examples whose activations of `part` it holds at the peak) per placement
@@ -209,7 +212,7 @@ class PipelineParallel(Strategy):
         return len(self.grid)
 
     def state_dict(self):
-        """Replica 0's parameters and optimiser state, in lenet's order."""
+        """Replica 0's parameters and optimiser state, in the model's order."""
         return host_state([p for P in self.params[0] for p in P], [st for S in self.states[0] for st in S],
                           self.t)
 

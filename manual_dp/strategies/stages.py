@@ -1,58 +1,61 @@
-"""LeNet cut into 1 to 4 pipeline stages, and the boundary copy between them.
+"""A model cut into pipeline stages, and the boundary copy between them.
 
-LeNet is four pieces, each owning two parameters (a weight and its bias):
+A model is an ordered list of layers (models.contract); a cut of S stages gives each stage a run
+of consecutive layers (Model.cuts: balanced by the layers' FLOPs; LeNet keeps the lesson's cuts).
+For LeNet:
 
-    piece 0 conv1   images (B, 1, 28, 28) -> (B, 20, 13, 13)      W1, b1
-    piece 1 conv2   (B, 20, 13, 13)       -> (B, 50, 4, 4)        W2, b2
-    piece 2 dense1  (B, 50, 4, 4)         -> (B, 128)             W3, b3
-    piece 3 dense2  (B, 128)              -> class scores (B, 10) W4, b4
+    layer 0 conv1   images (B, 1, 28, 28) -> (B, 20, 13, 13)      W1, b1
+    layer 1 conv2   (B, 20, 13, 13)       -> (B, 50, 4, 4)        W2, b2
+    layer 2 dense1  (B, 50, 4, 4)         -> (B, 128)             W3, b3
+    layer 3 dense2  (B, 128)              -> class scores (B, 10) W4, b4
 
-A cut of S stages gives each stage a run of consecutive pieces (CUTS[S]). Composed in order, the
-stages run the very ops of `lenet`, so any cut computes what one device computes, bit for bit.
+    2 stages: conv1 + conv2 | dense1 + dense2,  3: conv1 | conv2 | dense,  4: one layer a stage
+
+Composed in order, the stages run the very ops of the model's forward, so any cut computes what
+one device computes, bit for bit.
 """
-from ..lesson import conv_block, dense, relu
+from mxnet import nd
 
-PIECE_NAMES = ("conv1", "conv2", "dense1", "dense2")
-CUTS = {1: ((0, 1, 2, 3),),
-        2: ((0, 1), (2, 3)),                   # convolutions | dense layers (the lesson's cut)
-        3: ((0,), (1,), (2, 3)),               # conv1 | conv2 | dense
-        4: ((0,), (1,), (2,), (3,))}           # one piece a stage
-MAX_STAGES = max(CUTS)
+from ..models import as_model
+from ..models.lenet import CUTS
+
+MAX_STAGES = max(CUTS)          # LeNet's; a model has as many as it has layers
 
 
-def piece(i, h, W, b):
-    """LeNet's piece i (see the table above) on input h with its two parameters."""
-    if i < 2:
-        return conv_block(h, W, b)             # convolution, ReLU, 2x2 average pooling
-    return relu(dense(h, W, b)) if i == 2 else dense(h, W, b)
+def make_stage(model, layer_ids):
+    """The function (h, params) -> output of the model's consecutive layers `layer_ids`; params:
+    theirs, in order."""
+    layers = [model.layers[i] for i in layer_ids]
 
-
-def make_stage(pieces):
-    """The function (h, params) -> output of the consecutive `pieces`; params: theirs, in order."""
     def stage(h, params):
-        for k, i in enumerate(pieces):
-            h = piece(i, h, params[2 * k], params[2 * k + 1])
+        k = 0
+        for layer in layers:
+            own = params[k:k + len(layer.params)]
+            h = layer.forward(h, own, nd, [p.shape for p in own])
+            k += len(layer.params)
         return h
-    stage.__name__ = "+".join(PIECE_NAMES[i] for i in pieces)
+    stage.__name__ = "+".join(layer.name for layer in layers)
     return stage
 
 
-def param_slices(n_stages=2):
-    """Which of lenet's 8 parameters each of the `n_stages` stages owns."""
-    return [slice(2 * pieces[0], 2 * pieces[-1] + 2) for pieces in CUTS[n_stages]]
+def param_slices(n_stages=2, model=None):
+    """Which of the model's parameters each of the `n_stages` stages owns (default model: LeNet)."""
+    model, slices = as_model(model), as_model(model).slices()
+    return [slice(slices[ids[0]].start, slices[ids[-1]].stop) for ids in model.cuts(n_stages)]
 
 
-def split_params(params, n_stages=2):
-    """lenet's flat parameter list cut into one list per stage."""
-    return [params[s] for s in param_slices(n_stages)]
+def split_params(params, n_stages=2, model=None):
+    """The model's flat parameter list cut into one list per stage."""
+    return [params[s] for s in param_slices(n_stages, as_model(model, params))]
 
 
-def make_stages(n_stages=2):
+def make_stages(n_stages=2, model=None):
     """One function per stage of the `n_stages` cut."""
-    return [make_stage(pieces) for pieces in CUTS[n_stages]]
+    model = as_model(model)
+    return [make_stage(model, ids) for ids in model.cuts(n_stages)]
 
 
-# The lesson's two-stage cut by name (notebook 04 and the tests use these).
+# The lesson's two-stage cut of LeNet by name (notebook 04 and the tests use these).
 STAGE_SLICES = param_slices(2)
 conv_stage, dense_stage = make_stages(2)   # (B, 1, 28, 28) -> (B, 50, 4, 4) -> (B, 10)
 STAGES = [conv_stage, dense_stage]

@@ -31,6 +31,7 @@ from ..fast.collectives import make_allreduce
 from ..fast.prefetch import host
 from ..fast.tensor_ops import f, g
 from ..lesson import LENET_SHAPES, conv_block, cross_entropy, dense, n_correct, relu, split_and_load
+from ..models import as_model
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
@@ -79,7 +80,7 @@ class TensorParallel(Strategy):
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
                  allreduce_fn=None, tp_allreduce=None):
-        self.ctx, self.optimizer = list(ctx), optimizer
+        self.ctx, self.optimizer, self.net = list(ctx), optimizer, as_model(None, params)
         T = self.T = tensor_parallel or len(self.ctx)
         bad = [n for p, a, n in zip(params, SPLIT, NAMES) if a is not None and p.shape[a] % T]
         if len(self.ctx) % T or bad:

@@ -27,6 +27,7 @@ from ..config import PIECE_ROWS, TENSOR_PIECES, RunConfig
 from ..errors import CheckpointError
 from ..fast.prefetch import host
 from ..lesson import cross_entropy, n_correct
+from ..models import as_model
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
@@ -50,7 +51,7 @@ class TensorDeterministic(WholeBatch, Strategy):
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
                  piece=PIECE_ROWS, pieces=TENSOR_PIECES, rank=0, size=1, exchange=None):
-        self.ctx, self.optimizer = list(ctx), optimizer
+        self.ctx, self.optimizer, self.net = list(ctx), optimizer, as_model(None, params)
         T = self.T = tensor_parallel or len(self.ctx)
         bad = [f"{NAMES[i]} ({params[i].shape[SPLIT[i]]})" for i in PIECED if params[i].shape[SPLIT[i]] % pieces]
         if len(self.ctx) % T or pieces % T or bad:

@@ -1,5 +1,5 @@
 """ZeRO (Rajbhandari et al., 2020): data parallelism whose contexts stop holding k copies of the same
-state. LeNet's parameters as one flat vector of N elements (fast.flat's order) are cut into k
+state. The model's parameters as one flat vector of N elements (fast.flat's order) are cut into k
 contiguous shards (collectives.chunk_bounds: sizes differ by at most one, N need not divide by k);
 context i owns shard i of whatever is sharded:
 
@@ -12,8 +12,8 @@ context i owns shard i of whatever is sharded:
     stage 3      shard i      shard i      shard i        each layer's parameters all-gathered
                                                           before its forward and its backward
 
-Every stage computes the sync step (the same sums, in another order). Stages 2 and 3 run LeNet a
-layer at a time (strategies.zero_layers). peak_arrays() adds to arrays() the transient arrays
+Every stage computes the sync step (the same sums, in another order). Stages 2 and 3 run the model
+a layer at a time (strategies.zero_layers). peak_arrays() adds to arrays() the transient arrays
 (gathered parameters, a layer's gradients) held at the step's largest moment. Across processes
 (cross_sum) each process holds the same shards and the owned gradient shards are summed across
 processes before the update: ZeRO inside a process, data parallel across them.
@@ -29,7 +29,8 @@ from ..fast.collectives import chunk_bounds
 from ..fast.flat import FlatReplica, offsets, views
 from ..fast.prefetch import host
 from ..fast.sharded import ALL_GATHER, REDUCE_SCATTER, empty_shards
-from ..lesson import forward_backward, lenet, n_correct, shard_sizes, split_and_load
+from ..lesson import forward_backward, n_correct, shard_sizes, split_and_load
+from ..models import as_model
 from ..optim import OPTIMIZERS, init_states
 from ..replicas import fingerprint
 from . import zero_layers
@@ -55,14 +56,16 @@ class Peak:
 
 class ZeroRedundancy(Strategy):
     """ZeRO stage 1, 2 or 3 over the contexts `ctx`; collective: "ring" or "naive" (fast.sharded);
-    cross_sum(array, key): a sum across processes, or None in one process."""
+    cross_sum(array, key): a sum across processes, or None in one process; model: the network
+    (manual_dp.models; None: the lesson's LeNet of the parameters' width)."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, collective="ring",
-                 cross_sum=None):
+                 cross_sum=None, model=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO has stages 1, 2 and 3, not {stage}")
         self.ctx, self.optimizer, self.stage, self.cross_sum, self.t = list(ctx), optimizer, stage, cross_sum, 0
-        self.shapes = [p.shape for p in params]
+        self.shapes, self.net = [p.shape for p in params], as_model(model, params)
+        self.layer_slices = self.net.slices()
         self.offsets = offsets(self.shapes)                  # each parameter's start, then N
         if not 0 < len(self.ctx) <= self.offsets[-1]:
             raise ValueError(f"{len(self.ctx)} contexts cannot each own a shard of {self.offsets[-1]} parameters")
@@ -79,8 +82,9 @@ class ZeroRedundancy(Strategy):
         self.peak = Peak()
 
     def layer_range(self, l):
-        """[start, end) of layer l's W and b in the flat vector, and their shapes."""
-        return int(self.offsets[2 * l]), int(self.offsets[2 * l + 2]), self.shapes[2 * l:2 * l + 2]
+        """[start, end) of layer l's parameters in the flat vector, and their shapes."""
+        s = self.layer_slices[l]
+        return int(self.offsets[s.start]), int(self.offsets[s.stop]), self.shapes[s]
 
     def overlap(self, start, end, shards):
         """(bounds, pieces): [start, end) of the flat vector cut where the shards cut it, and the
@@ -90,7 +94,7 @@ class ZeroRedundancy(Strategy):
                         for shard, a, lo, hi in zip(shards, self.bounds, bounds, bounds[1:])]
 
     def fetch(self, l):
-        """[[W, b]] per context, new arrays each call: stage 2 views of the replica, stage 3 all-gathered."""
+        """Layer l's parameters per context, new arrays each call: stage 2 views of the replica, stage 3 all-gathered."""
         start, end, shapes = self.layer_range(l)
         if self.stage == 2:
             return [views(f[start:end], shapes) for f in self.flats]
@@ -122,7 +126,7 @@ class ZeroRedundancy(Strategy):
     def backward(self, X, y):
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
         if self.stage == 1:
-            return forward_backward(X_shards, y_shards, [r.params for r in self.replicas])
+            return forward_backward(X_shards, y_shards, [r.params for r in self.replicas], self.net.forward)
         return zero_layers.forward_backward(X_shards, y_shards, self)
 
     def owned_grads(self):
@@ -152,8 +156,8 @@ class ZeroRedundancy(Strategy):
         """Correct predictions on (X, y), sharded over the contexts (idle ones if X is tiny)."""
         ctx = self.ctx[:min(len(self.ctx), len(X))]
         X_shards, y_shards = split_and_load(X, ctx), split_and_load(y, ctx)
-        scores = ([lenet(Xs, r.params) for Xs, r in zip(X_shards, self.replicas)] if self.stage == 1
-                  else zero_layers.scores(X_shards, self.fetch))
+        scores = ([self.net.forward(Xs, r.params) for Xs, r in zip(X_shards, self.replicas)] if self.stage == 1
+                  else zero_layers.scores(X_shards, self.fetch, self.net.layers))
         counts = [n_correct(s, ys).copyto(ctx[0]) for s, ys in zip(scores, y_shards)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
@@ -161,9 +165,9 @@ class ZeroRedundancy(Strategy):
         """Stages 1, 2: every replica; stage 3: the one copy its shards make up (across processes
         it is compared with the other processes')."""
         if self.flats:
-            return {"replica": [fingerprint(c, views(f, self.shapes)) for c, f in zip(self.ctx, self.flats)]}
+            return {"replica": [fingerprint(c, views(f, self.shapes), self.net.names()) for c, f in zip(self.ctx, self.flats)]}
         where = f"shards on {self.ctx[0]}..{self.ctx[-1]}"
-        return {"shards": [fingerprint(where, [nd.array(p) for p in self.host_split(self.shards)])]}
+        return {"shards": [fingerprint(where, [nd.array(p) for p in self.host_split(self.shards)], self.net.names())]}
 
     def layout(self, batch_size):
         """Every context runs both stages on its shard of the batch."""
@@ -182,7 +186,7 @@ class ZeroRedundancy(Strategy):
         return {kind: held[kind] + self.peak.held[kind] for kind in held}
 
     def host_split(self, shards):
-        """Host copies of lenet's 8 arrays from per-context shards of a flat vector."""
+        """Host copies of the model's arrays from per-context shards of a flat vector."""
         flat = np.concatenate([s.asnumpy() for s in shards])
         return [flat[a:b].reshape(s) for a, b, s in zip(self.offsets, self.offsets[1:], self.shapes)]
 

@@ -28,7 +28,7 @@ from mxnet import autograd, nd
 from ..config import PIECE_ROWS, RunConfig
 from ..fast import autotune
 from ..fast.flat import views
-from ..fast.graph import LeNetGraph
+from ..fast.graph import ModelGraph
 from ..fast.sharded import empty_shards
 from ..optim import apply_update_and_clear
 from .deterministic import WholeBatch, cover, piece_leaves, pieces, root_of, spans, tree_sum
@@ -68,11 +68,11 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, piece=PIECE_ROWS, graph=True,
-                 conv_pad=None, rank=0, size=1, exchange=None):
-        super().__init__(params, ctx, optimizer, stage)
+                 conv_pad=None, rank=0, size=1, exchange=None, model=None):
+        super().__init__(params, ctx, optimizer, stage, model=model)
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
-        self.graph = LeNetGraph(conv_pad, self.shapes) if graph else None
+        self.graph = ModelGraph(conv_pad, self.shapes, model=self.net) if graph else None
         self.piece, self.rank, self.size, self.exchange = piece, rank, size, exchange
         self.n = int(self.offsets[-1])
         self.ends = self.bounds[:-1] + [self.n + 2]          # shard i of a leaf; the last adds loss, correct
@@ -118,7 +118,8 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
         params, grads, gathered = self.full_params()
         folds = [Fold(lo, hi, len(bounds)) for lo, hi in runs]
         transient = [] if self.stage == 1 else grads
-        for i, j, leaf in piece_leaves(self.ctx, params, grads, self.graph, X, y, bounds, runs):
+        for i, j, leaf in piece_leaves(self.ctx, params, grads, self.graph, X, y, bounds, runs,
+                                         self.net.forward):
             folds[i].put(j, leaf)
             self.peak.note(gathered, transient + [v for f in folds for v in f.done.values()])
         return {node: value for f in folds for node, value in f.done.items()}

@@ -1,0 +1,35 @@
+"""The models every strategy can train, each described by the contract in models/contract.py:
+`build(name, ...)` makes one from the command line's sizes; `as_model` gives the strategies the
+model they were handed (or, when none was, the lesson's LeNet of the parameters' width)."""
+from .contract import Model
+
+MODELS = ("lenet", "mlp", "transformer")      # or PATH.py:FUNCTION, the user's own Gluon block
+
+
+def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=None, seed=0):
+    """The model `name` of these sizes; a "PATH.py:FUNCTION" name loads the user's block
+    (models.gluon_block). ValueError (one line) for sizes it cannot take."""
+    if name == "lenet":
+        from .lenet import LeNet
+        return LeNet(width)
+    if name == "mlp":
+        from .mlp import MLP
+        return MLP(width)
+    if name == "transformer":
+        from .transformer import Transformer
+        return Transformer(layers, d_model, heads, patch=patch)
+    from .gluon_block import GluonModel
+    return GluonModel(name, seed)
+
+
+def as_model(model, params=None):
+    """`model`, or when it is None the lesson's LeNet whose width fits `params` (arrays or their
+    shapes: a strategy built the way it was before models existed)."""
+    if model is not None:
+        return model
+    from .lenet import LeNet
+    first = getattr(params[0], "shape", params[0]) if params else (20,)
+    return LeNet(max(first[0] // 20, 1))
+
+
+__all__ = ["MODELS", "Model", "build", "as_model"]

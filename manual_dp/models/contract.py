@@ -1,0 +1,170 @@
+"""The model contract: how a network describes itself to the parallel code, in one place.
+
+A model is an ordered list of layers. Each layer owns a consecutive run of the model's flat
+parameter list and declares:
+
+    params    its parameters: name, shape, initialiser, and the axis tensor parallelism cuts
+              (None: replicated on every context of a tensor group)
+    forward   forward(h, params, F=nd, shapes=None) -> h: a pure function of its parameters and its
+              input; F=mx.sym builds the same layer as a symbol (shapes then say the parameters')
+    flops     forward FLOPs per example (2 per multiply-add), for balancing a pipeline and the planner
+    inputs    elements per example of its input (what a pipeline stage starting at it receives)
+    acts      activation elements per example that its ops output and its recorded forward keeps
+              for the backward (its input not included)
+    kind      what a strategy may do with it by hand: "conv" and "dense" (a weight and a bias, the
+              lesson's layouts), anything else ("block", "embed", "head", "gluon") is run through
+              autograd as a whole
+
+Everything that used to read LeNet's shapes reads a Model instead: the flat buffers and buckets
+(shapes), checkpoints (describe), ZeRO's per-layer gathers (slices), pipeline stages (layers, cut),
+memory and FLOP counts (inputs, acts, flops). A layer is what a pipeline cuts between and what ZeRO-3
+gathers at once (PyTorch FSDP2's unit). No strategy names a model.
+"""
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+from mxnet import nd
+
+IMAGE = (1, 28, 28)        # Fashion-MNIST, as every model here reads it
+CLASSES = 10
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: `init` is "he" (normal, std sqrt(2 / fan_in)), "lecun" (std sqrt(1 / fan_in)),
+    "normal" (std `std`), "zeros", "ones" or "given" (the model supplies values); --init-scale
+    replaces the std of "he" and "lecun". `split`: the axis tensor parallelism cuts, or None."""
+    name: str
+    shape: Tuple[int, ...]
+    init: str = "zeros"
+    fan_in: int = 0
+    std: float = 0.0
+    split: Optional[int] = None
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape))
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer: its parameters and its pure forward function (see the module's table)."""
+    name: str
+    params: Tuple[Param, ...]
+    forward: Callable
+    flops: int = 0
+    inputs: int = 0
+    acts: int = 0
+    kind: str = "block"
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+def draw(param, rng, scale=None):
+    """Initial float32 values of `param`, drawn from `rng` (nothing drawn for zeros and ones)."""
+    if param.init in ("zeros", "ones"):
+        return (np.zeros if param.init == "zeros" else np.ones)(param.shape, dtype=np.float32)
+    if param.init in ("he", "lecun"):
+        std = scale if scale is not None else np.sqrt((2.0 if param.init == "he" else 1.0) / param.fan_in)
+    elif param.init == "normal":
+        std = param.std
+    else:
+        raise ValueError(f"parameter {param.name}: the model gives its values (init {param.init!r})")
+    return rng.normal(0.0, std, size=param.shape).astype(np.float32)
+
+
+class Model:
+    """A network as an ordered list of layers (set `name`, `config` and `layers` in a subclass).
+
+    The class scores of images X (B, 1, 28, 28) are the layers applied in order; the loss is the
+    lesson's cross-entropy. `config` holds the sizes that define the model (saved in checkpoints).
+    """
+    name = "model"
+    config = {}
+    layers = ()
+
+    # -- the parameter table ------------------------------------------------------------------
+    def params(self):
+        """Every Param, layer after layer: the model's flat order."""
+        return [p for layer in self.layers for p in layer.params]
+
+    def shapes(self):
+        """[(name, shape)] in the flat order (for LeNet: the lesson's LENET_SHAPES)."""
+        return [(p.name, p.shape) for p in self.params()]
+
+    def names(self):
+        return [p.name for p in self.params()]
+
+    def slices(self):
+        """The slice of the flat parameter list each layer owns."""
+        out, start = [], 0
+        for layer in self.layers:
+            out.append(slice(start, start + len(layer.params)))
+            start += len(layer.params)
+        return out
+
+    def n_params(self):
+        return sum(p.size for p in self.params())
+
+    def flops_per_example(self):
+        """(forward, forward + backward) FLOPs of one example: backward two products per layer,
+        one for the first (its input needs no gradient)."""
+        fwd = [layer.flops for layer in self.layers]
+        return sum(fwd), sum(fwd) + fwd[0] + 2 * sum(fwd[1:]) if fwd else 0
+
+    def describe(self):
+        """What a checkpoint and a log record keep of the model: its name, sizes and table."""
+        return {"name": self.name, "config": dict(self.config),
+                "params": [[name, list(shape)] for name, shape in self.shapes()]}
+
+    # -- values -------------------------------------------------------------------------------
+    def init_params(self, seed=0, scale=None, ctx=None):
+        """Fresh parameters on `ctx` (default cpu(0)), reproducible from `seed`: one RandomState
+        drawn from in the flat order (see `draw`)."""
+        import mxnet as mx
+        ctx = ctx or mx.cpu(0)
+        rng = np.random.RandomState(seed)
+        return [nd.array(draw(p, rng, scale), ctx=ctx) for p in self.params()]
+
+    # -- the function -------------------------------------------------------------------------
+    def forward(self, X, params, F=nd, shapes=None):
+        """Class scores (B, 10) of images X (B, 1, 28, 28); params in the flat order, on X's
+        context. F=mx.sym: symbols, whose shapes are `shapes`."""
+        shapes = shapes or [p.shape for p in params]
+        h = X
+        for layer, s in zip(self.layers, self.slices()):
+            h = layer.forward(h, params[s], F, shapes[s])
+        return h
+
+    def graph_params(self, params, shapes, pad):
+        """(params, shapes) as the cached graph should see them: a model may pad channels to the
+        CPU's vector block (LeNet does; see fast.graph); the rest ignore `pad`."""
+        return params, shapes
+
+    def cuts(self, n_stages):
+        """The layers of each of `n_stages` pipeline stages (tuples of layer indices), balanced by
+        the layers' FLOPs: the cut whose most expensive stage is cheapest, earliest on ties."""
+        return balanced_cuts([max(layer.flops, 1) for layer in self.layers], n_stages)
+
+
+def balanced_cuts(costs, n_stages):
+    """Consecutive runs of len(costs) items in n_stages non-empty groups minimising the largest
+    group's cost (dynamic programming over the cut points)."""
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"{n} layers cannot be cut into {n_stages} stages")
+    prefix = np.concatenate([[0], np.cumsum(costs)])
+    best = {(0, 0): (0, ())}                          # (items used, stages) -> (max cost, cut ends)
+    for s in range(1, n_stages + 1):
+        for i in range(s, n - (n_stages - s) + 1):
+            options = [(max(best[(j, s - 1)][0], prefix[i] - prefix[j]), best[(j, s - 1)][1] + (i,))
+                       for j in range(s - 1, i) if (j, s - 1) in best]
+            best[(i, s)] = min(options, key=lambda o: (o[0], o[1]))
+    ends = (0,) + best[(n, n_stages)][1]
+    return tuple(tuple(range(a, b)) for a, b in zip(ends, ends[1:]))
+
+
+def fc(h, W, b, F=nd, shape=None, flatten=False):
+    """h W^T + b on the last axis, W of shape (out, in) (Gluon's and Megatron's layout)."""
+    shape = shape or W.shape
+    return F.FullyConnected(data=h, weight=W, bias=b, num_hidden=shape[0], flatten=flatten)

@@ -1,0 +1,111 @@
+"""The user's own Gluon block under the model contract: `--model PATH.py:FUNCTION`, where FUNCTION()
+returns a HybridBlock that maps images (B, 1, 28, 28) to 10 class scores.
+
+A HybridBlock's hybrid_forward is already a pure function of its parameters (Gluon 1.9): calling
+a child on a symbol gives a graph whose free inputs are "data" and the child's parameters. So
+each child of a HybridSequential (or the whole block, if it is not one) becomes one layer whose
+parameters are read off that graph, whose shapes are inferred from one forward of a dummy batch,
+and whose forward runs the graph as a CachedOp (nd) or composes it (sym) with the strategy's own
+arrays. The initial values are the block's own initialisation, seeded.
+
+Refused, in one line: a file that is missing or does not define FUNCTION, a FUNCTION that raises
+or returns no HybridBlock, a block that fails on a (2, 1, 28, 28) batch or does not give (2, 10)
+scores, and layers with running statistics (BatchNorm's moving mean and variance).
+"""
+import importlib.util
+import os
+
+import numpy as np
+
+from ..errors import UsageError
+from .contract import CLASSES, IMAGE, Layer, Model, Param
+
+
+def load_block(spec):
+    """FUNCTION() of the file in "PATH.py:FUNCTION": the user's HybridBlock, or UsageError."""
+    from mxnet import gluon
+    path, sep, func = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not func:
+        raise UsageError(f"--model {spec}: name a built-in model or PATH.py:FUNCTION")
+    if not os.path.isfile(path):
+        raise UsageError(f"--model {spec}: no file {path}")
+    try:
+        module_spec = importlib.util.spec_from_file_location(f"manual_dp_user_{abs(hash(path))}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    except Exception as e:                   # the user's code: any error is theirs, reported in one line
+        raise UsageError(f"--model {spec}: {path} failed to load ({type(e).__name__}: {e})") from None
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise UsageError(f"--model {spec}: {path} defines no function {func}")
+    try:
+        block = fn()
+    except Exception as e:
+        raise UsageError(f"--model {spec}: {func}() raised {type(e).__name__}: {e}") from None
+    if not isinstance(block, gluon.HybridBlock):
+        raise UsageError(f"--model {spec}: {func}() returned {type(block).__name__}, not a Gluon HybridBlock")
+    return block
+
+
+def children(block):
+    """The layers: a HybridSequential's children, else the block as one layer."""
+    from mxnet import gluon
+    if isinstance(block, gluon.nn.HybridSequential) and len(block):
+        return [block[i] for i in range(len(block))]
+    return [block]
+
+
+def make_forward(symbol, names):
+    """forward(h, params, F, shapes) running `symbol` (inputs "data" and `names`) on arrays or
+    symbols."""
+    from mxnet import nd
+    order = symbol.list_inputs()
+    op = nd.CachedOp(symbol)
+
+    def forward(h, params, F=nd, shapes=None):
+        given = dict(zip(names, params), data=h)
+        if F is nd:
+            return op(*[given[name] for name in order])
+        return symbol(**given)
+    return forward
+
+
+class GluonModel(Model):
+    """The block of "PATH.py:FUNCTION" as layers (see the module's docstring)."""
+
+    def __init__(self, spec, seed=0):
+        import mxnet as mx
+        from mxnet import nd
+        self.name, self.config = spec, {"source": spec}
+        block = load_block(spec)
+        mx.random.seed(seed)
+        try:
+            block.initialize(ctx=mx.cpu(0))
+            out = block(nd.zeros((2,) + IMAGE, ctx=mx.cpu(0)))
+        except Exception as e:
+            raise UsageError(f"--model {spec}: the block failed on a (2, 1, 28, 28) batch "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        if not isinstance(out, nd.NDArray) or out.shape != (2, CLASSES):
+            raise UsageError(f"--model {spec}: the block gives {getattr(out, 'shape', type(out).__name__)} "
+                             f"for 2 images, not (2, {CLASSES}) class scores")
+        values = {p.name: p.data().asnumpy() for p in block.collect_params().values()}
+        self.values, layers = {}, []
+        for child in children(block):
+            symbol = child(mx.sym.var("data"))
+            if symbol.list_auxiliary_states():
+                raise UsageError(f"--model {spec}: layer {child.name} keeps running statistics "
+                                 f"({', '.join(symbol.list_auxiliary_states())}); user blocks with "
+                                 f"BatchNorm are not supported yet")
+            names = [n for n in symbol.list_arguments() if n != "data"]
+            params = tuple(Param(n, tuple(values[n].shape), "given") for n in names)
+            self.values.update({n: values[n] for n in names})
+            layers.append(Layer(child.name, params, make_forward(symbol, names),
+                                kind="gluon", extra={"type": type(child).__name__}))
+        self.layers = tuple(layers)
+
+    def init_params(self, seed=0, scale=None, ctx=None):
+        """The block's own initial values (seeded when it was built), copied to `ctx`."""
+        import mxnet as mx
+        from mxnet import nd
+        return [nd.array(np.asarray(self.values[p.name], np.float32), ctx=ctx or mx.cpu(0))
+                for p in self.params()]

@@ -1,0 +1,123 @@
+"""A small vision transformer for Fashion-MNIST, written with MXNet operators under the model contract.
+
+Each image row is a token: 28 tokens of 28 pixels (or patches of P x P pixels with `patch`).
+
+    embed      (B, 1, 28, 28) -> tokens (B, T, d): a linear map of each token, plus learned positions
+    block l    pre-norm: h + attention(LN(h)), then h + MLP(LN(h)); multi-head self-attention with
+               q, k, v and the output projection kept apart, so that splitting the heads over a
+               tensor group is a plain slice (nanoGPT fuses them; Megatron then needs a stride)
+    head       LN, the mean over tokens, a linear map to 10 class scores
+
+Weights are (out, in), Gluon's and Megatron's layout; `split` marks Megatron's cuts: q, k, v and
+the MLP's first matrix by output rows (column-parallel: whole heads, whole hidden units), the
+attention output and the MLP's second matrix by input columns (row-parallel; their biases are
+added once, after the sum). Layer norms are replicated.
+"""
+import math
+
+from mxnet import nd
+
+from ..config import TRANSFORMER
+from ..lesson import relu
+from .contract import CLASSES, IMAGE, Layer, Model, Param, fc
+
+DEFAULTS = dict(TRANSFORMER, mlp_ratio=2)          # the command line's sizes (manual_dp.config)
+
+
+def layer_norm(h, g, b, F=nd):
+    return F.LayerNorm(h, gamma=g, beta=b, axis=-1, eps=1e-5)
+
+
+def tokens(X, patch, F=nd):
+    """Images (B, 1, 28, 28) as tokens (B, T, token size): rows (patch 0) or P x P patches."""
+    if not patch:
+        return F.reshape(X, shape=(-1, IMAGE[1], IMAGE[2]))                       # (B, 28, 28)
+    n = IMAGE[1] // patch
+    h = F.reshape(X, shape=(-1, n, patch, n, patch))                             # (B, n, P, n, P)
+    h = F.transpose(h, axes=(0, 1, 3, 2, 4))                                     # (B, n, n, P, P)
+    return F.reshape(h, shape=(-1, n * n, patch * patch))                        # (B, T, P*P)
+
+
+def attention(a, p, F, shapes, head_dim):
+    """Multi-head self-attention of a (B, T, d) with q, k, v, o = p[0:8] (weights and biases); the
+    number of heads is what the query weight holds (all of them, or a tensor group's share)."""
+    wq, bq, wk, bk, wv, bv, wo, bo = p
+    n_heads = shapes[0][0] // head_dim
+
+    def split_heads(x):                                   # (B, T, nh * dh) -> (B * nh, T, dh)
+        x = F.reshape(x, shape=(0, 0, -4, n_heads, head_dim))
+        return F.reshape(F.transpose(x, axes=(0, 2, 1, 3)), shape=(-3, -2))
+    q = split_heads(fc(a, wq, bq, F, shapes[0]))
+    k = split_heads(fc(a, wk, bk, F, shapes[2]))
+    v = split_heads(fc(a, wv, bv, F, shapes[4]))
+    weights = F.softmax(F.batch_dot(q, k, transpose_b=True) / math.sqrt(head_dim), axis=-1)  # (B*nh, T, T)
+    o = F.batch_dot(weights, v)                                                  # (B*nh, T, dh)
+    o = F.reshape(F.transpose(F.reshape(o, shape=(-4, -1, n_heads, -2)), axes=(0, 2, 1, 3)),
+                  shape=(0, 0, -3))                                              # (B, T, nh*dh)
+    return fc(o, wo, bo, F, shapes[6])                                           # (B, T, d)
+
+
+def make_block(head_dim):
+    def block(h, p, F=nd, shapes=None):
+        """h + attention(LN(h)), then h + MLP(LN(h)); p: ln1 g, b, q, k, v, o (w, b each), ln2 g, b,
+        MLP w1, b1, w2, b2."""
+        shapes = shapes or [x.shape for x in p]
+        h = h + attention(layer_norm(h, p[0], p[1], F), p[2:10], F, shapes[2:10], head_dim)
+        m = relu(fc(layer_norm(h, p[10], p[11], F), p[12], p[13], F, shapes[12]), F)   # (B, T, hidden)
+        return h + fc(m, p[14], p[15], F, shapes[14])
+    return block
+
+
+class Transformer(Model):
+    """A pre-norm vision transformer of `layers` blocks, width `d_model`, `heads` heads, MLP of
+    `mlp_ratio` x d_model hidden units, row tokens (patch 0) or P x P patches."""
+    name = "transformer"
+
+    def __init__(self, layers=None, d_model=None, heads=None, mlp_ratio=None, patch=None):
+        cfg = {k: DEFAULTS[k] if v is None else v for k, v in
+               dict(layers=layers, d_model=d_model, heads=heads, mlp_ratio=mlp_ratio, patch=patch).items()}
+        self.config = cfg
+        L, d, H, r, P = cfg["layers"], cfg["d_model"], cfg["heads"], cfg["mlp_ratio"], cfg["patch"]
+        if min(L, d, H, r) < 1 or d % H:
+            raise ValueError(f"a transformer needs layers, d_model, heads >= 1 and heads dividing d_model "
+                             f"(got {L}, {d}, {H})")
+        if P and IMAGE[1] % P:
+            raise ValueError(f"--patch {P} does not divide the image's {IMAGE[1]} rows")
+        T, size = (IMAGE[1], IMAGE[2]) if not P else ((IMAGE[1] // P) ** 2, P * P)
+        self.tokens, hidden, dh = T, r * d, d // H
+        self.layers = (self.embed_layer(T, size, d, P),) + tuple(
+            self.block_layer(l, T, d, hidden, dh) for l in range(L)) + (self.head_layer(T, d),)
+
+    @staticmethod
+    def embed_layer(T, size, d, patch):
+        def embed(X, p, F=nd, shapes=None):
+            h = fc(tokens(X, patch, F), p[0], p[1], F, shapes[0] if shapes else None)   # (B, T, d)
+            return F.broadcast_add(h, F.expand_dims(p[2], axis=0))
+        params = (Param("embed_w", (d, size), "lecun", size, split=None), Param("embed_b", (d,)),
+                  Param("pos", (T, d), "normal", std=0.02))
+        return Layer("embed", params, embed, 2 * T * size * d, T * size, 2 * T * d, "embed")
+
+    @staticmethod
+    def block_layer(l, T, d, hidden, dh):
+        def P(name, shape, init="zeros", fan=0, split=None):
+            return Param(f"block{l}_{name}", shape, init, fan, split=split)
+        params = (P("ln1_g", (d,), "ones"), P("ln1_b", (d,)),
+                  P("wq", (d, d), "lecun", d, 0), P("bq", (d,), split=0),
+                  P("wk", (d, d), "lecun", d, 0), P("bk", (d,), split=0),
+                  P("wv", (d, d), "lecun", d, 0), P("bv", (d,), split=0),
+                  P("wo", (d, d), "lecun", d, 1), P("bo", (d,)),
+                  P("ln2_g", (d,), "ones"), P("ln2_b", (d,)),
+                  P("w1", (hidden, d), "he", d, 0), P("b1", (hidden,), split=0),
+                  P("w2", (d, hidden), "lecun", hidden, 1), P("b2", (d,)))
+        flops = 2 * T * (4 * d * d + 2 * d * hidden) + 2 * 2 * T * T * d
+        acts = T * (11 * d + 3 * hidden) + 2 * (d // dh) * T * T
+        return Layer(f"block{l}", params, make_block(dh), flops, T * d, acts, "block", {"head_dim": dh})
+
+    @staticmethod
+    def head_layer(T, d):
+        def head(h, p, F=nd, shapes=None):
+            pooled = F.mean(layer_norm(h, p[0], p[1], F), axis=1)                # (B, d)
+            return fc(pooled, p[2], p[3], F, shapes[2] if shapes else None)      # (B, 10)
+        params = (Param("lnf_g", (d,), "ones"), Param("lnf_b", (d,)),
+                  Param("head_w", (CLASSES, d), "lecun", d), Param("head_b", (CLASSES,)))
+        return Layer("head", params, head, 2 * d * CLASSES, T * d, T * d * 2 + d + 3 * CLASSES + 1, "head")

@@ -1,0 +1,246 @@
+"""The model contract (manual_dp/models/): LeNet's description is the lesson's, and every strategy
+trains the transformer, an MLP and a user's Gluon block as one context does.
+
+Tolerance: after 2 momentum steps the parameters of a k-context layout differ from the one-context
+lesson step only by the order of float32 additions in the gradient sums (batch shards, layer
+pieces): 1e-5 of the largest parameter, about 100 float32 ulps, is far below any real error (a
+gradient counted twice or dropped moves parameters by ~1e-2 here). --deterministic layouts are
+compared bit for bit (one process, one thread count)."""
+import hashlib
+import textwrap
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, nd
+
+from conftest import batch, cpus
+from manual_dp import models
+from manual_dp.lesson import LENET_SHAPES, cross_entropy, init_lenet_params, lenet, lenet_shapes
+from manual_dp.models.contract import balanced_cuts
+from manual_dp.strategies.accum import GradAccum
+from manual_dp.strategies.async_dp import AsyncDataParallel
+from manual_dp.strategies.data_parallel import DataParallel
+from manual_dp.strategies.deterministic import DeterministicDataParallel
+from manual_dp.strategies.local_sgd import LocalSGD
+from manual_dp.strategies.pipeline import PipelineParallel
+from manual_dp.strategies.zero import ZeroRedundancy
+from manual_dp.strategies.zero_deterministic import DeterministicZero
+
+TOL = 1e-5
+USER_BLOCK = """
+from mxnet.gluon import nn
+
+def net():
+    b = nn.HybridSequential()
+    b.add(nn.Dense(24, activation="relu"), nn.Dense(16, activation="tanh"), nn.Dense(10))
+    return b
+"""
+
+
+@pytest.fixture(scope="module")
+def user_block(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user") / "block.py"
+    path.write_text(textwrap.dedent(USER_BLOCK))
+    return f"{path}:net"
+
+
+def small(name, user_block=None):
+    if name == "transformer":
+        return models.build("transformer", layers=2, d_model=16, heads=2)
+    if name == "user":
+        return models.build(user_block)
+    return models.build(name)
+
+
+# LeNet under the contract is the lesson's LeNet ------------------------------------------------
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_lenet_description_is_the_lessons_table_and_values(width):
+    net = models.build("lenet", width=width)
+    assert net.shapes() == lenet_shapes(width)
+    assert width > 1 or net.shapes() == LENET_SHAPES
+    for a, b in zip(net.init_params(3), init_lenet_params(3, width=width)):
+        assert (a.asnumpy() == b.asnumpy()).all()
+    X = nd.array(batch(8, 1)[0])
+    assert (net.forward(X, net.init_params(3)).asnumpy() == lenet(X, init_lenet_params(3, width=width)).asnumpy()).all()
+    assert net.cuts(2) == ((0, 1), (2, 3)) and net.n_params() == sum(int(np.prod(s)) for _, s in lenet_shapes(width))
+
+
+def test_lenet_counts_match_the_hand_counts():
+    from manual_dp.flops import flops_per_image
+    from manual_dp.memory import piece_activation_elems
+    net = models.build("lenet")
+    assert net.flops_per_example() == flops_per_image()
+    assert [(layer.inputs, layer.acts) for layer in net.layers] == piece_activation_elems()
+
+
+# The transformer ----------------------------------------------------------------------------------
+
+def test_transformer_forward_as_arrays_equals_its_symbol():
+    net = small("transformer")
+    params = net.init_params(0)
+    X = nd.array(batch(6, 0)[0])
+    symbol = net.forward(mx.sym.var("X"), [mx.sym.var(n) for n in net.names()], F=mx.sym,
+                         shapes=[p.shape for p in params])
+    out = symbol.bind(mx.cpu(), dict(zip(net.names(), params), X=X)).forward()[0]
+    np.testing.assert_allclose(out.asnumpy(), net.forward(X, params).asnumpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_transformer_attention_against_numpy():
+    """One block's attention against softmax(q k^T / sqrt(dh)) v written in numpy, per head."""
+    from manual_dp.models.transformer import attention
+    rng = np.random.RandomState(0)
+    B, T, d, H = 2, 5, 8, 2
+    a = rng.randn(B, T, d).astype(np.float32)
+    p = [rng.randn(*s).astype(np.float32) for s in [(d, d), (d,)] * 4]
+    got = attention(nd.array(a), [nd.array(x) for x in p], nd, [x.shape for x in p], d // H).asnumpy()
+    q, k, v = [a @ p[i].T + p[i + 1] for i in (0, 2, 4)]
+    heads = []
+    for h in range(H):
+        sl = slice(h * d // H, (h + 1) * d // H)
+        s = q[..., sl] @ k[..., sl].transpose(0, 2, 1) / np.sqrt(d // H)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        heads.append((w / w.sum(-1, keepdims=True)) @ v[..., sl])
+    want = np.concatenate(heads, -1) @ p[6].T + p[7]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_transformer_patches_and_refusals():
+    net = models.build("transformer", layers=1, d_model=8, heads=2, patch=7)
+    assert net.tokens == 16 and net.shapes()[0] == ("embed_w", (8, 49))
+    assert net.forward(nd.array(batch(3, 0)[0]), net.init_params(0)).shape == (3, 10)
+    for bad in (dict(d_model=10, heads=4), dict(layers=0), dict(patch=5)):
+        with pytest.raises(ValueError):
+            models.build("transformer", **bad)
+
+
+@pytest.mark.parametrize("costs,n", [([1, 1, 1, 1], 2), ([1, 9, 1, 1], 2), ([5, 1, 1, 1, 1, 1], 3), ([2, 2, 2], 3)])
+def test_balanced_cuts_are_the_best_by_brute_force(costs, n):
+    import itertools
+    cuts = balanced_cuts(costs, n)
+    assert [i for c in cuts for i in c] == list(range(len(costs))) and len(cuts) == n
+    best = min(max(sum(costs[a:b]) for a, b in zip((0,) + ends, ends + (len(costs),)))
+               for ends in itertools.combinations(range(1, len(costs)), n - 1))
+    assert max(sum(costs[i] for i in c) for c in cuts) == best
+
+
+# Every strategy on every model, against one context -------------------------------------------
+
+LAYOUTS = {
+    "sync fast 2": lambda P, m: DataParallel(P, cpus(2), "momentum", model=m, conv_pad=1),
+    "sync lesson 3": lambda P, m: DataParallel(P, cpus(3), "momentum", lesson=True, model=m),
+    "sync buckets 2": lambda P, m: DataParallel(P, cpus(2), "momentum", bucket_mb=0, model=m, conv_pad=1),
+    "async S=0 2": lambda P, m: AsyncDataParallel(P, cpus(2), "momentum", 0, model=m),
+    "local H=1 2": lambda P, m: LocalSGD(P, cpus(2), "momentum", 1, model=m),
+    "zero1 3": lambda P, m: ZeroRedundancy(P, cpus(3), "momentum", 1, model=m),
+    "zero2 2": lambda P, m: ZeroRedundancy(P, cpus(2), "momentum", 2, model=m),
+    "zero3 3": lambda P, m: ZeroRedundancy(P, cpus(3), "momentum", 3, model=m),
+    "model 2": lambda P, m: PipelineParallel(P, cpus(2), "momentum", 1, stages=2, model=m),
+    "pipeline 3 gpipe": lambda P, m: PipelineParallel(P, cpus(3), "momentum", 3, stages=3, model=m),
+    "pipeline 2 1f1b recompute": lambda P, m: PipelineParallel(P, cpus(2), "momentum", 4, stages=2,
+                                                               schedule="1f1b", recompute=True, model=m),
+    "hybrid 2x2": lambda P, m: PipelineParallel(P, cpus(4), "momentum", 2, stages=2, model=m),
+    "grad accum 2 x sync 2": lambda P, m: GradAccum(DataParallel(P, cpus(2), "momentum", model=m, conv_pad=1), 2),
+}
+
+
+def params_after(strategy, steps=2, n=24):
+    X, y = batch(n, 0)
+    for _ in range(steps):
+        strategy.step(X, y, 0.05)
+    return strategy.state_dict()["params"]
+
+
+@pytest.fixture(scope="module")
+def references(user_block):
+    """Each model's parameters after the one-context lesson step (grad accum: 2 half batches)."""
+    out = {}
+    for name in ("transformer", "mlp", "user"):
+        net = small(name, user_block)
+        P = net.init_params(0)
+        out[name] = (net, P, params_after(DataParallel(P, cpus(1), "momentum", lesson=True, model=net)))
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["transformer", "mlp", "user"])
+def test_every_layout_equals_one_context(references, name, layout):
+    net, P, want = references[name]
+    strategy = LAYOUTS[layout](P, net)
+    if layout.startswith("grad accum"):      # two batches of 12, one update: the 24-row step
+        X, y = batch(24, 0)
+        for _ in range(2):
+            strategy.step(X[:12], y[:12], 0.05)
+            strategy.step(X[12:], y[12:], 0.05)
+        got = strategy.state_dict()["params"]
+    else:
+        got = params_after(strategy)
+    scale = max(float(np.abs(w).max()) for w in want)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert max(float(np.abs(g - w).max()) for g, w in zip(got, want)) <= TOL * scale
+
+
+def digest(params):
+    return hashlib.sha256(b"".join(np.ascontiguousarray(p).tobytes() for p in params)).hexdigest()
+
+
+@pytest.mark.parametrize("name", ["transformer", "user"])
+def test_deterministic_bits_on_any_context_count_and_zero_stage(references, name):
+    net, P, _ = references[name]
+    want = digest(params_after(DeterministicDataParallel(P, cpus(1), "momentum", model=net, conv_pad=1), n=70))
+    for layout in (lambda: DeterministicDataParallel(P, cpus(3), "momentum", model=net, conv_pad=1),
+                   lambda: DeterministicZero(P, cpus(2), "momentum", 3, model=net, conv_pad=1),
+                   lambda: DeterministicZero(P, cpus(4), "momentum", 1, model=net, conv_pad=1)):
+        assert digest(params_after(layout(), n=70)) == want
+
+
+def test_zero3_gathers_one_transformer_layer_at_a_time(references):
+    """Stage 3's largest moment holds one layer's gathered parameters, never the whole model."""
+    net, P, _ = references["transformer"]
+    zero = ZeroRedundancy(P, cpus(2), "momentum", 3, model=net)
+    params_after(zero, steps=1)
+    gathered = sum(h.size for h in zero.peak.held["param"]) // 2       # per context
+    biggest = max(sum(p.size for p in layer.params) for layer in net.layers)
+    assert 0 < gathered <= biggest < net.n_params()
+
+
+def test_pipeline_stages_are_balanced_runs_of_layers(references):
+    net, P, _ = references["transformer"]            # embed, block0, block1, head
+    assert net.cuts(2) == ((0, 1), (2, 3)) and net.cuts(4) == ((0,), (1,), (2,), (3,))
+    pipe = PipelineParallel(P, cpus(3), "momentum", 2, stages=3, model=net)
+    assert [len(stage) for stage in pipe.params[0]] == [sum(len(net.layers[i].params) for i in c) for c in net.cuts(3)]
+
+
+# A user's block ----------------------------------------------------------------------------------
+
+def test_user_block_layers_are_its_children(user_block):
+    net = models.build(user_block)
+    assert [layer.kind for layer in net.layers] == ["gluon"] * 3
+    assert [s for _, s in net.shapes()] == [(24, 784), (24,), (16, 24), (16,), (10, 16), (10,)]
+    assert all(a.asnumpy().tolist() == b.asnumpy().tolist()
+               for a, b in zip(models.build(user_block).init_params(), net.init_params()))   # seeded
+
+
+def test_user_block_gradients_equal_gluons_own(user_block):
+    """Our forward through the block's graph, with our arrays, against the block itself."""
+    from manual_dp.models.gluon_block import load_block
+    net = models.build(user_block)
+    block = load_block(user_block)
+    block.initialize()
+    X, y = (nd.array(a) for a in batch(5, 2))
+    block(X)
+    for p, value in zip(block.collect_params().values(), net.init_params()):
+        p.set_data(value)
+    with autograd.record():
+        loss = cross_entropy(block(X), y).sum()
+    loss.backward()
+    ours = net.init_params()
+    for p in ours:
+        p.attach_grad()
+    with autograd.record():
+        mine = cross_entropy(net.forward(X, ours), y).sum()
+    mine.backward()
+    assert abs(float(mine.asscalar()) - float(loss.asscalar())) < 1e-5
+    for a, p in zip(ours, block.collect_params().values()):
+        np.testing.assert_allclose(a.grad.asnumpy(), p.grad().asnumpy(), rtol=1e-5, atol=1e-6)
