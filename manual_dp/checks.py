@@ -71,9 +71,9 @@ def check_model(cfg):
         raise UsageError(f"--patch must be 0 (rows) or divide 28, got {cfg.patch}")
     if cfg.heads and cfg.d_model and cfg.d_model % cfg.heads:
         raise UsageError(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model}")
-    if cfg.mode == "tensor" and cfg.model != "lenet":
-        raise UsageError(f"--mode tensor splits LeNet's layer pairs only so far, not --model {cfg.model}: "
-                         f"use sync, async, local, zero, model, pipeline or hybrid")
+    if cfg.mode == "tensor" and cfg.deterministic and cfg.model != "lenet":
+        raise UsageError(f"--deterministic --mode tensor cuts LeNet's channels into fixed pieces; not yet "
+                         f"--model {cfg.model} (use --deterministic with sync or zero)")
 
 
 def check_local(cfg):
@@ -106,8 +106,8 @@ def check_layout(cfg, n_contexts, n_processes=1):
         raise UsageError(f"--micro-batches {micro} is larger than the per-device batch of "
                          f"{cfg.batch_size // replicas} (--batch-size {cfg.batch_size} over "
                          f"{replicas} pipeline(s))")
-    if cfg.mode == "tensor":
-        check_tensor_layout(cfg.tensor_parallel or n, n, cfg.width)
+    if cfg.mode == "tensor" and (cfg.model == "lenet" or n % (cfg.tensor_parallel or n)):
+        check_tensor_layout(cfg.tensor_parallel or n, n, cfg.width)   # other models: Model.tensor_refusal
     if cfg.mode == "tensor" and cfg.deterministic:
         check_tensor_pieces(cfg.tensor_parallel or n, cfg.width)
 

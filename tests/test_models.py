@@ -24,6 +24,7 @@ from manual_dp.strategies.data_parallel import DataParallel
 from manual_dp.strategies.deterministic import DeterministicDataParallel
 from manual_dp.strategies.local_sgd import LocalSGD
 from manual_dp.strategies.pipeline import PipelineParallel
+from manual_dp.strategies.tensor import TensorParallel
 from manual_dp.strategies.zero import ZeroRedundancy
 from manual_dp.strategies.zero_deterministic import DeterministicZero
 
@@ -142,6 +143,8 @@ LAYOUTS = {
                                                                schedule="1f1b", recompute=True, model=m),
     "hybrid 2x2": lambda P, m: PipelineParallel(P, cpus(4), "momentum", 2, stages=2, model=m),
     "grad accum 2 x sync 2": lambda P, m: GradAccum(DataParallel(P, cpus(2), "momentum", model=m, conv_pad=1), 2),
+    "tensor 2": lambda P, m: TensorParallel(P, cpus(2), "momentum", 2, model=m),
+    "tensor 2 x data 2": lambda P, m: TensorParallel(P, cpus(4), "momentum", 2, model=m),
 }
 
 
@@ -217,6 +220,8 @@ def test_pipeline_stages_are_balanced_runs_of_layers(references):
 def test_user_block_layers_are_its_children(user_block):
     net = models.build(user_block)
     assert [layer.kind for layer in net.layers] == ["gluon"] * 3
+    assert [layer.name for layer in net.layers] == ["0:Dense", "1:Dense", "2:Dense"]
+    assert net.names() == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
     assert [s for _, s in net.shapes()] == [(24, 784), (24,), (16, 24), (16,), (10, 16), (10,)]
     assert all(a.asnumpy().tolist() == b.asnumpy().tolist()
                for a, b in zip(models.build(user_block).init_params(), net.init_params()))   # seeded
@@ -244,3 +249,121 @@ def test_user_block_gradients_equal_gluons_own(user_block):
     assert abs(float(mine.asscalar()) - float(loss.asscalar())) < 1e-5
     for a, p in zip(ours, block.collect_params().values()):
         np.testing.assert_allclose(a.grad.asnumpy(), p.grad().asnumpy(), rtol=1e-5, atol=1e-6)
+
+
+# Megatron's split on the contract -----------------------------------------------------------------
+
+def test_transformer_split_follows_megatron(references):
+    """q, k, v and w1 (and their biases) by output rows, wo and w2 by input columns, the rest whole."""
+    net = references["transformer"][0]
+    split = {p.name.split("_", 1)[-1]: p.split for p in net.params() if p.name.startswith("block0")}
+    assert split == {"ln1_g": None, "ln1_b": None, "wq": 0, "bq": 0, "wk": 0, "bk": 0, "wv": 0, "bv": 0,
+                     "wo": 1, "bo": None, "ln2_g": None, "ln2_b": None, "w1": 0, "b1": 0, "w2": 1, "b2": None}
+    assert all(p.split is None for p in net.params() if not p.name.startswith("block"))
+
+
+def test_tensor_refusals_name_what_does_not_divide(user_block):
+    assert "heads" in small("transformer").tensor_refusal(4 * 0 + 3)              # 2 heads
+    assert small("transformer").tensor_refusal(2) is None
+    assert "0.weight (24, 784)" in models.build(user_block).tensor_refusal(5)       # 24 units
+    with pytest.raises(ValueError, match="heads"):
+        TensorParallel(small("transformer").init_params(), cpus(3), "momentum", 3, model=small("transformer"))
+
+
+def test_autotp_pairs_consecutive_dense_layers_only(tmp_path):
+    path = tmp_path / "mixed.py"
+    path.write_text("from mxnet.gluon import nn\n"
+                    "def net():\n"
+                    "    b = nn.HybridSequential()\n"
+                    "    b.add(nn.Conv2D(4, 3), nn.Flatten(), nn.Dense(8), nn.Dense(10))\n"
+                    "    return b\n"
+                    "def convs():\n"
+                    "    b = nn.HybridSequential()\n"
+                    "    b.add(nn.Conv2D(4, 3), nn.Dense(10))\n"
+                    "    return b\n")
+    net = models.build(f"{path}:net")
+    assert net.roles == {2: "column", 3: "row"}
+    P = net.init_params()
+    want = params_after(DataParallel(P, cpus(1), "momentum", lesson=True, model=net))
+    got = params_after(TensorParallel(P, cpus(2), "momentum", 2, model=net))
+    assert max(float(np.abs(g - w).max()) for g, w in zip(got, want)) <= TOL * max(float(np.abs(w).max()) for w in want)
+    assert "no two consecutive Dense" in models.build(f"{path}:convs").tensor_refusal(2)
+
+
+# The command line ---------------------------------------------------------------------------------
+
+TINY = ["--train-size", "96", "--test-size", "32", "--batch-size", "32", "--no-progress", "--epochs", "1"]
+
+
+def cli(capsys, argv):
+    from manual_dp.train import main
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+def test_cli_trains_each_model_and_logs_its_description(capsys, data_dir, tmp_path, user_block):
+    import json
+    for model, extra in (("transformer", ["--layers", "1", "--d-model", "16", "--heads", "2", "--mode", "tensor"]),
+                         ("mlp", ["--mode", "zero", "--zero-stage", "3"]),
+                         (user_block, ["--mode", "pipeline", "--stages", "3", "--cpus", "3"])):
+        log = tmp_path / "log.jsonl"
+        code, out, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, "--model", model, "--log-json", str(log), *extra])
+        assert code == 0, err
+        record = json.loads(log.read_text().splitlines()[-1])
+        assert record["model"]["name"] == model and record["model"]["params"] == [
+            [n, list(s)] for n, s in models.build(model, **({"layers": 1, "d_model": 16, "heads": 2}
+                                                             if model == "transformer" else {})).shapes()]
+        assert f"model {model}" in out
+
+
+def test_cli_resume_of_another_model_is_refused_and_the_checkpoint_kept(capsys, data_dir, tmp_path):
+    ck = tmp_path / "ck"
+    base = ["--data-dir", str(data_dir), *TINY, "--checkpoint-dir", str(ck)]
+    assert cli(capsys, base + ["--model", "mlp"])[0] == 0
+    before = (ck / "checkpoint.npz").read_bytes()
+    code, _, err = cli(capsys, base + ["--resume", "--epochs", "2"])
+    assert code == 1 and len(err) == 1 and "model 'mlp' there, 'lenet' here" in err[0], err
+    assert (ck / "checkpoint.npz").read_bytes() == before
+    assert cli(capsys, base + ["--resume", "--epochs", "2", "--model", "mlp"])[0] == 0
+
+
+@pytest.mark.parametrize("source,message", [
+    ("missing.py:net", "no file"),
+    ("{dir}/m.py:other", "defines no function other"),
+    ("{dir}/m.py:raises", "raises\\(\\) raised ZeroDivisionError"),
+    ("{dir}/m.py:number", "returned int, not a Gluon HybridBlock"),
+    ("{dir}/m.py:seven", "gives \\(2, 7\\)"),
+    ("{dir}/m.py:batchnorm", "keeps running statistics"),
+    ("{dir}/broken.py:net", "failed to load \\(SyntaxError"),
+    ("transformerx", "choose lenet, mlp, transformer or PATH.py:FUNCTION"),
+])
+def test_cli_model_file_errors_are_one_line(capsys, data_dir, tmp_path, source, message):
+    (tmp_path / "m.py").write_text("from mxnet.gluon import nn\n"
+                                   "def raises():\n    return 1 / 0\n"
+                                   "def number():\n    return 3\n"
+                                   "def seven():\n    b = nn.HybridSequential(); b.add(nn.Dense(7)); return b\n"
+                                   "def batchnorm():\n    b = nn.HybridSequential()\n"
+                                   "    b.add(nn.Conv2D(2, 3), nn.BatchNorm(), nn.Dense(10)); return b\n")
+    (tmp_path / "broken.py").write_text("def net(:\n")
+    code, _, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, "--model", source.format(dir=tmp_path)])
+    assert code == 2 and len(err) == 1 and err[0].startswith("manual_dp.train: error: ")
+    assert __import__("re").search(message, err[0]), err[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "lenet", "--layers", "2"], "--layers applies only to --model transformer"),
+    (["--model", "transformer", "--width", "2"], "--width applies only to --model lenet or mlp"),
+    (["--model", "transformer", "--d-model", "10", "--heads", "4"], "--heads 4 does not divide --d-model 10"),
+    (["--model", "transformer", "--patch", "5"], "--patch must be 0"),
+    (["--model", "transformer", "--mode", "tensor", "--cpus", "3"], "3 does not divide the transformer's 4 heads"),
+    (["--model", "mlp", "--mode", "pipeline", "--stages", "4", "--cpus", "4"], "--model mlp has 3 layers"),
+    (["--model", "mlp", "--mode", "tensor", "--deterministic"], "not yet --model mlp"),
+])
+def test_cli_model_flags_refused_in_one_line(capsys, data_dir, argv, message):
+    code, _, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, *argv])
+    assert code == 2 and len(err) == 1 and message in err[0], err

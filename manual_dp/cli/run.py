@@ -78,6 +78,9 @@ def build_model(cfg, params, ctx, world):
     """The strategy of cfg.mode on `ctx` for cfg's model, composed with the world (the cross-process
     sum and this process's rows) and with gradient accumulation."""
     net = network(cfg)
+    refusal = net.tensor_refusal(cfg.tensor_parallel or len(ctx)) if cfg.mode == "tensor" else None
+    if refusal:
+        raise UsageError(f"--tensor-parallel {refusal}")
     if (cfg.stages or 1) > len(net.layers):
         raise UsageError(f"--stages {cfg.stages}: --model {cfg.model} has {len(net.layers)} layers to cut "
                          f"between ({', '.join(layer.name for layer in net.layers)})")
@@ -120,7 +123,7 @@ def build_model(cfg, params, ctx, world):
             params, ctx, cfg.optimizer, cfg.tensor_parallel, rank=world.rank, size=world.size,
             exchange=lambda table: world.allreduce(table, "tensortree" + "x".join(map(str, table.shape))))
     elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
-        model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name))
+        model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name), model=net)
     else:
         model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce,
                                  cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute, model=net)

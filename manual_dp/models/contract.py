@@ -14,6 +14,9 @@ parameter list and declares:
     kind      what a strategy may do with it by hand: "conv" and "dense" (a weight and a bias, the
               lesson's layouts), anything else ("block", "embed", "head", "gluon") is run through
               autograd as a whole
+    split_forward   split_forward(hs, shards, join) -> hs: the layer on the T contexts of a tensor
+              group, each holding its shards of the layer's parameters (Param.split), joined by
+              Megatron's f and g (join.f, join.g); None: the layer runs whole on every context
 
 Everything that used to read LeNet's shapes reads a Model instead: the flat buffers and buckets
 (shapes), checkpoints (describe), ZeRO's per-layer gathers (slices), pipeline stages (layers, cut),
@@ -58,6 +61,7 @@ class Layer:
     acts: int = 0
     kind: str = "block"
     extra: dict = field(default_factory=dict, compare=False)
+    split_forward: Optional[Callable] = None
 
 
 def draw(param, rng, scale=None):
@@ -136,6 +140,26 @@ class Model:
             h = layer.forward(h, params[s], F, shapes[s])
         return h
 
+    def split_forward(self, Xs, shards, join):
+        """Class scores on every context of a tensor group (Megatron's split) from copies of the
+        images Xs, one per context, and shards[j], context j's pieces of the parameters (cut by
+        Param.split); join.f and join.g are the conjugate operators (fast.tensor_ops). By default
+        each layer's split_forward, or the whole layer on every context."""
+        hs = Xs
+        for layer, s in zip(self.layers, self.slices()):
+            own = [P[s] for P in shards]
+            hs = layer.split_forward(hs, own, join) if layer.split_forward else \
+                [layer.forward(h, q, nd, [p.shape for p in q]) for h, q in zip(hs, own)]
+        return hs
+
+    def tensor_refusal(self, T):
+        """Why the model cannot be split over T contexts, in a few words; None if it can. By
+        default: a split axis that T does not divide, or no layer that splits."""
+        if not any(layer.split_forward for layer in self.layers):
+            return f"{self.name} has no layer that tensor parallelism splits"
+        bad = [p.name for p in self.params() if p.split is not None and p.shape[p.split] % T]
+        return f"{T} does not divide the split axis of {', '.join(bad)}" if bad else None
+
     def graph_params(self, params, shapes, pad):
         """(params, shapes) as the cached graph should see them: a model may pad channels to the
         CPU's vector block (LeNet does; see fast.graph); the rest ignore `pad`."""
@@ -162,6 +186,35 @@ def balanced_cuts(costs, n_stages):
             best[(i, s)] = min(options, key=lambda o: (o[0], o[1]))
     ends = (0,) + best[(n, n_stages)][1]
     return tuple(tuple(range(a, b)) for a, b in zip(ends, ends[1:]))
+
+
+def pair_roles(n_layers, splittable):
+    """Megatron's plan for consecutive splittable dense layers: {layer: "column" | "row"}, pairs
+    of a column-parallel layer and the row-parallel layer after it; the rest stay whole."""
+    roles, i = {}, 0
+    while i + 1 < n_layers:
+        if splittable(i) and splittable(i + 1):
+            roles[i], roles[i + 1] = "column", "row"
+            i += 2
+        else:
+            i += 1
+    return roles
+
+
+def split_pairs(hs, shards, join, layers, slices, roles, column, row):
+    """Class scores on a tensor group for a model of dense pairs (pair_roles): a column layer
+    entered through f, column(l, h, params) on each context's shard; a row layer's partial
+    products row(l, h, params, True) summed by g, then row(l, s, params, False) adds its bias and
+    activation; other layers whole on every context."""
+    for l, (layer, s) in enumerate(zip(layers, slices)):
+        own = [P[s] for P in shards]
+        if roles.get(l) == "column":
+            hs = [column(l, h, q) for h, q in zip(join.f(hs) if l else hs, own)]
+        elif roles.get(l) == "row":
+            hs = [row(l, h, q, False) for h, q in zip(join.g([row(l, h, q, True) for h, q in zip(hs, own)]), own)]
+        else:
+            hs = [layer.forward(h, q, nd, [p.shape for p in q]) for h, q in zip(hs, own)]
+    return hs
 
 
 def fc(h, W, b, F=nd, shape=None, flatten=False):

@@ -8,6 +8,10 @@ parameters are read off that graph, whose shapes are inferred from one forward o
 and whose forward runs the graph as a CachedOp (nd) or composes it (sym) with the strategy's own
 arrays. The initial values are the block's own initialisation, seeded.
 
+Tensor parallelism (AutoTP, as DeepSpeed does for layer kinds it knows): consecutive Dense children
+are split in pairs, the first by output units (column-parallel), the second by input units
+(row-parallel, its bias and activation after g); every other child runs whole on every context.
+
 Refused, in one line: a file that is missing or does not define FUNCTION, a FUNCTION that raises
 or returns no HybridBlock, a block that fails on a (2, 1, 28, 28) batch or does not give (2, 10)
 scores, and layers with running statistics (BatchNorm's moving mean and variance).
@@ -18,7 +22,7 @@ import os
 import numpy as np
 
 from ..errors import UsageError
-from .contract import CLASSES, IMAGE, Layer, Model, Param
+from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, split_pairs
 
 
 def load_block(spec):
@@ -70,6 +74,12 @@ def make_forward(symbol, names):
     return forward
 
 
+def stable_name(i, child, name):
+    """A parameter's name by its child's position: "2.weight" for the third child's dense0_weight
+    (Gluon's prefixes number every block a process makes, so they differ between runs)."""
+    return f"{i}.{name[len(child.prefix):] if name.startswith(child.prefix) else name}"
+
+
 class GluonModel(Model):
     """The block of "PATH.py:FUNCTION" as layers (see the module's docstring)."""
 
@@ -90,18 +100,57 @@ class GluonModel(Model):
                              f"for 2 images, not (2, {CLASSES}) class scores")
         values = {p.name: p.data().asnumpy() for p in block.collect_params().values()}
         self.values, layers = {}, []
-        for child in children(block):
+        kids = children(block)
+        self.dense = [child if isinstance(child, mx.gluon.nn.Dense) else None for child in kids]
+        self.roles = pair_roles(len(kids), lambda i: self.dense[i] is not None)
+        for i, child in enumerate(kids):
             symbol = child(mx.sym.var("data"))
             if symbol.list_auxiliary_states():
                 raise UsageError(f"--model {spec}: layer {child.name} keeps running statistics "
                                  f"({', '.join(symbol.list_auxiliary_states())}); user blocks with "
                                  f"BatchNorm are not supported yet")
             names = [n for n in symbol.list_arguments() if n != "data"]
-            params = tuple(Param(n, tuple(values[n].shape), "given") for n in names)
-            self.values.update({n: values[n] for n in names})
-            layers.append(Layer(child.name, params, make_forward(symbol, names),
+            axes = self.split_axes(i)
+            stable = [stable_name(i, child, n) for n in names]     # Gluon's own names count blocks made
+            params = tuple(Param(s, tuple(values[n].shape), "given", split=axes.get(n)) for s, n in zip(stable, names))
+            self.values.update({s: values[n] for s, n in zip(stable, names)})
+            layers.append(Layer(f"{i}:{type(child).__name__}", params, make_forward(symbol, names),
                                 kind="gluon", extra={"type": type(child).__name__}))
         self.layers = tuple(layers)
+
+    def split_axes(self, i):
+        """{parameter name: axis} that tensor parallelism cuts in child i (a Dense of a pair)."""
+        role, dense = self.roles.get(i), self.dense[i]
+        if role is None:
+            return {}
+        bias = {dense.bias.name: 0} if dense.bias is not None and role == "column" else {}
+        return {dense.weight.name: 0 if role == "column" else 1, **bias}
+
+    def dense_forward(self, l, h, p, partial=None):
+        """Dense child l on its shard: x W^T (+ b), then its activation; partial=True: the row
+        layer's product alone (summed by g next), partial=False: its bias and activation after."""
+        from mxnet import nd
+        dense = self.dense[l]
+        if partial is False:
+            out = nd.broadcast_add(h, p[1].reshape((1,) * (h.ndim - 1) + (-1,))) if len(p) > 1 else h
+        else:
+            w, b = p[0], (p[1] if len(p) > 1 and not partial else None)
+            out = nd.FullyConnected(h, w, b, no_bias=b is None, num_hidden=w.shape[0], flatten=dense._flatten)
+            if partial:
+                return out
+        return nd.Activation(out, act_type=dense.act._act_type) if dense.act is not None else out
+
+    def split_forward(self, Xs, shards, join):
+        return split_pairs(Xs, shards, join, self.layers, self.slices(), self.roles,
+                           self.dense_forward, self.dense_forward)
+
+    def tensor_refusal(self, T):
+        if not self.roles:
+            return (f"{T}: {self.name} has no two consecutive Dense layers to split as a column/row "
+                    f"pair (AutoTP splits only Dense pairs)")
+        bad = [f"{p.name} {p.shape}" for layer in self.layers for p in layer.params
+               if p.split is not None and p.shape[p.split] % T]
+        return f"{T} does not divide the split units of {', '.join(bad)}" if bad else None
 
     def init_params(self, seed=0, scale=None, ctx=None):
         """The block's own initial values (seeded when it was built), copied to `ctx`."""

@@ -4,7 +4,10 @@ dense gradients and a pipeline's cuts apply to it as to LeNet's dense layers.
 
     dense1  (B, 1, 28, 28) -> (B, 256 W)     dense2  (B, 256 W) -> (B, 128 W)     out  (B, 128 W) -> (B, 10)
 """
-from .contract import CLASSES, IMAGE, Layer, Model, Param
+from mxnet import nd
+
+from ..lesson import dense, relu
+from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, split_pairs
 from .lenet import dense_layer, dense_relu_layer
 
 HIDDEN = (256, 128)
@@ -17,11 +20,32 @@ class MLP(Model):
     def __init__(self, width=1):
         self.config = {"width": width}
         sizes = [IMAGE[0] * IMAGE[1] * IMAGE[2]] + [h * width for h in HIDDEN] + [CLASSES]
+        self.roles = pair_roles(len(sizes) - 1, lambda i: i < len(sizes) - 2)   # dense1 | dense2, out whole
+        axes = {"column": (1, 0), "row": (0, None)}                             # W (in, out), b
         layers = []
         for i, (d_in, d_out) in enumerate(zip(sizes, sizes[1:])):
             last = i == len(sizes) - 2
-            params = (Param(f"W{i + 1}", (d_in, d_out), "he", d_in, split=None if last else 1),
-                      Param(f"b{i + 1}", (d_out,), split=None if last else 0))
+            w_axis, b_axis = axes.get(self.roles.get(i), (None, None))
+            params = (Param(f"W{i + 1}", (d_in, d_out), "he", d_in, split=w_axis),
+                      Param(f"b{i + 1}", (d_out,), split=b_axis))
             layers.append(Layer(f"dense{i + 1}", params, dense_layer if last else dense_relu_layer,
                                 2 * d_in * d_out, d_in, 3 * d_out + (1 if last else 0), "dense", {"relu": not last}))
         self.layers = tuple(layers)
+
+    def split_forward(self, Xs, shards, join):
+        """Megatron's dense pairs: dense1 split by output units, dense2 by input units (g, + b2,
+        ReLU); the output layer whole."""
+        return split_pairs(Xs, shards, join, self.layers, self.slices(), self.roles,
+                           lambda l, h, p: relu(dense(h, p[0], p[1])), row)
+
+    def tensor_refusal(self, T):
+        bad = [p.name for p in self.params() if p.split is not None and p.shape[p.split] % T]
+        return f"{T} does not divide the split axis of {', '.join(bad)}" if bad else None
+
+
+def row(l, h, p, partial):
+    """The row-parallel dense layer: its partial product h W (W's rows split, no bias), or after the
+    sum, + b and ReLU."""
+    if partial:
+        return nd.FullyConnected(h, nd.transpose(p[0]), no_bias=True, num_hidden=p[0].shape[1])
+    return relu(nd.broadcast_add(h, p[1].reshape((1, -1))))

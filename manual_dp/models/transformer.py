@@ -39,9 +39,15 @@ def tokens(X, patch, F=nd):
 
 
 def attention(a, p, F, shapes, head_dim):
-    """Multi-head self-attention of a (B, T, d) with q, k, v, o = p[0:8] (weights and biases); the
-    number of heads is what the query weight holds (all of them, or a tensor group's share)."""
-    wq, bq, wk, bk, wv, bv, wo, bo = p
+    """Multi-head self-attention of a (B, T, d) with q, k, v, o = p[0:8] (weights and biases)."""
+    return fc(attend(a, p[:6], F, shapes, head_dim), p[6], p[7], F, shapes[6])             # (B, T, d)
+
+
+def attend(a, p, F, shapes, head_dim):
+    """The heads' outputs (B, T, nh * dh), before the output projection, of a (B, T, d) with q, k, v
+    = p[0:6] (weights and biases); the number of heads nh is what the query weight holds (all of
+    them, or a tensor group's share)."""
+    wq, bq, wk, bk, wv, bv = p
     n_heads = shapes[0][0] // head_dim
 
     def split_heads(x):                                   # (B, T, nh * dh) -> (B * nh, T, dh)
@@ -52,9 +58,8 @@ def attention(a, p, F, shapes, head_dim):
     v = split_heads(fc(a, wv, bv, F, shapes[4]))
     weights = F.softmax(F.batch_dot(q, k, transpose_b=True) / math.sqrt(head_dim), axis=-1)  # (B*nh, T, T)
     o = F.batch_dot(weights, v)                                                  # (B*nh, T, dh)
-    o = F.reshape(F.transpose(F.reshape(o, shape=(-4, -1, n_heads, -2)), axes=(0, 2, 1, 3)),
-                  shape=(0, 0, -3))                                              # (B, T, nh*dh)
-    return fc(o, wo, bo, F, shapes[6])                                           # (B, T, d)
+    return F.reshape(F.transpose(F.reshape(o, shape=(-4, -1, n_heads, -2)), axes=(0, 2, 1, 3)),
+                     shape=(0, 0, -3))                                           # (B, T, nh*dh)
 
 
 def make_block(head_dim):
@@ -66,6 +71,29 @@ def make_block(head_dim):
         m = relu(fc(layer_norm(h, p[10], p[11], F), p[12], p[13], F, shapes[12]), F)   # (B, T, hidden)
         return h + fc(m, p[14], p[15], F, shapes[14])
     return block
+
+
+def row_parallel(hs, ws, join):
+    """g of each context's partial product h W^T (W split by input columns, no bias): the sum."""
+    return join.g([nd.FullyConnected(h, w, no_bias=True, num_hidden=w.shape[0], flatten=False)
+                   for h, w in zip(hs, ws)])
+
+
+def make_split_block(head_dim):
+    def split_block(hs, shards, join):
+        """The block on a tensor group (Megatron): LN whole, f, this context's heads (q, k, v rows),
+        its slice of the output projection's columns, g, + bo; LN, f, its MLP hidden units, its
+        columns of w2, g, + b2. shards[j]: context j's pieces, in the block's parameter order."""
+        shapes = [[x.shape for x in p] for p in shards]
+        a = join.f([layer_norm(h, p[0], p[1]) for h, p in zip(hs, shards)])
+        o = row_parallel([attend(aj, p[2:8], nd, s[2:8], head_dim) for aj, p, s in zip(a, shards, shapes)],
+                         [p[8] for p in shards], join)                           # (B, T, d) summed
+        hs = [h + nd.broadcast_add(oj, p[9]) for h, oj, p in zip(hs, o, shards)]
+        m = join.f([layer_norm(h, p[10], p[11]) for h, p in zip(hs, shards)])
+        m = [relu(fc(mj, p[12], p[13])) for mj, p in zip(m, shards)]           # (B, T, hidden/T)
+        m = row_parallel(m, [p[14] for p in shards], join)
+        return [h + nd.broadcast_add(mj, p[15]) for h, mj, p in zip(hs, m, shards)]
+    return split_block
 
 
 class Transformer(Model):
@@ -87,6 +115,12 @@ class Transformer(Model):
         self.tokens, hidden, dh = T, r * d, d // H
         self.layers = (self.embed_layer(T, size, d, P),) + tuple(
             self.block_layer(l, T, d, hidden, dh) for l in range(L)) + (self.head_layer(T, d),)
+
+    def tensor_refusal(self, T):
+        """Heads and MLP units must divide by T: a context holds whole heads."""
+        if self.config["heads"] % T:
+            return f"{T} does not divide the transformer's {self.config['heads']} heads"
+        return super().tensor_refusal(T)
 
     @staticmethod
     def embed_layer(T, size, d, patch):
@@ -111,7 +145,8 @@ class Transformer(Model):
                   P("w2", (d, hidden), "lecun", hidden, 1), P("b2", (d,)))
         flops = 2 * T * (4 * d * d + 2 * d * hidden) + 2 * 2 * T * T * d
         acts = T * (11 * d + 3 * hidden) + 2 * (d // dh) * T * T
-        return Layer(f"block{l}", params, make_block(dh), flops, T * d, acts, "block", {"head_dim": dh})
+        return Layer(f"block{l}", params, make_block(dh), flops, T * d, acts, "block", {"head_dim": dh},
+                     make_split_block(dh))
 
     @staticmethod
     def head_layer(T, d):

@@ -2,6 +2,12 @@
 tensor group, joined by the conjugate operators f and g (manual_dp.fast.tensor_ops); groups of T
 contexts are data parallel to each other.
 
+The model says how it splits (models.contract: each Param's split axis, and Model.split_forward
+with f and g handed in); this strategy cuts the parameters, keeps the shards, joins them with f
+and g and sums each shard's gradient over the groups. A transformer block is two pairs: attention
+(q, k, v by heads, column-parallel; the output projection row-parallel, its bias added after g)
+and the MLP (column then row); layer norms, the embedding and the head stay whole.
+
 LeNet as two Megatron blocks, each a column-parallel layer followed by a row-parallel one:
 
     images (copied to every context of the group; they need no gradient, so no f)
@@ -30,15 +36,15 @@ from ..errors import CheckpointError
 from ..fast.collectives import make_allreduce
 from ..fast.prefetch import host
 from ..fast.tensor_ops import f, g
-from ..lesson import LENET_SHAPES, conv_block, cross_entropy, dense, n_correct, relu, split_and_load
+from ..lesson import cross_entropy, n_correct, split_and_load
 from ..models import as_model
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
 
-# The axis along which each of lenet's 8 parameters is split; None: whole on every context.
-SPLIT = [0, 0, 1, None, 1, 0, 0, None]    # W1, b1 | W2, b2 | W3, b3 | W4, b4
-NAMES = [name for name, _ in LENET_SHAPES]
+# The axis along which each of LeNet's 8 parameters is split; None: whole on every context.
+SPLIT = [p.split for p in as_model(None).params()]    # W1, b1 | W2, b2 | W3, b3 | W4, b4: 0, 0, 1, None, 1, 0, 0, None
+NAMES = as_model(None).names()
 
 
 def shard(value, axis, j, T):
@@ -51,19 +57,23 @@ def unshard(pieces, axis):
     return pieces[0] if axis is None else np.concatenate(pieces, axis=axis)
 
 
-def group_forward(Xs, P, allreduce):
+class Join:
+    """Megatron's f and g over one tensor group's contexts, with `allreduce` (fast.tensor_ops)."""
+
+    def __init__(self, allreduce):
+        self.allreduce = allreduce
+
+    def f(self, xs):
+        return f(xs, self.allreduce)
+
+    def g(self, xs):
+        return g(xs, self.allreduce)
+
+
+def group_forward(Xs, P, allreduce, net=None):
     """Class scores (B, 10) on every context of a tensor group from its copies of the images Xs
-    (B, 1, 28, 28) and its shards P[j] = [W1, b1, W2, b2, W3, b3, W4, b4] (pieces, see SPLIT)."""
-    h = [conv_block(X, p[0], p[1]) for X, p in zip(Xs, P)]                 # (B, c1/T, 13, 13)
-    h = g([nd.Convolution(hj, p[2], no_bias=True, kernel=p[2].shape[2:], num_filter=p[2].shape[0])
-           for hj, p in zip(h, P)], allreduce)                              # (B, c2, 9, 9) summed
-    h = [nd.Pooling(relu(nd.broadcast_add(hj, p[3].reshape((1, -1, 1, 1)))), pool_type="avg",
-                    kernel=(2, 2), stride=(2, 2)) for hj, p in zip(h, P)]   # (B, c2, 4, 4)
-    h = f(h, allreduce)
-    h = [relu(dense(hj, p[4], p[5])) for hj, p in zip(h, P)]              # (B, hidden/T)
-    s = g([nd.FullyConnected(hj, nd.transpose(p[6]), no_bias=True, num_hidden=p[6].shape[1])
-           for hj, p in zip(h, P)], allreduce)                              # (B, 10) summed
-    return [nd.broadcast_add(sj, p[7].reshape((1, -1))) for sj, p in zip(s, P)]
+    (B, 1, 28, 28) and its shards P[j] (the model's parameters cut by their Param.split)."""
+    return as_model(net, P[0] if net is None else None).split_forward(Xs, P, Join(allreduce))
 
 
 def copies(batch, row):
@@ -79,18 +89,19 @@ class TensorParallel(Strategy):
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
-                 allreduce_fn=None, tp_allreduce=None):
-        self.ctx, self.optimizer, self.net = list(ctx), optimizer, as_model(None, params)
+                 allreduce_fn=None, tp_allreduce=None, model=None):
+        self.ctx, self.optimizer, self.net = list(ctx), optimizer, as_model(model, params)
         T = self.T = tensor_parallel or len(self.ctx)
-        bad = [n for p, a, n in zip(params, SPLIT, NAMES) if a is not None and p.shape[a] % T]
-        if len(self.ctx) % T or bad:
-            raise ValueError(f"tensor degree {T} does not divide {len(self.ctx)} contexts or the "
-                             f"split axis of {', '.join(bad) or 'no parameter'}")
+        self.split, self.join = [p.split for p in self.net.params()], None
+        refusal = self.net.tensor_refusal(T)
+        if len(self.ctx) % T or refusal:
+            raise ValueError(f"tensor degree {T} does not divide {len(self.ctx)} contexts"
+                             if len(self.ctx) % T else f"tensor degree {refusal}")
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.tp_allreduce = tp_allreduce or make_allreduce(FAST_STEP["allreduce"])
         self.grid = [self.ctx[r:r + T] for r in range(0, len(self.ctx), T)]   # grid[group][shard]
         host_params = [p.asnumpy() for p in params]
-        self.shards = [[self.place([shard(v, a, j, T) for v, a in zip(host_params, SPLIT)], c)
+        self.shards = [[self.place([shard(v, a, j, T) for v, a in zip(host_params, self.split)], c)
                         for j, c in enumerate(row)] for row in self.grid]
         self.states = [[init_states(P, optimizer) for P in row] for row in self.shards]
         self.t = 0
@@ -114,7 +125,7 @@ class TensorParallel(Strategy):
             for row, P, Xg, yg in zip(self.grid, self.shards, split_and_load(host(X), [r[0] for r in self.grid]),
                                       split_and_load(host(y), [r[0] for r in self.grid])):
                 ys = copies(yg, row)
-                scores = group_forward(copies(Xg, row), P, self.tp_allreduce)
+                scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net)
                 losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
                 heads += losses
                 metrics.append((losses[0], n_correct(scores[0], ys[0])))
@@ -124,7 +135,7 @@ class TensorParallel(Strategy):
     def update(self, lr, n_examples):
         """Sum each shard's gradients over the groups, then one optimiser step on every context."""
         for j in range(self.T):
-            for i in range(len(SPLIT)):
+            for i in range(len(self.split)):
                 self.allreduce_fn([P[j][i].grad for P in self.shards])
         self.t += 1
         for P_row, S_row in zip(self.shards, self.states):
@@ -137,17 +148,18 @@ class TensorParallel(Strategy):
         counts = []
         for row, P, Xg, yg in zip(rows, self.shards, split_and_load(X, [r[0] for r in rows]),
                                   split_and_load(y, [r[0] for r in rows])):
-            scores = group_forward(copies(Xg, row), P, self.tp_allreduce)
+            scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net)
             counts.append(n_correct(scores[0], yg).copyto(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
         """Shard j of every group; and b2, b4, whole on every context."""
-        groups = {f"tensor shard {j}": [fingerprint(row[j], P_row[j]) for row, P_row in zip(self.grid, self.shards)]
+        names = self.net.names()
+        groups = {f"tensor shard {j}": [fingerprint(row[j], P_row[j], names) for row, P_row in zip(self.grid, self.shards)]
                   for j in range(self.T)}
-        whole = [i for i, a in enumerate(SPLIT) if a is None]
-        groups["unsplit " + ", ".join(NAMES[i] for i in whole)] = [
-            fingerprint(c, [P[i] for i in whole], [NAMES[i] for i in whole])
+        whole = [i for i, a in enumerate(self.split) if a is None]
+        groups["unsplit " + ", ".join(names[i] for i in whole)] = [
+            fingerprint(c, [P[i] for i in whole], [names[i] for i in whole])
             for row, P_row in zip(self.grid, self.shards) for c, P in zip(row, P_row)]
         return groups
 
@@ -163,23 +175,23 @@ class TensorParallel(Strategy):
         return {"param": params, "state": [p.grad for p in params] + states}
 
     def state_dict(self):
-        """Group 0's shards joined: the whole parameters and optimiser state, in lenet's order."""
+        """Group 0's shards joined: the whole parameters and optimiser state, in the model's order."""
         P_row, S_row = self.shards[0], self.states[0]
-        params = [unshard([P[i].asnumpy() for P in P_row], a) for i, a in enumerate(SPLIT)]
+        params = [unshard([P[i].asnumpy() for P in P_row], a) for i, a in enumerate(self.split)]
         opt_state = [[unshard([S[i][k].asnumpy() for S in S_row], a) for k in range(len(S_row[0][i]))]
-                     for i, a in enumerate(SPLIT)]
+                     for i, a in enumerate(self.split)]
         return {"params": params, "opt_state": opt_state, "t": self.t, "extra": {}}
 
     def load_state_dict(self, state):
         want = [tuple(s if a != k else s * self.T for k, s in enumerate(p.shape))
-                for p, a in zip(self.shards[0][0], SPLIT)]
+                for p, a in zip(self.shards[0][0], self.split)]
         got = [tuple(np.shape(v)) for v in state["params"]]
         if got != want or [len(s) for s in state["opt_state"]] != [len(s) for s in self.states[0][0]]:
             raise CheckpointError(f"the checkpoint's parameters {got} or optimiser state do not fit "
                                   f"this run's {want}")
         for P_row, S_row in zip(self.shards, self.states):
             for j, (P, S) in enumerate(zip(P_row, S_row)):
-                for i, a in enumerate(SPLIT):
+                for i, a in enumerate(self.split):
                     P[i][:] = nd.array(shard(state["params"][i], a, j, self.T), ctx=P[i].context)
                     for s, v in zip(S[i], state["opt_state"][i]):
                         s[:] = nd.array(shard(v, a, j, self.T), ctx=s.context)
