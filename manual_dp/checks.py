@@ -65,7 +65,7 @@ def check_model(cfg):
     """UsageError for a --model no run can build, or modes that do not apply to it yet."""
     if cfg.model not in MODELS and not re.fullmatch(r".+\.py:[A-Za-z_]\w*", cfg.model):
         raise UsageError(f"--model {cfg.model}: choose {', '.join(MODELS)} or PATH.py:FUNCTION")
-    if cfg.stages is not None and cfg.stages < 1:
+    if cfg.stages is not None and cfg.stages < 1 and cfg.model != "lenet":
         raise UsageError(f"--stages must be >= 1, got {cfg.stages}")
     if cfg.patch is not None and (cfg.patch < 0 or (cfg.patch and 28 % cfg.patch)):
         raise UsageError(f"--patch must be 0 (rows) or divide 28, got {cfg.patch}")
