@@ -228,7 +228,7 @@ def main(argv=None):
         return
     if args.memory:
         from .memory import run
-        run(out, args.width, args.batch_size, args.cpus)
+        run(out, args.width, args.batch_size, args.cpus, commit())
         return
     if args.local_sgd:
         from .local_sgd import run as run_local_sgd

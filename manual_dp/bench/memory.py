@@ -7,16 +7,16 @@ import json
 from ..cli.memcheck import probe_modes
 from ..config import RunConfig
 from ..memory import format_bytes
-from .command import commit
 from ..fast.runtime import machine
 
 COLUMNS = ("peak_bytes", "param_bytes", "grad_bytes", "state_bytes", "activation_bytes")
 
 
-def records(width, batch_size, n):
-    """One record per mode that fits n CPU contexts: {"bench": "memory", "impl": mode, ...}."""
+def records(width, batch_size, n, commit):
+    """One record per mode that fits n CPU contexts: {"bench": "memory", "impl": mode, ...}, each
+    naming the machine and `commit` (the checkout's, from bench.command)."""
     cfg = RunConfig(cpus=n, width=width, batch_size=batch_size)
-    where = dict(machine(), commit=commit())
+    where = dict(machine(), commit=commit)
     return [dict(where, bench="memory", impl=mode, devices=n, width=width, batch=batch_size, memory=report)
             for mode, report in probe_modes(cfg, "cpu", n).items()]
 
@@ -29,9 +29,9 @@ def table(recs):
     return "\n".join([head] + rows)
 
 
-def run(out, width, batch_size, n):
+def run(out, width, batch_size, n, commit):
     """Measure, print the table, write OUT/memory.json; returns the records."""
-    recs = records(width, batch_size, n)
+    recs = records(width, batch_size, n, commit)
     if recs:
         r = recs[0]
         print(f"memory per context, measured ({r['memory'][next(iter(r['memory']))]['method']}, one scratch "
