@@ -1,5 +1,6 @@
 """The same LeNet, start and SGD updates in PyTorch (optional: `pip install -e .[bench]`), for the
-benchmark's comparison: one process using every core, or DistributedDataParallel over k processes."""
+benchmark's comparison: one process using every core, or DistributedDataParallel over k processes;
+and the same small vision transformer (manual_dp.models.transformer) for bench.transformer."""
 import os
 import time
 
@@ -90,3 +91,86 @@ def ddp(params, X, y, spec):
     for p in procs:
         p.join(timeout=30)
     return result
+
+
+# --- the vision transformer (manual_dp.models.transformer) ---------------------------------------
+def torch_transformer(params, layers, d_model, heads, mlp_ratio=2, patch=0):
+    """nn.Module of the same pre-norm vision transformer, holding copies of our numpy `params`
+    (flat order of models.build("transformer", ...); weights (out, in) as nn.Linear's, so copied
+    as they are); its ordered() lists its tensors in that order."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Block(nn.Module):
+        """x + Wo attn(LN(x)), then x + W2 relu(W1 LN(x)); q, k, v, o separate Linear(d, d)."""
+
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d_model, eps=1e-5), nn.LayerNorm(d_model, eps=1e-5)
+            self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model) for _ in range(4))
+            self.fc1, self.fc2 = nn.Linear(d_model, mlp_ratio * d_model), nn.Linear(mlp_ratio * d_model, d_model)
+
+        def ordered(self):
+            return [t for m in (self.ln1, self.q, self.k, self.v, self.o, self.ln2, self.fc1, self.fc2)
+                    for t in (m.weight, m.bias)]
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            a = self.ln1(x)
+            q, k, v = (f(a).view(B, T, heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+            h = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, d_model)
+            x = x + self.o(h)
+            return x + self.fc2(F.relu(self.fc1(self.ln2(x))))
+
+    class VisionTransformer(nn.Module):
+        """Tokens (rows, or patch x patch patches) -> Linear + positions -> blocks -> LN, mean, Linear."""
+
+        def __init__(self):
+            super().__init__()
+            side = 28 // patch if patch else 28
+            T, size = (side * side, patch * patch) if patch else (28, 28)
+            self.embed = nn.Linear(size, d_model)
+            self.pos = nn.Parameter(torch.zeros(T, d_model))
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.lnf, self.head = nn.LayerNorm(d_model, eps=1e-5), nn.Linear(d_model, 10)
+
+        def ordered(self):
+            return ([self.embed.weight, self.embed.bias, self.pos] + [t for b in self.blocks for t in b.ordered()]
+                    + [self.lnf.weight, self.lnf.bias, self.head.weight, self.head.bias])
+
+        def tokens(self, X):
+            if not patch:
+                return X.reshape(-1, 28, 28)
+            n = 28 // patch
+            h = X.reshape(-1, n, patch, n, patch).permute(0, 1, 3, 2, 4)
+            return h.reshape(-1, n * n, patch * patch)
+
+        def forward(self, X):
+            h = self.embed(self.tokens(X)) + self.pos
+            for block in self.blocks:
+                h = block(h)
+            return self.head(self.lnf(h).mean(dim=1))
+
+    net = VisionTransformer()
+    tensors = net.ordered()
+    if len(tensors) != len(params) or any(tuple(t.shape) != tuple(p.shape) for t, p in zip(tensors, params)):
+        raise ValueError("the parameters do not fit this transformer's sizes")
+    with torch.no_grad():
+        for t, p in zip(tensors, params):
+            t.copy_(torch.from_numpy(np.ascontiguousarray(p, dtype=np.float32)))
+    return net
+
+
+def transformer_params(net):
+    """numpy copies of a torch_transformer's tensors, in our flat order."""
+    return [t.detach().numpy().copy() for t in net.ordered()]
+
+
+def transformer_single_process(params, X, y, spec):
+    """(pass times, final params in our order) of SGD on torch_transformer in one process with
+    torch.set_num_threads(spec['threads']): spec['repeats'] + 1 passes over (X, y)."""
+    import torch
+    torch.set_num_threads(spec["threads"])
+    net = torch_transformer(params, spec["layers"], spec["d_model"], spec["heads"])
+    return train_passes(net, X, y, spec["batch"], spec["lr"], spec["repeats"] + 1), transformer_params(net)
