@@ -71,6 +71,11 @@ def check_model(cfg):
         raise UsageError(f"--patch must be 0 (rows) or divide 28, got {cfg.patch}")
     if cfg.heads and cfg.d_model and cfg.d_model % cfg.heads:
         raise UsageError(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model}")
+    if cfg.model == "resnet" and (cfg.mode != "sync" or cfg.deterministic or cfg.backend != "local"):
+        raise UsageError("--model resnet keeps BatchNorm's running statistics, which only --mode sync "
+                         "(without --deterministic, in one process) carries so far")
+    if cfg.sync_batchnorm and cfg.model != "resnet":
+        raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet), not --model {cfg.model}")
     if cfg.mode == "tensor" and cfg.deterministic and cfg.model != "lenet":
         raise UsageError(f"--deterministic --mode tensor cuts LeNet's channels into fixed pieces; not yet "
                          f"--model {cfg.model} (use --deterministic with sync or zero)")

@@ -12,7 +12,7 @@ from .fast.runtime import visible_gpus
 
 MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local", "tensor")
 OPTIMIZERS = ("sgd", "momentum", "adam")
-MODELS = ("lenet", "mlp", "transformer")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
+MODELS = ("lenet", "mlp", "transformer", "resnet")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
 TRANSFORMER = dict(layers=2, d_model=64, heads=4, patch=0)   # --model transformer's default sizes
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
 STAGES = 2                    # LeNet cut in two by default: convolutions | dense layers
@@ -60,6 +60,9 @@ class RunConfig:
                                       f"batch cut into pieces of {PIECE_ROWS} rows whose gradients are "
                                       "added in one fixed tree; one thread per op "
                                       "(manual_dp/strategies/deterministic.py)")
+    sync_batchnorm: bool = flag(False, "sync, --model resnet: BatchNorm statistics over every context's "
+                                       "shard (summed by hand), equal to one context; default: each "
+                                       "context its own, as Gluon computes them", "parallelism")
     check_replicas: Optional[int] = flag(None, "every N updates, compare checksums of every copy of the "
                                                "parameters (contexts, stages, processes); stop at the first "
                                                "difference")
@@ -158,6 +161,7 @@ APPLIES = {
     "graph": ("sync",),
     "no_autotune": ("sync", "zero"),
     "deterministic": ("sync", "zero", "tensor"),
+    "sync_batchnorm": ("sync",),
     "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor"),
     "zero_stage": ("zero",),
     "sync_every": ("local",),
@@ -173,15 +177,16 @@ APPLIES = {
     "compress": ("sync",),
 }
 # The model each size flag applies to (given for another: refused), and its default there.
-MODEL_APPLIES = {"width": ("lenet", "mlp"), "layers": ("transformer",), "d_model": ("transformer",),
+MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer",), "d_model": ("transformer",),
                  "heads": ("transformer",), "patch": ("transformer",)}
 # Settings that must match for --resume to continue the same run.
-RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
+RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "sync_batchnorm", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
             "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
             "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
 DEFAULTS_OF_NEWER_KEYS = {"model": "lenet", "layers": None, "d_model": None, "heads": None, "patch": None,
+                          "sync_batchnorm": False,
                           "width": 1, "sync_every": None, "outer_optimizer": None, "outer_lr": None,
                           "outer_momentum": None, "compress": "none"}
 

@@ -21,10 +21,12 @@ from .schedule import lr_at
 def evaluate(model, X, y, batch_size):
     """Accuracy of `model` on (X, y), every batch sharded over all its contexts.
 
-    In training mode, though nothing is recorded: in inference mode MXNet's oneDNN convolution
-    reorders a weight array in place into its blocked layout (once channels are a multiple of the
-    vector block, e.g. --width 2's 40), which breaks parameters that are views of a flat buffer.
-    LeNet has no dropout or batch norm, so the scores are the same."""
+    In MXNet's training mode, though nothing is recorded: in inference mode MXNet's oneDNN
+    convolution reorders a weight array in place into its blocked layout (once channels are a
+    multiple of the vector block, e.g. --width 2's 40), which breaks parameters that are views of
+    a flat buffer. Whether the model itself runs in inference mode is the strategy's: a model with
+    BatchNorm normalises with its running statistics in `correct` (models.batchnorm), whatever
+    MXNet's flag says."""
     with autograd.train_mode():
         total = sum(model.correct(nd.array(Xb), nd.array(yb))
                     for Xb, yb in batches(X, y, batch_size))

@@ -340,7 +340,7 @@ def test_cli_resume_of_another_model_is_refused_and_the_checkpoint_kept(capsys, 
     ("{dir}/m.py:seven", "gives \\(2, 7\\)"),
     ("{dir}/m.py:batchnorm", "keeps running statistics"),
     ("{dir}/broken.py:net", "failed to load \\(SyntaxError"),
-    ("transformerx", "choose lenet, mlp, transformer or PATH.py:FUNCTION"),
+    ("transformerx", "choose lenet, mlp, transformer, resnet or PATH.py:FUNCTION"),
 ])
 def test_cli_model_file_errors_are_one_line(capsys, data_dir, tmp_path, source, message):
     (tmp_path / "m.py").write_text("from mxnet.gluon import nn\n"
@@ -367,3 +367,119 @@ def test_cli_model_file_errors_are_one_line(capsys, data_dir, tmp_path, source, 
 def test_cli_model_flags_refused_in_one_line(capsys, data_dir, argv, message):
     code, _, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, *argv])
     assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+# Layers with state: BatchNorm's statistics ----------------------------------------------------------
+# lr 0.01: BatchNorm divides by the batch's standard deviation, so a channel whose variance is small
+# after a large first step (lr 0.05) amplifies the rounding of a different summation order ~1000x
+# in the second; at lr 0.01 every layout stays within the float32 rounding of one context.
+
+def resnet_after(strategy, n=24, steps=2, lr=0.01):
+    X, y = batch(n, 0)
+    for _ in range(steps):
+        strategy.step(X, y, lr)
+    return strategy.state_dict()
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    net = models.build("resnet")
+    P = net.init_params(0)
+    return net, P, resnet_after(DataParallel(P, cpus(1), "momentum", lesson=True, model=net))
+
+
+def close(got, want, tol=TOL):
+    scale = max(float(np.abs(w).max()) for w in want)
+    return max(float(np.abs(g - w).max()) for g, w in zip(got, want)) <= tol * scale
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("lesson", [True, False], ids=["lesson", "fast"])
+def test_sync_batchnorm_equals_one_context(resnet, k, lesson):
+    net, P, want = resnet
+    model = DataParallel(P, cpus(k), "momentum", lesson=lesson, model=net, sync_batchnorm=True)
+    got = resnet_after(model)
+    assert close(got["params"], want["params"])
+    assert close(got["extra"]["running"], want["extra"]["running"])
+    groups = model.fingerprints()
+    assert len({tuple(sums) for _, sums in groups["running statistics"]}) == 1   # every replica alike
+
+
+def test_per_context_batchnorm_is_each_shard_on_its_own(resnet):
+    """Without --sync-batchnorm, 2 contexts compute what one context computes on the two halves of
+    the batch, each normalised with its own statistics, gradients added (gradient accumulation)."""
+    net, P, want = resnet
+    per_context = resnet_after(DataParallel(P, cpus(2), "momentum", model=net), steps=1)
+    halves = GradAccum(DataParallel(P, cpus(1), "momentum", lesson=True, model=net), 2)
+    X, y = batch(24, 0)
+    halves.step(X[:12], y[:12], 0.01)
+    halves.step(X[12:], y[12:], 0.01)
+    assert close(per_context["params"], halves.state_dict()["params"])
+    whole = resnet_after(DataParallel(P, cpus(1), "momentum", model=net), steps=1)
+    assert not close(per_context["params"], whole["params"], 1e-3)    # the statistics do differ
+
+
+def test_evaluation_uses_the_running_statistics(resnet):
+    """In inference mode an example's scores do not depend on the rest of its batch."""
+    from manual_dp.models.batchnorm import Moments
+    net, P, _ = resnet
+    model = DataParallel(P, cpus(2), "momentum", model=net)
+    resnet_after(model)
+    X = nd.array(batch(10, 3)[0])
+    autograd.set_training(True)         # as loop.evaluate: oneDNN's inference mode reorders weight views in place
+    infer = lambda x: net.forward_group([x], [model.replicas[0]], Moments(False, model.running[:1]))[0].asnumpy()
+    np.testing.assert_allclose(infer(X)[:4], infer(X[:4]), rtol=1e-5, atol=1e-6)
+    train = lambda x: net.forward_group([x], [model.replicas[0]], Moments(True))[0].asnumpy()
+    assert not np.allclose(train(X)[:4], train(X[:4]), atol=1e-4)
+    Xn, yn = batch(10, 3)
+    want = (np.concatenate([infer(X[:5]), net.forward_group([X[5:]], [model.replicas[1]], Moments(False, model.running[1:]))[0].asnumpy()])
+            .argmax(1) == yn).sum()
+    autograd.set_training(False)
+    assert float(model.correct(nd.array(Xn), nd.array(yn)).asscalar()) == want
+
+
+def test_running_statistics_are_checkpointed_and_resume_exactly(resnet):
+    net, P, _ = resnet
+    X, y = batch(24, 0)
+    straight = DataParallel(P, cpus(2), "momentum", model=net, sync_batchnorm=True)
+    for _ in range(3):
+        straight.step(X, y, 0.01)
+    first = DataParallel(P, cpus(2), "momentum", model=net, sync_batchnorm=True)
+    first.step(X, y, 0.01)
+    state = first.state_dict()
+    resumed = DataParallel(P, cpus(2), "momentum", model=net, sync_batchnorm=True)
+    resumed.load_state_dict(state)
+    for _ in range(2):
+        resumed.step(X, y, 0.01)
+    for kind in ("params", "opt_state"):
+        assert digest(np.concatenate([np.ravel(a) for a in np.array(resumed.state_dict()[kind], dtype=object).ravel()])) == \
+            digest(np.concatenate([np.ravel(a) for a in np.array(straight.state_dict()[kind], dtype=object).ravel()]))
+    assert digest(resumed.state_dict()["extra"]["running"]) == digest(straight.state_dict()["extra"]["running"])
+    from manual_dp.errors import CheckpointError
+    with pytest.raises(CheckpointError, match="running statistics"):
+        DataParallel(P, cpus(1), "momentum", model=net).load_state_dict(dict(state, extra={}))
+
+
+def test_strategies_without_running_statistics_refuse_them(resnet):
+    net, P, _ = resnet
+    for make in (lambda: ZeroRedundancy(P, cpus(2), "momentum", 1, model=net),
+                 lambda: PipelineParallel(P, cpus(2), "momentum", 2, model=net),
+                 lambda: LocalSGD(P, cpus(2), "momentum", 2, model=net),
+                 lambda: DeterministicDataParallel(P, cpus(2), "momentum", model=net, conv_pad=1)):
+        with pytest.raises(ValueError, match="running statistics"):
+            make()
+
+
+def test_cli_resnet_with_sync_batchnorm_and_refusals(capsys, data_dir, tmp_path):
+    ck = tmp_path / "ck"
+    code, out, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, "--model", "resnet", "--sync-batchnorm",
+                                  "--checkpoint-dir", str(ck)])
+    assert code == 0 and "BatchNorm statistics over every context" in out, err
+    code, out, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, "--model", "resnet", "--sync-batchnorm",
+                                  "--checkpoint-dir", str(ck), "--resume", "--epochs", "2"])
+    assert code == 0 and "resumed" in out, err
+    for argv, message in ((["--model", "resnet", "--mode", "zero"], "only --mode sync"),
+                          (["--sync-batchnorm"], "--sync-batchnorm applies to models with BatchNorm"),
+                          (["--model", "mlp", "--sync-batchnorm", "--mode", "async"], "applies to models with BatchNorm")):
+        code, _, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, *argv])
+        assert code == 2 and len(err) == 1 and message in err[0], err

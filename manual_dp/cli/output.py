@@ -49,7 +49,7 @@ class Progress:
 def describe(cfg):
     """One line on what the mode does with these settings."""
     line = {"sync": f"sync: replicas in lock-step, gradients all-reduced ({cfg.allreduce}"
-                    f"{', fused' if cfg.fuse_grads else ''}{', cached graph' if cfg.graph else ''}"
+                    f"{', fused' if cfg.fuse_grads else ''}{', cached graph' if cfg.graph and cfg.model != 'resnet' else ''}"
                     f"{f', buckets of {cfg.bucket_mb:g} MB overlapping backward' if cfg.bucket_mb is not None else ''})",
             "async": f"async: master on the first context, replicas up to {cfg.staleness} updates stale",
             "model": "model: convs on the first context, dense layers on the second" if (cfg.stages or 2) == 2
@@ -79,6 +79,7 @@ def describe(cfg):
         line = (f"tensor, deterministic: layers split over {cfg.tensor_parallel or 'all'} context(s) per "
                 f"tensor group in {TENSOR_PIECES} fixed channel pieces, pieces of the batch and of the "
                 f"channels added in fixed trees, the same bits on any such layout and process count")
+    line += ", BatchNorm statistics over every context" if cfg.sync_batchnorm else ""
     return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
         f", {cfg.model} x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg) + compression(cfg)
 

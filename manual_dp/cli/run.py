@@ -100,7 +100,7 @@ def build_model(cfg, params, ctx, world):
             exchange=lambda table: world.allreduce(table, "tree" + "x".join(map(str, table.shape))), model=net) \
             if cfg.deterministic else \
             DataParallel(params, ctx, cfg.optimizer, compressed or reduce, cfg.fuse_grads, cfg.graph,
-                         conv_pad=pad, bucket_mb=bucket_mb, model=net)
+                         conv_pad=pad, bucket_mb=bucket_mb, model=net, sync_batchnorm=cfg.sync_batchnorm)
         if cfg.trace:
             model.trace(cfg.trace, algorithm=name)
         model = Compressed(model, compressed, cfg.compress, world) if compressed else model

@@ -55,6 +55,27 @@ class AllreduceIdentity(autograd.Function):
         return tuple(dy.copy() for dy in dys)
 
 
+class AllreduceAllreduce(autograd.Function):
+    """The sum on every context, forward and backward (each output depends on every input): the
+    statistics of --sync-batchnorm (models.batchnorm)."""
+
+    def __init__(self, allreduce):
+        super().__init__()
+        self.allreduce = allreduce
+
+    def forward(self, *xs):
+        return tuple(summed(xs, self.allreduce))
+
+    def backward(self, *dys):
+        return tuple(summed(dys, self.allreduce))
+
+
+def sum_everywhere(xs, allreduce):
+    """Every context's output holds the sum of `xs`; in backward, each x's gradient is the sum of
+    every output's gradient."""
+    return list(AllreduceAllreduce(allreduce)(*xs)) if len(xs) > 1 else list(xs)
+
+
 def f(xs, allreduce):
     """The same values as `xs` (one array per context of a tensor group); in backward, each x's
     gradient is the sum of the gradients of every context's output."""

@@ -3,7 +3,7 @@
 model they were handed (or, when none was, the lesson's LeNet of the parameters' width)."""
 from .contract import Model
 
-MODELS = ("lenet", "mlp", "transformer")      # or PATH.py:FUNCTION, the user's own Gluon block
+MODELS = ("lenet", "mlp", "transformer", "resnet")   # or PATH.py:FUNCTION, the user's own Gluon block
 
 
 def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=None, seed=0):
@@ -15,6 +15,9 @@ def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=No
     if name == "mlp":
         from .mlp import MLP
         return MLP(width)
+    if name == "resnet":
+        from .resnet import ResNet
+        return ResNet(width)
     if name == "transformer":
         from .transformer import Transformer
         return Transformer(layers, d_model, heads, patch=patch)
@@ -32,4 +35,13 @@ def as_model(model, params=None):
     return LeNet(max(first[0] // 20, 1))
 
 
-__all__ = ["MODELS", "Model", "build", "as_model"]
+def stateless(model, what):
+    """`model`, or ValueError (one line) if it keeps running statistics, which `what` (a strategy)
+    does not carry yet."""
+    if model.stats():
+        raise ValueError(f"{what} does not carry running statistics (BatchNorm) yet: --model {model.name} "
+                         f"trains with --mode sync")
+    return model
+
+
+__all__ = ["MODELS", "Model", "build", "as_model", "stateless"]

@@ -14,6 +14,9 @@ parameter list and declares:
     kind      what a strategy may do with it by hand: "conv" and "dense" (a weight and a bias, the
               lesson's layouts), anything else ("block", "embed", "head", "gluon") is run through
               autograd as a whole
+    stats     running statistics (Params of init "zeros" or "ones"): state that no gradient trains,
+              BatchNorm's running means and variances (models.batchnorm); a model with any runs
+              a step on all its contexts at once (Model.forward_group)
     split_forward   split_forward(hs, shards, join) -> hs: the layer on the T contexts of a tensor
               group, each holding its shards of the layer's parameters (Param.split), joined by
               Megatron's f and g (join.f, join.g); None: the layer runs whole on every context
@@ -62,6 +65,7 @@ class Layer:
     kind: str = "block"
     extra: dict = field(default_factory=dict, compare=False)
     split_forward: Optional[Callable] = None
+    stats: Tuple[Param, ...] = ()
 
 
 def draw(param, rng, scale=None):
@@ -107,6 +111,21 @@ class Model:
             start += len(layer.params)
         return out
 
+    def stats(self):
+        """Every running statistic, layer after layer (none for most models)."""
+        return [p for layer in self.layers for p in layer.stats]
+
+    def init_stats(self, ctx=None):
+        """The running statistics' initial values on `ctx` (zeros and ones: nothing is drawn)."""
+        import mxnet as mx
+        return [nd.array(draw(p, None), ctx=ctx or mx.cpu(0)) for p in self.stats()]
+
+    def forward_group(self, Xs, shards, moments):
+        """Class scores on every context of a data-parallel step at once, from each context's
+        images and parameters; `moments` (models.batchnorm.Moments) is what BatchNorms normalise
+        with. A model without running statistics runs each context on its own."""
+        return [self.forward(X, P) for X, P in zip(Xs, shards)]
+
     def n_params(self):
         return sum(p.size for p in self.params())
 
@@ -118,8 +137,11 @@ class Model:
 
     def describe(self):
         """What a checkpoint and a log record keep of the model: its name, sizes and table."""
-        return {"name": self.name, "config": dict(self.config),
-                "params": [[name, list(shape)] for name, shape in self.shapes()]}
+        out = {"name": self.name, "config": dict(self.config),
+               "params": [[name, list(shape)] for name, shape in self.shapes()]}
+        if self.stats():
+            out["stats"] = [[p.name, list(p.shape)] for p in self.stats()]
+        return out
 
     # -- values -------------------------------------------------------------------------------
     def init_params(self, seed=0, scale=None, ctx=None):

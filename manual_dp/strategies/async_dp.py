@@ -13,7 +13,7 @@ from mxnet import nd
 from ..config import RunConfig
 from ..errors import CheckpointError
 from ..lesson import forward_backward, get_params, n_correct, shard_sizes, split_and_load
-from ..models import as_model
+from ..models import as_model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
@@ -48,7 +48,7 @@ class AsyncDataParallel(Strategy):
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         self.ctx, self.optimizer, self.staleness = list(ctx), optimizer, staleness
-        self.net = as_model(model, params)
+        self.net = stateless(as_model(model, params), "--mode async")
         self.master = get_params(params, self.ctx[0])          # .grad: where pushes arrive
         self.master_states = init_states(self.master, optimizer)
         self.replicas = [get_params(params, c) for c in self.ctx]

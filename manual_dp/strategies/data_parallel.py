@@ -18,8 +18,10 @@ from ..fast.flat import FlatReplica
 from ..fast.graph import ModelGraph
 from ..fast.prefetch import host
 from ..fast.trace import Tracer
-from ..lesson import forward_backward, get_params, n_correct, shard_sizes, split_and_load, train_batch
+from ..fast.tensor_ops import sum_everywhere
+from ..lesson import cross_entropy, forward_backward, get_params, n_correct, shard_sizes, split_and_load, train_batch
 from ..models import as_model
+from ..models.batchnorm import Moments
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
@@ -60,16 +62,22 @@ class DataParallel(Strategy):
     or the lesson's with lesson=True. conv_pad: the graph's channel padding (manual_dp.fast.graph);
     None takes this machine's measured choice (manual_dp.fast.autotune). bucket_mb: None keeps one
     flat buffer (or none); a size in MB takes buckets of it instead (manual_dp.fast.buckets).
-    model: the network (manual_dp.models; None: the lesson's LeNet of the parameters' width).
+    model: the network (manual_dp.models; None: the lesson's LeNet of the parameters' width). A
+    model with running statistics (BatchNorm) runs every context's forward at once, imperatively
+    (models.batchnorm): statistics per context, or across them with sync_batchnorm.
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, allreduce_fn=None,
-                 fuse_grads=None, graph=None, lesson=False, conv_pad=None, bucket_mb=None, model=None):
+                 fuse_grads=None, graph=None, lesson=False, conv_pad=None, bucket_mb=None, model=None,
+                 sync_batchnorm=False):
         choice = LESSON_STEP if lesson else FAST_STEP
         fuse_grads = choice["fuse_grads"] if fuse_grads is None else fuse_grads
         graph = choice["graph"] if graph is None else graph
         self.ctx, self.optimizer, self.net = list(ctx), optimizer, as_model(model, params)
         self.allreduce_fn = allreduce_fn or make_allreduce(choice["allreduce"])
+        self.running = [self.net.init_stats(c) for c in self.ctx] if self.net.stats() else None
+        self.sync_batchnorm = sync_batchnorm and self.running is not None
+        graph = graph and self.running is None      # BatchNorm by hand has no symbolic form here
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
         self.buckets = Buckets(params, self.ctx, bucket_mb, optimizer, self.net.names()) if bucket_mb is not None else None
@@ -107,7 +115,7 @@ class DataParallel(Strategy):
 
     def step(self, X, y, lr):
         """The lesson's train_batch on the lesson's path; backward + update on the fast one."""
-        if not self.lesson_path:
+        if not self.lesson_path or self.running:
             return super().step(X, y, lr)
         self.t += 1
         return train_batch(X, y, self.replicas, self.ctx, lr, self.allreduce_fn,
@@ -122,7 +130,26 @@ class DataParallel(Strategy):
         if self.graph:
             return graph_forward_backward(self.graph, X_shards, y_shards, self.replicas,
                                           self.tracer and self.tracer.forward_done)
+        if self.running:
+            return self.stateful_forward_backward(X_shards, y_shards)
         return forward_backward(X_shards, y_shards, self.replicas, self.net.forward)
+
+    def moments(self, train, n=None):
+        """How this step's BatchNorms normalise (models.batchnorm): batch statistics, summed over
+        the contexts with sync_batchnorm, or (evaluation) the first n replicas' running ones."""
+        join = (lambda xs: sum_everywhere(xs, self.allreduce_fn)) if self.sync_batchnorm else None
+        return Moments(train, None if train else self.running[:n], join)
+
+    def stateful_forward_backward(self, X_shards, y_shards):
+        """Every context's forward at once (its BatchNorms may sum across contexts), one backward
+        for all; then the running statistics take the batch's, the same on every replica."""
+        moments = self.moments(True)
+        with autograd.record():
+            scores = self.net.forward_group(X_shards, self.replicas, moments)
+            losses = [cross_entropy(s, y) for s, y in zip(scores, y_shards)]
+        autograd.backward(losses)
+        moments.fold(self.running)
+        return [(l.sum(), n_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)]
 
     def update(self, lr, n_examples):
         self.t += 1
@@ -144,12 +171,19 @@ class DataParallel(Strategy):
     def correct(self, X, y):
         """Correct predictions on (X, y), sharded over every context (idle ones if X is tiny)."""
         ctx = self.ctx[:min(len(self.ctx), len(X))]
-        counts = [n_correct(self.net.forward(Xs, W), ys).copyto(ctx[0]) for Xs, ys, W in
-                  zip(split_and_load(X, ctx), split_and_load(y, ctx), self.replicas)]
+        Xs, ys = split_and_load(X, ctx), split_and_load(y, ctx)
+        with autograd.train_mode():        # oneDNN's inference mode reorders weight views in place (loop.evaluate)
+            scores = self.net.forward_group(Xs, self.replicas[:len(ctx)], self.moments(False, len(ctx))) \
+                if self.running else [self.net.forward(Xc, W) for Xc, W in zip(Xs, self.replicas)]
+        counts = [n_correct(s, yc).copyto(ctx[0]) for s, yc in zip(scores, ys)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
-        return {"replica": [fingerprint(c, W, self.net.names()) for c, W in zip(self.ctx, self.replicas)]}
+        out = {"replica": [fingerprint(c, W, self.net.names()) for c, W in zip(self.ctx, self.replicas)]}
+        if self.running:
+            names = [p.name for p in self.net.stats()]
+            out["running statistics"] = [fingerprint(c, R, names) for c, R in zip(self.ctx, self.running)]
+        return out
 
     def layout(self, batch_size):
         """Every context runs both stages on its shard of the batch."""
@@ -158,14 +192,31 @@ class DataParallel(Strategy):
 
     def arrays(self):
         params = [p for W in self.replicas for p in W]
-        states = [s for S in self.states for st in S for s in st]
+        states = [s for S in self.states for st in S for s in st] + [r for R in self.running or [] for r in R]
         return {"param": params, "grad": [p.grad for p in params], "state": states}
 
     def state_dict(self):
-        """Replica 0's parameters and optimiser state (every replica holds the same)."""
-        return host_state(self.replicas[0], self.states[0], self.t)
+        """Replica 0's parameters and optimiser state (every replica holds the same), and its
+        running statistics, if the model keeps any."""
+        extra = {"running": [r.asnumpy() for r in self.running[0]]} if self.running else {}
+        return host_state(self.replicas[0], self.states[0], self.t, **extra)
 
     def load_state_dict(self, state):
+        if self.running:
+            load_running(self.running, state, self.net)
         for W, S in zip(self.replicas, self.states):
             load_into(W, S, state)
         self.t = state["t"]
+
+
+def load_running(running, state, net):
+    """Every replica's running statistics from a state_dict's extra "running"; CheckpointError if
+    they are missing or do not fit the model."""
+    values = state.get("extra", {}).get("running")
+    shapes = [p.shape for p in net.stats()]
+    if values is None or [tuple(v.shape) for v in values] != shapes:
+        raise CheckpointError(f"the checkpoint holds no running statistics of {net.name}'s "
+                              f"{len(shapes)} BatchNorm arrays")
+    for R in running:
+        for r, v in zip(R, values):
+            r[:] = nd.array(v, ctx=r.context)

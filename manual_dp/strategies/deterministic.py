@@ -125,6 +125,9 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
                  rank=0, size=1, exchange=None, model=None):
         super().__init__(params, ctx, optimizer, allreduce_fn=lambda arrays: None, fuse_grads=True,
                          graph=graph, conv_pad=conv_pad, model=model)
+        if self.running:
+            raise ValueError("--deterministic cuts the batch into pieces of its own, whose BatchNorm "
+                             "statistics would differ: not for models with running statistics")
         for f in self.flat:
             f.mark("write")                              # each piece's backward overwrites
         self.piece, self.rank, self.size, self.exchange = piece, rank, size, exchange

@@ -26,7 +26,7 @@ from ..fast.collectives import make_allreduce
 from ..fast.flat import FlatReplica, views
 from ..fast.prefetch import host
 from ..lesson import forward_backward, n_correct, shard_sizes, split_and_load
-from ..models import as_model
+from ..models import as_model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
@@ -47,7 +47,7 @@ class LocalSGD(Strategy):
             raise ValueError(f"local SGD needs sync_every >= 1, outer_lr > 0 and an outer optimiser in "
                              f"{OUTER_OPTIMIZERS}: got {sync_every}, {outer_lr}, {outer_optimizer!r}")
         self.ctx, self.optimizer, self.sync_every = list(ctx), optimizer, sync_every
-        self.net = as_model(model, params)
+        self.net = stateless(as_model(model, params), "--mode local")
         self.outer_optimizer, self.outer_lr, self.outer_momentum = outer_optimizer, outer_lr, outer_momentum
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.flat = [FlatReplica(params, c) for c in self.ctx]           # W_k: (N,) and its views

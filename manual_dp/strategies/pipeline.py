@@ -6,7 +6,7 @@ from mxnet import autograd, nd
 from ..config import FAST_STEP, RunConfig
 from ..fast.collectives import make_allreduce
 from ..lesson import cross_entropy, n_correct, shard_sizes, split_and_load
-from ..models import as_model
+from ..models import as_model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
@@ -115,7 +115,7 @@ class PipelineParallel(Strategy):
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, micro_batches=1, allreduce_fn=None,
                  stages=2, schedule="gpipe", recompute=False, model=None):
-        self.net = as_model(model, params)
+        self.net = stateless(as_model(model, params), "model, pipeline and hybrid parallelism")
         if not 1 <= stages <= len(self.net.layers) or len(ctx) < stages or len(ctx) % stages:
             raise ValueError(f"{len(ctx)} contexts cannot be cut into {stages}-stage pipelines "
                              f"of {self.net.name}'s {len(self.net.layers)} layers")

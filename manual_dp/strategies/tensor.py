@@ -37,7 +37,7 @@ from ..fast.collectives import make_allreduce
 from ..fast.prefetch import host
 from ..fast.tensor_ops import f, g
 from ..lesson import cross_entropy, n_correct, split_and_load
-from ..models import as_model
+from ..models import as_model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
@@ -90,7 +90,7 @@ class TensorParallel(Strategy):
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
                  allreduce_fn=None, tp_allreduce=None, model=None):
-        self.ctx, self.optimizer, self.net = list(ctx), optimizer, as_model(model, params)
+        self.ctx, self.optimizer, self.net = list(ctx), optimizer, stateless(as_model(model, params), "--mode tensor")
         T = self.T = tensor_parallel or len(self.ctx)
         self.split, self.join = [p.split for p in self.net.params()], None
         refusal = self.net.tensor_refusal(T)

@@ -30,7 +30,7 @@ from ..fast.flat import FlatReplica, offsets, views
 from ..fast.prefetch import host
 from ..fast.sharded import ALL_GATHER, REDUCE_SCATTER, empty_shards
 from ..lesson import forward_backward, n_correct, shard_sizes, split_and_load
-from ..models import as_model
+from ..models import as_model, stateless
 from ..optim import OPTIMIZERS, init_states
 from ..replicas import fingerprint
 from . import zero_layers
@@ -64,7 +64,7 @@ class ZeroRedundancy(Strategy):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO has stages 1, 2 and 3, not {stage}")
         self.ctx, self.optimizer, self.stage, self.cross_sum, self.t = list(ctx), optimizer, stage, cross_sum, 0
-        self.shapes, self.net = [p.shape for p in params], as_model(model, params)
+        self.shapes, self.net = [p.shape for p in params], stateless(as_model(model, params), "--mode zero")
         self.layer_slices = self.net.slices()
         self.offsets = offsets(self.shapes)                  # each parameter's start, then N
         if not 0 < len(self.ctx) <= self.offsets[-1]:
