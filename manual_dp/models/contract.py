@@ -174,6 +174,13 @@ class Model:
                 [layer.forward(h, q, nd, [p.shape for p in q]) for h, q in zip(hs, own)]
         return hs
 
+    def tensor_traffic(self):
+        """[(what, elements per example, "forward" | "backward")]: what Megatron's f and g of
+        split_forward all-reduce per example and step (g sums partial outputs in the forward, f
+        the input gradients in the backward), so that communication is counted, not estimated.
+        By default each splitting layer's Layer.extra["traffic"]."""
+        return [t for layer in self.layers for t in layer.extra.get("traffic", ())]
+
     def tensor_refusal(self, T):
         """Why the model cannot be split over T contexts, in a few words; None if it can. By
         default: a split axis that T does not divide, or no layer that splits."""
@@ -221,6 +228,18 @@ def pair_roles(n_layers, splittable):
         else:
             i += 1
     return roles
+
+
+def pair_traffic(layers, roles, outputs):
+    """tensor_traffic of dense pairs: f on a column layer's input gradient (but the first layer's,
+    the images need none), g on a row layer's output; outputs[l]: layer l's output elements."""
+    out = []
+    for l, role in sorted(roles.items()):
+        if role == "column" and l:
+            out.append((f"f: {layers[l].name}'s input gradient", layers[l].inputs, "backward"))
+        elif role == "row":
+            out.append((f"g: {layers[l].name}'s partial output", outputs[l], "forward"))
+    return out
 
 
 def split_pairs(hs, shards, join, layers, slices, roles, column, row):

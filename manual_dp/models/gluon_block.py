@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from ..errors import UsageError
-from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, split_pairs
+from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, pair_traffic, split_pairs
 
 
 def load_block(spec):
@@ -57,6 +57,22 @@ def children(block):
     if isinstance(block, gluon.nn.HybridSequential) and len(block):
         return [block[i] for i in range(len(block))]
     return [block]
+
+
+def io_sizes(kids, block):
+    """[(input, output elements, forward FLOPs) per example] of each child, from one pass of a
+    dummy batch: a dense or convolution layer's FLOPs are 2 x its outputs x its weight's fan-in
+    (kinds it does not know count 0)."""
+    import mxnet as mx
+    from mxnet import nd
+    h, out = nd.zeros((2,) + IMAGE, ctx=mx.cpu(0)), []
+    for child in kids if len(kids) > 1 else [block]:
+        n_in = h.size // 2
+        h = child(h)
+        weight = getattr(child, "weight", None)
+        fan_in = int(np.prod(weight.shape[1:])) if weight is not None and None not in weight.shape else 0
+        out.append((n_in, h.size // 2, 2 * (h.size // 2) * fan_in))
+    return out
 
 
 def make_forward(symbol, names):
@@ -103,6 +119,7 @@ class GluonModel(Model):
         kids = children(block)
         self.dense = [child if isinstance(child, mx.gluon.nn.Dense) else None for child in kids]
         self.roles = pair_roles(len(kids), lambda i: self.dense[i] is not None)
+        sizes = io_sizes(kids, block)
         for i, child in enumerate(kids):
             symbol = child(mx.sym.var("data"))
             if symbol.list_auxiliary_states():
@@ -114,9 +131,14 @@ class GluonModel(Model):
             stable = [stable_name(i, child, n) for n in names]     # Gluon's own names count blocks made
             params = tuple(Param(s, tuple(values[n].shape), "given", split=axes.get(n)) for s, n in zip(stable, names))
             self.values.update({s: values[n] for s, n in zip(stable, names)})
-            layers.append(Layer(f"{i}:{type(child).__name__}", params, make_forward(symbol, names),
-                                kind="gluon", extra={"type": type(child).__name__}))
+            n_in, n_out, flops = sizes[i]
+            layers.append(Layer(f"{i}:{type(child).__name__}", params, make_forward(symbol, names), flops,
+                                n_in, 2 * n_out, kind="gluon", extra={"type": type(child).__name__}))
         self.layers = tuple(layers)
+        self.outputs = [s[1] for s in sizes]
+
+    def tensor_traffic(self):
+        return pair_traffic(self.layers, self.roles, self.outputs)
 
     def split_axes(self, i):
         """{parameter name: axis} that tensor parallelism cuts in child i (a Dense of a pair)."""

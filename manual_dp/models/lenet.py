@@ -85,6 +85,14 @@ class LeNet(Model):
                     for hj, p in zip(h, shards)])                                   # (B, 10) summed
         return [nd.broadcast_add(sj, p[7].reshape((1, -1))) for sj, p in zip(s, shards)]
 
+    def tensor_traffic(self):
+        """g on conv2's unpooled partial output, f on dense1's input gradient (conv2's pooled
+        output), g on the scores: per example and step."""
+        (c2, _, k, _), side = self.shapes()[2][1], (IMAGE[1] - 2) // 2 - self.shapes()[2][1][2] + 1
+        return [("g: conv2's partial output", c2 * side * side, "forward"),
+                ("f: dense1's input gradient", self.layers[2].inputs, "backward"),
+                ("g: the scores", self.shapes()[6][1][1], "forward")]
+
     def tensor_refusal(self, T):
         bad = [p.name for p in self.params() if p.split is not None and p.shape[p.split] % T]
         return f"{T} does not divide the split axis of {', '.join(bad)}" if bad else None

@@ -7,7 +7,7 @@ dense gradients and a pipeline's cuts apply to it as to LeNet's dense layers.
 from mxnet import nd
 
 from ..lesson import dense, relu
-from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, split_pairs
+from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, pair_traffic, split_pairs
 from .lenet import dense_layer, dense_relu_layer
 
 HIDDEN = (256, 128)
@@ -37,6 +37,9 @@ class MLP(Model):
         ReLU); the output layer whole."""
         return split_pairs(Xs, shards, join, self.layers, self.slices(), self.roles,
                            lambda l, h, p: relu(dense(h, p[0], p[1])), row)
+
+    def tensor_traffic(self):
+        return pair_traffic(self.layers, self.roles, [layer.acts // 3 for layer in self.layers])
 
     def tensor_refusal(self, T):
         bad = [p.name for p in self.params() if p.split is not None and p.shape[p.split] % T]

@@ -145,8 +145,12 @@ class Transformer(Model):
                   P("w2", (d, hidden), "lecun", hidden, 1), P("b2", (d,)))
         flops = 2 * T * (4 * d * d + 2 * d * hidden) + 2 * 2 * T * T * d
         acts = T * (11 * d + 3 * hidden) + 2 * (d // dh) * T * T
-        return Layer(f"block{l}", params, make_block(dh), flops, T * d, acts, "block", {"head_dim": dh},
-                     make_split_block(dh))
+        traffic = [(f"f: block{l} attention's input gradient", T * d, "backward"),
+                   (f"g: block{l} attention's partial output", T * d, "forward"),
+                   (f"f: block{l} MLP's input gradient", T * d, "backward"),
+                   (f"g: block{l} MLP's partial output", T * d, "forward")]
+        return Layer(f"block{l}", params, make_block(dh), flops, T * d, acts, "block",
+                     {"head_dim": dh, "traffic": traffic}, make_split_block(dh))
 
     @staticmethod
     def head_layer(T, d):
