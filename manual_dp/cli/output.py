@@ -81,7 +81,7 @@ def describe(cfg):
                 f"channels added in fixed trees, the same bits on any such layout and process count")
     line += ", BatchNorm statistics over every context" if cfg.sync_batchnorm else ""
     return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
-        f", {cfg.model} x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg) + compression(cfg)
+        f", {'LeNet' if cfg.model == 'lenet' else cfg.model} x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg) + compression(cfg)
 
 
 def pipeline_settings(cfg):
