@@ -192,6 +192,9 @@ def check_compress(cfg):
         return
     if cfg.fuse_grads is False:
         raise UsageError(f"--compress {cfg.compress} compresses the fused gradient buffer: drop --no-fuse-grads")
+    if cfg.bucket_mb is not None or cfg.trace:
+        raise UsageError(f"--compress {cfg.compress} compresses the one fused gradient buffer: not with "
+                         f"{'--bucket-mb' if cfg.bucket_mb is not None else '--trace'} (which cut it into buckets)")
     if cfg.backend == "dist_async":
         raise UsageError(f"--compress applies to summed gradients, not to --backend dist_async's "
                          f"parameter changes")

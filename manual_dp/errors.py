@@ -31,3 +31,12 @@ class ReplicaMismatchError(Exception):
 
 class DivergedError(Exception):
     """Training went non-finite: the loss or the parameters are NaN or infinite."""
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: like Ctrl-C's KeyboardInterrupt it unwinds every `with` block
+    (locks released, no file half-written) and ends the run with one line, exit 128 + signal."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum

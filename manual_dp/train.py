@@ -4,18 +4,30 @@ The flags are read first, without MXNet; then the thread settings for the device
 into the environment (manual_dp.fast.runtime), and only then does MXNet load, through manual_dp.cli.run.
 """
 import os
+import signal
 import sys
 
 from .cli.options import parse
 from .cli.output import fail, interrupted
 from .config import device_request
-from .errors import UsageError
-from .fast.runtime import configure
+from .errors import Terminated, UsageError
+from .fast.runtime import configure, environment_problem
+
+
+def terminate(signum, frame):
+    """SIGTERM, SIGHUP: raise Terminated in the main thread (manual_dp.cli.run ends the run)."""
+    raise Terminated(signum)
 
 
 def main(argv=None):
-    """Exits 0, or with one line on stderr: 2 for bad input, 1 for bad data, checkpoints or peers."""
+    """Exits 0, or with one line on stderr: 2 for bad input, 1 for bad data, checkpoints or peers,
+    3 for divergence, 130 for Ctrl-C, 128 + N for signal N (SIGTERM, SIGHUP)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, terminate)
     try:
+        problem = environment_problem()
+        if problem:
+            raise UsageError(problem)
         cfg = parse(argv)
         kind, n = device_request(cfg)
         configure(n if kind == "cpu" else 0, per_op=1 if cfg.deterministic else None)
@@ -26,6 +38,8 @@ def main(argv=None):
         sys.exit(fail(e, 2))
     except KeyboardInterrupt:             # Ctrl-C while MXNet is still loading
         interrupted()
+    except Terminated as e:
+        interrupted(e.signum)
     run_or_exit(cfg)
 
 

@@ -1,12 +1,14 @@
 """What the command line shows and writes: progress bar, one line per epoch, the JSON log."""
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
 from ..config import TENSOR_PIECES
 from ..errors import UsageError
+from ..fast.runtime import environment_problem
 
 
 def write_atomic(path, text):
@@ -115,13 +117,15 @@ def format_record(r, epochs):
     return line
 
 
-def interrupted():
-    """Ctrl-C: one line, then exit 130 at once. By now every `with` block has closed (the
-    checkpoint lock released, no file half-written); exiting through the interpreter's shutdown
-    instead let MXNet's engine end the process by SIGINT about one time in three."""
-    print("manual_dp.train: error: interrupted", file=sys.stderr, flush=True)
+def interrupted(signum=None, prog="manual_dp.train"):
+    """Ctrl-C (or signal `signum`: SIGTERM, SIGHUP): one line, then exit 130 (128 + signum) at once.
+    By now every `with` block has closed (the checkpoint lock released, no file half-written);
+    exiting through the interpreter's shutdown instead let MXNet's engine end the process by SIGINT
+    about one time in three."""
+    what = "interrupted" if signum is None else f"stopped by {signal.Signals(signum).name}"
+    print(f"{prog}: error: {what}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(130)
+    os._exit(130 if signum is None else 128 + signum)
 
 
 def fail(message, code, prog="manual_dp.train"):
@@ -131,8 +135,12 @@ def fail(message, code, prog="manual_dp.train"):
 
 
 def parsed_or_exit(parse, argv, prog):
-    """parse(argv): a command's checked arguments, or, for bad input, its one line and exit 2."""
+    """parse(argv): a command's checked arguments, or, for bad input (or thread variables MXNet
+    would abort on), its one line and exit 2."""
     try:
+        problem = environment_problem()
+        if problem:
+            raise UsageError(problem)
         return parse(argv)
     except UsageError as e:
         sys.exit(fail(e, 2, prog))

@@ -13,7 +13,7 @@ import numpy as np
 from .. import checkpoint, checks, config, memory
 from ..data import load_fashion_mnist, locate_data
 from ..errors import (CheckpointError, DataError, DistributedError, DivergedError, OutputError,
-                      ReplicaMismatchError, UsageError)
+                      ReplicaMismatchError, Terminated, UsageError)
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
 from ..fast.compress import make_reducer
@@ -152,22 +152,20 @@ def check_outputs(cfg):
         except OSError as e:
             raise UsageError(f"--checkpoint-dir {d}: cannot create it ({e.strerror})") from None
         writable(d, "--checkpoint-dir")
-    if cfg.log_json:
-        log = Path(cfg.log_json)
-        if log.is_dir():
-            raise UsageError(f"--log-json {log} is a directory, not a file")
-        if not log.parent.is_dir():
-            raise UsageError(f"--log-json {log}: the directory {log.parent} does not exist")
-        if cfg.checkpoint_dir and log.resolve().parent == Path(cfg.checkpoint_dir).resolve() and (
-                log.name in (checkpoint.NAME, checkpoint.LOCK) or log.name.startswith(checkpoint.TMP_PREFIX)):
-            raise UsageError(f"--log-json {log} would overwrite the checkpoint's own files")
-        writable(log.parent, "--log-json")
-    if cfg.trace:
-        trace = Path(cfg.trace)
-        if trace.is_dir() or not trace.parent.is_dir():
-            raise UsageError(f"--trace {trace}: " + ("is a directory, not a file" if trace.is_dir() else
-                                                     f"the directory {trace.parent} does not exist"))
-        writable(trace.parent, "--trace")
+    files = {flag: Path(path) for flag, path in (("--log-json", cfg.log_json), ("--trace", cfg.trace)) if path}
+    seen = {}
+    for flag, path in files.items():
+        if path.is_dir():
+            raise UsageError(f"{flag} {path} is a directory, not a file")
+        if not path.parent.is_dir():
+            raise UsageError(f"{flag} {path}: the directory {path.parent} does not exist")
+        if cfg.checkpoint_dir and path.resolve().parent == Path(cfg.checkpoint_dir).resolve() and (
+                path.name in (checkpoint.NAME, checkpoint.LOCK) or path.name.startswith(checkpoint.TMP_PREFIX)):
+            raise UsageError(f"{flag} {path} would overwrite the checkpoint's own files")
+        if path.resolve() in seen:
+            raise UsageError(f"{flag} {path} is also {seen[path.resolve()]}'s file: give each output its own path")
+        seen[path.resolve()] = flag
+        writable(path.parent, flag)
 
 
 def save_log(cfg, history):
@@ -299,3 +297,5 @@ def run_or_exit(cfg):
         sys.exit(fail(f"training diverged at {e}{kept}; try a lower --lr than {cfg.lr:g}", 3))
     except KeyboardInterrupt:
         interrupted()
+    except Terminated as e:
+        interrupted(e.signum)

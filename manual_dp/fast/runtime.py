@@ -71,6 +71,21 @@ def thread_env(cpu_contexts, cores=None, flags=None, per_op=None):
     return env
 
 
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MXNET_CPU_TEMP_COPY",
+                    "MXNET_GPU_TEMP_COPY")
+
+
+def environment_problem(environ=None):
+    """What is wrong with the thread variables MXNet reads when it loads (one line), or None: each
+    must be a whole number >= 1, or MXNet's C++ aborts the process (OMP_NUM_THREADS=abc)."""
+    environ = os.environ if environ is None else environ
+    for name in THREAD_VARIABLES:
+        value = environ.get(name)
+        if value is not None and not (value.strip().isdigit() and int(value) >= 1):
+            return f"the environment variable {name}={value!r} must be a whole number >= 1 (or unset)"
+    return None
+
+
 def visible_gpus():
     """How many GPUs MXNet will see, decided without loading it: the NVIDIA devices of this machine
     if a CUDA build of mxnet (mxnet-cu*) is installed, else none."""

@@ -1,0 +1,71 @@
+"""Issue 25 (faults round three), the training command's part: output paths that collide, flag
+combinations that used to raise deep inside, thread variables MXNet aborts on, and SIGTERM/SIGHUP
+ending a run with one line and a kept checkpoint."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from manual_dp import checkpoint
+from manual_dp.fast.runtime import environment_problem
+from manual_dp.train import main
+
+TINY = ["--train-size", "100", "--test-size", "64", "--batch-size", "32", "--no-progress", "--epochs", "1"]
+
+
+def run(capsys, argv):
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--compress", "2bit", "--bucket-mb", "0.1"], "not with --bucket-mb"),
+    (["--compress", "2bit", "--trace", "{t}/trace.json"], "not with --trace"),
+    (["--log-json", "{t}/same.json", "--trace", "{t}/same.json"], "--trace {t}/same.json is also --log-json's file"),
+    (["--checkpoint-dir", "{t}/ck", "--trace", "{t}/ck/checkpoint.npz"], "would overwrite the checkpoint's own files"),
+    (["--checkpoint-dir", "{t}/ck", "--trace", "{t}/ck/.lock"], "would overwrite the checkpoint's own files"),
+])
+def test_collisions_and_combinations_end_in_one_line(capsys, data_dir, tmp_path, argv, message):
+    argv = [a.format(t=tmp_path) for a in argv]
+    code, lines = run(capsys, ["--data-dir", str(data_dir), *TINY, *argv])
+    assert code == 2 and len(lines) == 1 and message.format(t=tmp_path) in lines[0], lines
+    assert not (tmp_path / "ck" / "checkpoint.npz").exists()
+
+
+@pytest.mark.parametrize("name,value", [("OMP_NUM_THREADS", "abc"), ("MXNET_CPU_TEMP_COPY", "abc"),
+                                        ("OPENBLAS_NUM_THREADS", "0"), ("OMP_NUM_THREADS", "-2")])
+def test_thread_variables_mxnet_would_abort_on_are_refused(name, value):
+    assert name in environment_problem({name: value})
+    assert environment_problem({name: "4"}) is None and environment_problem({}) is None
+
+
+@pytest.mark.parametrize("command", [["manual_dp.train"], ["manual_dp.plan", "--devices", "2", "--memory-per-device", "1G"]])
+def test_a_bad_thread_variable_ends_each_command_with_one_line(data_dir, command):
+    env = dict(os.environ, OMP_NUM_THREADS="abc")
+    done = subprocess.run([sys.executable, "-m", *command], env=env, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "OMP_NUM_THREADS='abc'" in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_end_a_run_with_one_line_and_the_checkpoint_kept(data_dir, tmp_path, sig):
+    ck = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-m", "manual_dp.train", "--data-dir", str(data_dir), "--cpus", "1",
+                             "--train-size", "600", "--batch-size", "16", "--epochs", "200", "--no-progress",
+                             "--checkpoint-dir", str(ck)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (ck / checkpoint.NAME).exists() and time.monotonic() < deadline:   # an epoch is saved
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    lines = [l for l in err.strip().splitlines() if not l.startswith("[")]    # MXNet's own log lines start with [
+    assert proc.returncode == 128 + sig and lines == [f"manual_dp.train: error: stopped by {sig.name}"], (proc.returncode, err)
+    checkpoint.load(ck)                                        # whole and readable
+    assert not list(ck.glob(checkpoint.TMP_PREFIX + "*"))
