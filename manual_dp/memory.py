@@ -53,15 +53,22 @@ def part_activation_elems(part, image=(1, 28, 28), shapes=None, model=None):
 
 def stage_activation_elems(image=(1, 28, 28), shapes=None, model=None):
     """Per-example element counts that each half of the model (its 2-stage cut: for LeNet the
-    convolutions and the dense layers) keeps for its backward; [whole, 0] for a one-layer model.
+    convolutions and the dense layers) keeps for its backward when one context runs both halves
+    (a data-parallel replica, a tensor rank); [whole, 0] for a one-layer model. Their sum counts
+    every layer's output once: the second half's input is the first half's output, already
+    counted there (a pipeline stage on a context of its own keeps a received copy: that is
+    part_activation_elems of its layers).
 
-    Counted: the half's input and every op's output (convolution, ReLU, pooling; dot, bias add,
+    Counted: the network's input and every op's output (convolution, ReLU, pooling; dot, bias add,
     ReLU, log-softmax, the picked loss), which autograd holds until the backward pass.
     """
     net = net_of(model, shapes)
     if len(net.layers) < 2:
         return [part_activation_elems((0,), image, shapes, net), 0]
-    return [part_activation_elems(cut, image, shapes, net) for cut in net.cuts(2)]
+    first, second = net.cuts(2)
+    pieces = piece_activation_elems(image, shapes, net)
+    return [part_activation_elems(first, image, shapes, net),
+            part_activation_elems(second, image, shapes, net) - pieces[second[0]][0]]
 
 
 def held_bytes(model):

@@ -58,10 +58,12 @@ def test_activations_by_hand():
     s = Setting(1, 8, "sgd")
     conv = 784 + 2 * 20 * 26 * 26 + 20 * 13 * 13 + 2 * 50 * 9 * 9 + 50 * 4 * 4   # input, conv, ReLU, pool x2
     dense = 800 + 3 * 128 + 3 * 10 + 1
-    assert stage_activation_elems() == [conv, dense]
-    assert memory(layout("data", 2), s)["activations"] == 4 * 4 * (conv + dense)       # 4 examples each
+    # one context running both halves keeps conv2's pooled output (800) once: as the convolutions'
+    # output, not again as the dense layers' input (it was counted twice before issue 21)
+    assert stage_activation_elems() == [conv, dense - 800]
+    assert memory(layout("data", 2), s)["activations"] == 4 * 4 * (conv + dense - 800)   # 4 examples each
     # tensor T=2, one group: priced as half the group's 8 examples on each rank (a floor)
-    assert memory(layout("tensor", 1, tp=2), s)["activations"] == 4 * 4 * (conv + dense)
+    assert memory(layout("tensor", 1, tp=2), s)["activations"] == 4 * 4 * (conv + dense - 800)
     gpipe = layout("pipeline", 1, pp=2, schedule="gpipe", micro=4)
     assert activation_elems(gpipe, s) == [8 * conv, 8 * dense]                          # all 8 micro-batches
     f1b = gpipe._replace(schedule="1f1b")                  # stage 0: 2 of 4 micro-batches, stage 1: 1
