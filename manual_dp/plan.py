@@ -1,15 +1,18 @@
 """`python -m manual_dp.plan`: every layout of N devices (data, ZeRO 1/2/3, tensor, pipelines on each
-schedule, and their products with data parallelism), with predicted memory per device and step
-time, those that fit marked, one recommended; --verify runs the top ones on CPU contexts.
+schedule, and their products with data parallelism) of any model, with predicted memory per device
+and step time, those that fit marked, one recommended, those the model cannot run named; --verify
+runs the top ones on CPU contexts.
 
     python -m manual_dp.plan --devices 4 --memory-per-device 300MiB --width 16 [--link nvlink] [--verify]
+    python -m manual_dp.plan --devices 8 --memory-per-device 1GiB --model transformer --layers 4 --d-model 256
 
 The models behind the numbers: manual_dp/planner/predict.py (docstring); docs/design.md "The planner".
 """
-from .checks import parse_bytes
+from . import config
+from .checks import check_model, parse_bytes
 from .cli.options import OneLineParser
 from .cli.output import parsed_or_exit
-from .config import OPTIMIZERS
+from .config import MODEL_APPLIES, MODELS, OPTIMIZERS, TRANSFORMER, RunConfig
 from .errors import UsageError
 from .fast.runtime import configure, machine
 
@@ -18,11 +21,19 @@ LINKS = ("pcie", "nvlink", "eth25", "eth100")
 
 def build_parser():
     p = OneLineParser(prog="python -m manual_dp.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=int, required=True, help="devices to lay LeNet out on")
+    p.add_argument("--devices", type=int, required=True, help="devices to lay the model out on")
     p.add_argument("--memory-per-device", required=True, help="bytes each device has, e.g. 300MiB, 2G")
-    p.add_argument("--width", type=int, default=1, help="LeNet's width multiplier (default 1)")
-    p.add_argument("--batch-size", type=int, default=256, help="global batch (default 256)")
-    p.add_argument("--optimizer", default="momentum", help="sgd, momentum or adam (default momentum)")
+    p.add_argument("--model", default=RunConfig.model, help=f"{', '.join(MODELS)} or PATH.py:FUNCTION, as "
+                                                            f"manual_dp.train takes it (default {RunConfig.model})")
+    p.add_argument("--width", type=int, default=RunConfig.width,
+                   help=f"{', '.join(MODEL_APPLIES['width'])}: the width multiplier (default {RunConfig.width})")
+    for flag in ("layers", "d_model", "heads", "patch"):
+        p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
+                       help=f"transformer: as manual_dp.train takes it (default {TRANSFORMER[flag]})")
+    p.add_argument("--batch-size", type=int, default=RunConfig.batch_size,
+                   help=f"global batch (default {RunConfig.batch_size})")
+    p.add_argument("--optimizer", default=RunConfig.optimizer,
+                   help=f"{', '.join(OPTIMIZERS)} (default {RunConfig.optimizer})")
     p.add_argument("--link", default="pcie", help=f"{', '.join(LINKS)} (default pcie): the link of "
                                                   "manual_dp.costmodel.LINKS the devices share")
     p.add_argument("--verify", action="store_true", help="run the top layouts on CPU contexts, a few steps each")
@@ -47,14 +58,39 @@ def parse(argv):
     if args.plot and not args.verify:
         raise UsageError("--plot draws what --verify measured: add --verify")
     args.memory_per_device = parse_bytes(args.memory_per_device)
+    return model_sizes(args)
+
+
+def model_sizes(args):
+    """`args` with the model's sizes checked as manual_dp.train checks them (a size flag of another
+    model refused) and the transformer's defaults filled in; UsageError otherwise."""
+    sizes = {k: getattr(args, k) for k in ("model", "width", "layers", "d_model", "heads", "patch")}
+    for flag in ("layers", "d_model", "heads"):
+        if sizes[flag] is not None and sizes[flag] < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {sizes[flag]}")
+    cfg = RunConfig(**sizes)
+    check_model(cfg)
+    cfg = config.resolve(cfg)
+    for k in sizes:
+        setattr(args, k, getattr(cfg, k))
     return args
+
+
+def network(args):
+    """The models.Model the arguments name (MXNet loads here); UsageError for sizes it cannot take."""
+    from .models import build
+    try:
+        return build(args.model, args.width, args.layers, args.d_model, args.heads, args.patch, RunConfig.seed)
+    except ValueError as e:
+        raise UsageError(f"--model {args.model}: {e}") from None
 
 
 def main(argv=None):
     args = parsed_or_exit(parse, argv, "manual_dp.plan")
     configure(args.devices)                     # thread settings before MXNet loads
+    net = parsed_or_exit(network, args, "manual_dp.plan")
     from .planner.report import run
-    print(run(args, machine()))
+    print(run(args, machine(), net))
 
 
 if __name__ == "__main__":

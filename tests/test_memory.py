@@ -4,6 +4,7 @@ growing with width and batch as it must; --memory-per-device refuses what does n
 import dataclasses
 import json
 import os
+import re
 
 import mxnet as mx
 import numpy as np
@@ -91,6 +92,43 @@ def test_limit_names_the_excess_and_the_modes_that_fit(monkeypatch):
                                          r"\(measured\), 1.0 MiB more than 2.0 MiB; modes that fit, with their default .*: model$"):
         memcheck.check_limit(cfg, report, "cpu", 2)
     memcheck.check_limit(dataclasses.replace(cfg, memory_per_device="3MiB"), report, "cpu", 2)   # fits: silent
+
+
+@pytest.mark.parametrize("model, sizes", [(["transformer", "--layers", "1", "--d-model", "16", "--heads", "2"],
+                                           "--layers, --d-model, --heads, --patch"), (["mlp"], "--width")])
+def test_memory_per_device_on_any_model(data_dir, model, sizes):
+    """Too little memory for a transformer or an MLP: one line, exit 2, naming the modes that fit
+    or, if none, the model's own size flags (not LeNet's --width for the transformer)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "manual_dp.train", "--model"] + model + [
+                          "--memory-per-device", "64KiB", "--cpus", "2", "--batch-size", "16", "--train-size", "32",
+                          "--test-size", "16", "--epochs", "1", "--no-progress", "--data-dir", str(data_dir)],
+                         capture_output=True, text=True, timeout=300)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(err) == 1, out.stderr
+    assert err[0].startswith("manual_dp.train: error: --memory-per-device 64KiB: --mode sync needs "), err
+    assert err[0].endswith("no mode fits these contexts: use more contexts or a smaller --batch-size, or a "
+                           f"smaller model ({sizes})"), err
+
+
+@pytest.mark.parametrize("model, hint", [("lenet", ", or a smaller model (--width)"),
+                                         ("mlp", ", or a smaller model (--width)"), ("block.py:net", "")])
+def test_no_mode_fits_names_the_model_s_own_size_flags(monkeypatch, model, hint):
+    monkeypatch.setattr(memcheck, "probe_modes", lambda cfg, kind, n: {})
+    cfg = dataclasses.replace(RunConfig(cpus=2, model=model), memory_per_device="1MiB")
+    with pytest.raises(UsageError, match=re.escape(f"no mode fits these contexts: use more contexts or a "
+                                                   f"smaller --batch-size{hint}") + "$"):
+        memcheck.check_limit(cfg, {"cpu(0)": {"peak_bytes": 2 << 20}}, "cpu", 2)
+
+
+def test_a_model_with_running_statistics_probes_sync_alone(monkeypatch):
+    """resnet's other modes refuse it (checks.check_model): no process is started for them."""
+    started = []
+    monkeypatch.setattr(memcheck, "start_probe", lambda cfg, kind, n: started.append(cfg.mode))
+    monkeypatch.setattr(memcheck, "read_probe", lambda proc: None)
+    memcheck.probe_modes(resolve(RunConfig(cpus=2, model="resnet")), "cpu", 2)
+    assert started == ["sync"]
 
 
 def test_generous_limit_trains_and_reports_memory(capsys, tmp_path, data_dir):

@@ -62,13 +62,16 @@ def read_probe(proc):
 
 
 def probe_modes(cfg, kind, n):
-    """{mode: report} for every mode that can be laid out on n contexts, each measured in its own
-    fresh process (started together, read in turn)."""
+    """{mode: report} for every mode that can be laid out on n contexts and run cfg's model (a
+    model with running statistics: sync alone), each measured in its own fresh process (started
+    together, read in turn)."""
     procs = {}
     for mode in config.MODES:
         other = as_mode(cfg, mode)
         try:
-            checks.check_layout(other, n) if other else None
+            if other:
+                checks.check_model(other)
+                checks.check_layout(other, n)
         except UsageError:
             other = None
         if other:
@@ -104,4 +107,13 @@ def check_limit(cfg, report, kind, n):
         f"--memory-per-device {cfg.memory_per_device}: --mode {cfg.mode} needs {memory.format_bytes(most)} on "
         f"{where} (measured), {memory.format_bytes(most - limit)} more than {memory.format_bytes(limit)}; "
         + (f"modes that fit, with their default settings (measured likewise): {', '.join(fits)}" if fits else
-           "no mode fits these contexts: use more contexts, a smaller --batch-size or --width"))
+           f"no mode fits these contexts: {shrink(cfg)}"))
+
+
+def shrink(cfg):
+    """What would make cfg's run smaller: more contexts, a smaller batch, and the size flags of its
+    model (manual_dp.config.MODEL_APPLIES: --width for LeNet, --layers, --d-model... for the
+    transformer; none for a user's block)."""
+    kind = cfg.model if cfg.model in config.MODELS else "PATH.py:FUNCTION"
+    sizes = [f"--{name.replace('_', '-')}" for name, models in config.MODEL_APPLIES.items() if kind in models]
+    return "use more contexts or a smaller --batch-size" + (f", or a smaller model ({', '.join(sizes)})" if sizes else "")

@@ -5,13 +5,18 @@ A Layout names how the N devices are used: dp data-parallel replicas, each of tp
 pp pipeline stages (dp * tp * pp = N). KINDS is the registry: per kind, how to predict its memory
 and time (planner/predict.py) and the train flags that run it; a kind whose strategy exists also
 has a builder in planner/verify.py's BUILDERS.
+
+Which layouts a model can run, it says itself (models.contract): tensor groups of T that
+Model.tensor_refusal accepts, pipelines of at most as many stages as it has layers, and for a
+model with running statistics (BatchNorm) data parallelism alone, the one strategy that carries them.
 """
 from collections import namedtuple
 
+from ..config import MODE_DEFAULTS
+
 Layout = namedtuple("Layout", "kind dp tp pp zero_stage schedule micro recompute")
 
-MAX_STAGES = 4          # LeNet's four weighted layers (strategies/stages.py CUTS)
-MICRO_BATCHES = 4       # micro-batches per pipeline (config.MODE_DEFAULTS)
+MICRO_BATCHES = MODE_DEFAULTS["micro_batches"]       # micro-batches per pipeline
 
 
 def layout(kind, dp, tp=1, pp=1, zero_stage=None, schedule=None, micro=1, recompute=False):
@@ -54,16 +59,50 @@ def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(devices, batch_size, width=1):
-    """Every layout of `devices` devices whose replicas each get at least one example (and each
-    micro-batch at least one), in a fixed order. Tensor groups of T need T to divide the split
-    axes (strategies/tensor.py SPLIT: conv1's 20W channels, the 128W hidden units)."""
-    out = [layout("data", devices)] + [layout("zero", devices, zero_stage=s) for s in (1, 2, 3)]
-    out += [layout("tensor", devices // t, tp=t) for t in divisors(devices)
-            if t > 1 and (20 * width) % t == 0 and (128 * width) % t == 0]
-    for s in (d for d in divisors(devices) if 1 < d <= MAX_STAGES):
+def model_of(width=1, model=None):
+    """The models.Model laid out: `model`, or the lesson's LeNet of `width`."""
+    if model is not None:
+        return model
+    from ..models.lenet import LeNet
+    return LeNet(width)
+
+
+def candidates(devices, batch_size, net):
+    """[(layout, why net cannot run it, or None)] for every layout of `devices` devices whose
+    replicas each get at least one example (and each micro-batch at least one), in a fixed order."""
+    stats = (f"{net.name} keeps BatchNorm's running statistics, which only data parallelism "
+             f"(--mode sync) carries") if net.stats() else None
+    out = [(layout("data", devices), None)] + [(layout("zero", devices, zero_stage=s), stats) for s in (1, 2, 3)]
+    out += [(layout("tensor", devices // t, tp=t), stats or net.tensor_refusal(t)) for t in divisors(devices)[1:]]
+    for s in divisors(devices)[1:]:
         dp = devices // s
         micro = min(MICRO_BATCHES, max(1, batch_size // dp))
-        out += [layout("pipeline", dp, pp=s, schedule=sched, micro=micro, recompute=rc)
+        why = stats or (f"{net.name} has {len(net.layers)} layers to cut between" if s > len(net.layers) else None)
+        out += [(layout("pipeline", dp, pp=s, schedule=sched, micro=micro, recompute=rc), why)
                 for sched in ("gpipe", "1f1b") for rc in (False, True)]
-    return [l for l in out if batch_size >= l.dp]
+    return [(l, why) for l, why in out if batch_size >= l.dp]
+
+
+def enumerate_layouts(devices, batch_size, width=1, model=None):
+    """Every layout of `devices` devices that the model (default LeNet of `width`) can run and whose
+    replicas each get at least one example (and each micro-batch at least one), in a fixed order."""
+    return [l for l, why in candidates(devices, batch_size, model_of(width, model)) if not why]
+
+
+def family(l):
+    """A left-out layout's name without its schedule: "zero2", "tensor T=8", "pipeline S=8 x dp 2"."""
+    if l.kind == "pipeline":
+        return f"pipeline S={l.pp}" + (f" x dp {l.dp}" if l.dp > 1 else "")
+    return name(l)
+
+
+def left_out(devices, batch_size, width=1, model=None):
+    """One line naming the layouts the model cannot run and why (pipelines by depth, every schedule
+    alike); None if it runs them all."""
+    why_of = {}
+    for l, why in candidates(devices, batch_size, model_of(width, model)):
+        if why and family(l) not in why_of.setdefault(why, []):
+            why_of[why].append(family(l))
+    if not why_of:
+        return None
+    return "left out: " + "; ".join(f"{', '.join(names)} ({why})" for why, names in why_of.items())

@@ -1,53 +1,61 @@
-"""The planner's predictions for a layout (planner/layouts.py): bytes on the busiest device, and
-seconds per step.
+"""The planner's predictions for a layout (planner/layouts.py) of a model (models.contract): bytes on
+the busiest device, and seconds per step. Every count is read off the model's layers: parameter
+sizes from Layer.params, stages from Model.cuts, tensor shards from each Param's split, FLOPs from
+Layer.flops, activations from Layer.inputs and Layer.acts (manual_dp.memory), tensor traffic from
+Model.tensor_traffic.
 
 Memory, per device, in float32 bytes (4 a number), for a model of N parameters:
   parameters + gradients + optimiser state (sgd 0, momentum 1, adam 2 copies of the parameters),
-    data       N + N + cN on every device
+    data       N + N + cN on every device (and the running statistics of a model with BatchNorm)
     zero 1     N + N + c n_i        (n_i: device i's shard of the flat vector, fast.collectives.chunk_bounds)
     zero 2     N + n_i + c n_i      plus the gradient pieces a layer's reduce-scatter holds
-    zero 3     n_i + n_i + c n_i    plus the layer gathered (and its gradient, for a convolution)
-    tensor     (2 + c) x (split parameters / T + the unsplit biases b2, b4)   (strategies/tensor.py SPLIT)
-    pipeline   P_s + P_s + c P_s    (P_s: the parameters of stage s, strategies/stages.py CUTS)
-  ZeRO's transients are hand-counted from strategies/zero_layers.py: the moments of a step (each
-  layer's fetch, each reduce of a shard's piece) and what each device holds then; the moment with
-  the most bytes over all devices is the peak (as ZeroRedundancy's Peak picks it).
-  Activations per example from the layer shapes (memory.stage_activation_elems for a whole
-  network, memory.part_activation_elems for a stage's pieces), times the examples held at the peak:
-  data and ZeRO the device's shard of the batch; tensor 1/T of the group's examples' (a floor, as
-  TensorParallel.layout prices it: the pooled conv2 output and the scores are whole on every rank); pipelines the micro-batches the schedule holds on stage s: GPipe all of the
+    zero 3     n_i + n_i + c n_i    plus the layer gathered (and its gradient, where autograd makes it)
+    tensor     (2 + c) x (split parameters / T + the unsplit ones)   (Param.split)
+    pipeline   P_s + P_s + c P_s    (P_s: the parameters of stage s's layers, Model.cuts)
+  ZeRO's transients are counted from strategies/zero_layers.py: the moments of a step (each
+  layer's fetch; in the backward the layer fetched again, with its whole gradient unless a dense
+  layer's is made by hand, a piece at a time; each reduce of a shard's piece) and what each device
+  holds then; the moment with the most bytes over all devices is the peak (as ZeroRedundancy's
+  Peak picks it).
+  Activations per example (memory.stage_activation_elems for a whole network on one device, each
+  layer's output once; memory.part_activation_elems for a stage's layers and its received input),
+  times the examples held at the peak: data and ZeRO the device's shard of the batch; tensor 1/T
+  of the group's examples' (a floor, as TensorParallel.layout prices it: what g joins is whole on
+  every rank); pipelines the micro-batches the schedule holds on stage s: GPipe all of the
   replica's shard, 1F1B the first min(S - s, M); with recompute those micro-batches' stage inputs
   plus every activation of one micro-batch.
 Not counted: MXNet's workspace, the optimiser's and the collectives' temporaries, the batch itself.
 
 Time, per step, no overlap of compute and communication:
-  compute = FLOPs (flops.layer_macs for the width; backward twice forward but for the first layer's
-  input gradient) of the busiest device / the device's rate (ZeRO 2 and 3 forward layers 0-2 once
-  more, recompute each stage once more); pipelines take (M + S - 1) ticks of the slowest stage,
-  the S - 1 extra ones being the bubble. Communication priced by costmodel's alpha-beta terms:
+  compute = FLOPs (Layer.flops; backward twice forward but for the first layer's input gradient)
+  of the busiest device / the device's rate (ZeRO 2 and 3 forward layers 0..L-2 once more,
+  recompute each stage once more); pipelines take (M + S - 1) ticks of the slowest stage, the
+  S - 1 extra ones being the bubble. Communication priced by costmodel's alpha-beta terms:
   data one ring all-reduce of 4N bytes; ZeRO 1 a reduce-scatter and an all-gather (each half a
   ring all-reduce); ZeRO 2 one reduce-scatter per layer and an all-gather; ZeRO 3 an all-gather per
-  layer in forward and backward and a reduce-scatter per layer; tensor (Megatron: a column- then a
-  row-parallel layer per pair) an all-reduce of each pair's output in forward and of its input
-  gradient in backward, then the data-parallel all-reduce of 4N/T bytes; pipelines the boundary
-  copies (activation forward, gradient back, per micro-batch) and each stage's all-reduce over dp.
+  layer in forward (but the last) and backward and a reduce-scatter per layer; tensor one ring
+  all-reduce over the tensor group of n x elements x 4 bytes per entry of Model.tensor_traffic
+  (Megatron's g on a row-parallel layer's partial output in forward, f on a column-parallel
+  layer's input gradient in backward; LeNet: 4,050 + 800 + 10 values an example), then the
+  data-parallel all-reduce of 4N/T bytes; pipelines the boundary copies (activation forward,
+  gradient back, per micro-batch) and each stage's all-reduce over dp.
 On CPU contexts (--verify) the devices share one machine: their work runs one after another
 (measured: 8 contexts took as long as 8 one-context steps on their shares), so compute is every
 device's FLOPs over the measured rate of one device's share, with no bubble.
 """
-import math
 from collections import namedtuple
 
 from .. import costmodel
 from ..fast.collectives import chunk_bounds
-from ..flops import layer_macs
-from ..lesson import lenet_shapes, shard_sizes
+from ..lesson import shard_sizes
 from ..memory import FLOAT_BYTES, part_activation_elems, piece_activation_elems, stage_activation_elems
-from ..strategies.stages import CUTS
-from ..strategies.tensor import SPLIT
+from ..strategies.zero_layers import hand_made
+from .layouts import model_of
 
 OPT_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
-Setting = namedtuple("Setting", "width batch optimizer")
+# What is laid out: `model` (a models.Model; None: the lesson's LeNet of `width`), the global batch
+# and the optimiser.
+Setting = namedtuple("Setting", "width batch optimizer model", defaults=(None,))
 # A device type: FLOP/s it sustains, the link's latency (s) and s/byte, whether devices share cores.
 Device = namedtuple("Device", "name rate alpha beta shared")
 GPU_RATE = 5e12   # stated: a V100-class GPU at about a third of its 15.7 TFLOP/s fp32 peak on LeNet's layers
@@ -67,19 +75,26 @@ def cpu(rate):
     return Device(f"CPU contexts sharing {rate / 1e9:.1f} GFLOP/s", rate, CPU_LINK[0], 1 / CPU_LINK[1], True)
 
 
-def layer_sizes(width):
-    """Parameters of each weighted layer (W and b): conv1, conv2, dense1, dense2."""
-    sizes = [math.prod(shape) for _, shape in lenet_shapes(width)]
-    return [sizes[2 * l] + sizes[2 * l + 1] for l in range(4)]
+def net_of(setting):
+    """The models.Model the setting lays out: its model, or the lesson's LeNet of its width."""
+    return model_of(setting.width, setting.model)
 
 
-def zero_moments(stage, layers, bounds):
-    """The transient elements each device holds at each moment of a ZeRO 2/3 step, in step order."""
-    k, starts = len(bounds) - 1, [sum(layers[:l]) for l in range(5)]
-    moments = [[layers[l]] * k for l in range(3)] if stage == 3 else []     # forward fetches
-    for l in reversed(range(4)):
-        if stage == 3 or l < 2:          # fetched parameters (stage 3), a convolution's gradient
-            moments.append([layers[l] * ((stage == 3) + (l < 2))] * k)
+def layer_sizes(net):
+    """Parameters of each layer of the model (Layer.params), in order."""
+    return [sum(p.size for p in layer.params) for layer in net.layers]
+
+
+def zero_moments(stage, net, bounds):
+    """The transient elements each device holds at each moment of a ZeRO 2/3 step, in step order
+    (strategies/zero_layers.py): the largest moment over all devices."""
+    layers, k, L = layer_sizes(net), len(bounds) - 1, len(net.layers)
+    starts = [sum(layers[:l]) for l in range(L + 1)]
+    moments = [[layers[l]] * k for l in range(L - 1)] if stage == 3 else []   # forward fetches
+    for l in reversed(range(L)):
+        grad = not hand_made(net.layers[l], l == L - 1)    # autograd holds the layer's gradient whole
+        if stage == 3 or grad:            # fetched parameters (stage 3), the gradient beside them
+            moments.append([layers[l] * ((stage == 3) + grad)] * k)
         for i in range(k):               # one reduce per owner's piece: a piece everywhere, twice on i
             piece = max(0, min(bounds[i + 1], starts[l + 1]) - max(bounds[i], starts[l]))
             if piece:
@@ -89,20 +104,20 @@ def zero_moments(stage, layers, bounds):
 
 def per_device_state(l, setting):
     """[(parameter + gradient + state elements, transient elements)] per device of one replica."""
-    layers, c = layer_sizes(setting.width), OPT_COPIES[setting.optimizer]
+    net, c = net_of(setting), OPT_COPIES[setting.optimizer]
+    layers = layer_sizes(net)
     n = sum(layers)
-    if l.kind == "data":
-        return [((2 + c) * n, 0)] * l.dp
-    if l.kind == "tensor":      # split parameters 1/T each (SPLIT), the others whole on every rank
-        sizes = [math.prod(shape) for _, shape in lenet_shapes(setting.width)]
-        kept = sum(size // l.tp if axis is not None else size for size, axis in zip(sizes, SPLIT))
+    if l.kind == "data":        # and the running statistics (BatchNorm's), on every replica
+        return [((2 + c) * n + sum(p.size for p in net.stats()), 0)] * l.dp
+    if l.kind == "tensor":      # split parameters 1/T each (Param.split), the others whole on every rank
+        kept = sum(p.size // l.tp if p.split is not None else p.size for p in net.params())
         return [((2 + c) * kept, 0)] * l.tp
     if l.kind == "pipeline":
-        return [((2 + c) * sum(layers[p] for p in pieces), 0) for pieces in CUTS[l.pp]]
+        return [((2 + c) * sum(layers[p] for p in pieces), 0) for pieces in net.cuts(l.pp)]
     bounds = chunk_bounds(n, l.dp)
     shards = [b - a for a, b in zip(bounds, bounds[1:])]
     keep = {1: lambda s: 2 * n + c * s, 2: lambda s: n + (1 + c) * s, 3: lambda s: (2 + c) * s}[l.zero_stage]
-    moment = zero_moments(l.zero_stage, layers, bounds) if l.zero_stage > 1 else [0] * l.dp
+    moment = zero_moments(l.zero_stage, net, bounds) if l.zero_stage > 1 else [0] * l.dp
     return [(keep(s), m) for s, m in zip(shards, moment)]
 
 
@@ -116,18 +131,17 @@ def held_examples(l, n, s):
 
 def activation_elems(l, setting):
     """Activation elements held at the peak by each device of replica 0 (the largest shard)."""
-    n = shard_sizes(setting.batch, l.dp)[0]
-    shapes = [shape for _, shape in lenet_shapes(setting.width)]
-    whole = sum(stage_activation_elems(shapes=shapes))
+    net, n = net_of(setting), shard_sizes(setting.batch, l.dp)[0]
+    whole = sum(stage_activation_elems(model=net))            # every layer's output once
     if l.kind in ("data", "zero"):
         return [whole * m for m in shard_sizes(setting.batch, l.dp)]
     if l.kind == "tensor":      # TensorParallel.layout's floor: 1/T of the group's examples' activations
         return [whole * k for k in shard_sizes(n, l.tp)] if n >= l.tp else [whole] * n + [0] * (l.tp - n)
     out = []
-    for s, pieces in enumerate(CUTS[l.pp]):
+    for s, pieces in enumerate(net.cuts(l.pp)):
         held, biggest = held_examples(l, n, s)
-        full = part_activation_elems(pieces, shapes=shapes)
-        out.append(held * part_activation_elems(("input", pieces[0]), shapes=shapes) + biggest * full
+        full = part_activation_elems(pieces, model=net)        # with the stage's received input
+        out.append(held * part_activation_elems(("input", pieces[0]), model=net) + biggest * full
                    if l.recompute else held * full)
     return out
 
@@ -146,56 +160,68 @@ def half(k, nbytes, dev):
     return costmodel.allreduce_time("ring", k, nbytes, dev.alpha, dev.beta) / 2
 
 
-def stage_flops(width, pieces, recompute):
-    """FLOPs per example of a stage of `pieces`: forward, backward (no input gradient for layer 0),
-    and the forward again under recompute."""
-    macs = layer_macs(shapes=[shape for _, shape in lenet_shapes(width)])
-    forward = sum(2 * macs[p] for p in pieces)
-    backward = sum(2 * macs[p] * (1 if p == 0 else 2) for p in pieces)
+def stage_flops(net, pieces, recompute):
+    """FLOPs per example of a stage of the layers `pieces` (Layer.flops): forward, backward (no
+    input gradient for layer 0), and the forward again under recompute."""
+    flops = [net.layers[p].flops for p in pieces]
+    forward = sum(flops)
+    backward = sum(f * (1 if p == 0 else 2) for f, p in zip(flops, pieces))
     return forward * (2 if recompute else 1) + backward
+
+
+def tensor_values(net):
+    """Elements per example and step that a tensor group's f and g all-reduce (Model.tensor_traffic:
+    for LeNet conv2's unpooled partial output, dense1's input gradient and the scores)."""
+    return sum(elems for _, elems, _ in net.tensor_traffic())
 
 
 def communication(l, setting, dev):
     """Seconds of l's collectives per step on device type dev."""
-    layers = [FLOAT_BYTES * s for s in layer_sizes(setting.width)]
+    net = net_of(setting)
+    layers = [FLOAT_BYTES * s for s in layer_sizes(net)]
     total, k = sum(layers), l.dp
     if l.kind == "data":
         return costmodel.allreduce_time("ring", k, total, dev.alpha, dev.beta)
     if l.kind == "zero":
-        gathers = {1: [total], 2: [total], 3: layers[:3] + layers}[l.zero_stage]
+        gathers = {1: [total], 2: [total], 3: layers[:-1] + layers}[l.zero_stage]
         scatters = [total] if l.zero_stage == 1 else layers
         return sum(half(k, b, dev) for b in gathers + scatters)
     n = shard_sizes(setting.batch, k)[0]
-    if l.kind == "tensor":
-        c2 = 50 * setting.width * 16                              # conv pair's output, the dense pair's: 10
-        pairs = sum(2 * costmodel.allreduce_time("ring", l.tp, n * e * FLOAT_BYTES, dev.alpha, dev.beta)
-                    for e in (c2, 10))
+    if l.kind == "tensor":      # each f and g: one all-reduce over the tensor group, as the step sends it
+        pairs = sum(costmodel.allreduce_time("ring", l.tp, n * elems * FLOAT_BYTES, dev.alpha, dev.beta)
+                    for _, elems, _ in net.tensor_traffic())
         return pairs + costmodel.allreduce_time("ring", k, total / l.tp, dev.alpha, dev.beta)
-    shapes = [shape for _, shape in lenet_shapes(setting.width)]
-    inputs = piece_activation_elems(shapes=shapes)
+    inputs = piece_activation_elems(model=net)
+    cuts = net.cuts(l.pp)
     boundary = sum(2 * l.micro * dev.alpha + 2 * n * inputs[pieces[0]][0] * FLOAT_BYTES * dev.beta
-                   for pieces in CUTS[l.pp][1:])
+                   for pieces in cuts[1:])
     stages = max(costmodel.allreduce_time("ring", k, sum(layers[p] for p in pieces), dev.alpha, dev.beta)
-                 for pieces in CUTS[l.pp])
+                 for pieces in cuts)
     return boundary + stages
+
+
+def seconds(flops, rate):
+    """flops / rate; 0 for a model whose FLOPs are unknown (a user's layers of kinds not counted)."""
+    return flops / rate if rate else 0.0
 
 
 def compute(l, setting, dev):
     """(compute seconds, bubble seconds) of a step of l on device type dev."""
-    n, w = shard_sizes(setting.batch, l.dp)[0], setting.width
+    net, n = net_of(setting), shard_sizes(setting.batch, l.dp)[0]
+    L = len(net.layers)
     if l.kind == "pipeline":
-        per_stage = [stage_flops(w, pieces, l.recompute) for pieces in CUTS[l.pp]]
+        per_stage = [stage_flops(net, pieces, l.recompute) for pieces in net.cuts(l.pp)]
         if dev.shared:
-            return setting.batch * sum(per_stage) / dev.rate, 0.0
+            return seconds(setting.batch * sum(per_stage), dev.rate), 0.0
         micro = shard_sizes(n, min(l.micro, n))
-        tick = max(per_stage) * micro[0] / dev.rate
+        tick = seconds(max(per_stage) * micro[0], dev.rate)
         return len(micro) * tick, (l.pp - 1) * tick
-    flops = stage_flops(w, range(4), False)                      # per example
-    if l.kind == "zero" and l.zero_stage > 1:                    # layers 0-2 forward again (zero_layers)
-        flops += stage_flops(w, range(3), True) - stage_flops(w, range(3), False)
-    if dev.shared:                                               # every device's work on one machine
-        return setting.batch * flops / dev.rate, 0.0
-    return n * flops / l.tp / dev.rate, 0.0
+    flops = stage_flops(net, range(L), False)                     # per example
+    if l.kind == "zero" and l.zero_stage > 1:                     # layers 0..L-2 forward again (zero_layers)
+        flops += stage_flops(net, range(L - 1), True) - stage_flops(net, range(L - 1), False)
+    if dev.shared:                                                # every device's work on one machine
+        return seconds(setting.batch * flops, dev.rate), 0.0
+    return seconds(n * flops / l.tp, dev.rate), 0.0
 
 
 def step_time(l, setting, dev):

@@ -1,11 +1,9 @@
-"""The planner's table: every layout with its predictions, those that fit marked, one recommended;
-and under --verify the top ones measured on CPU contexts beside their predictions."""
-import math
-
-from ..lesson import lenet_shapes
-from ..config import MODES
-from .layouts import enumerate_layouts, mode, name, train_flags
-from .predict import Setting, gpu, memory, step_time
+"""The planner's table: every layout of the model with its predictions, those that fit marked, one
+recommended, and the layouts the model cannot run named in one line; under --verify the top ones
+measured on CPU contexts beside their predictions."""
+from ..config import MODEL_APPLIES, MODELS, MODES, RunConfig
+from .layouts import enumerate_layouts, left_out, mode, name, train_flags
+from .predict import Setting, gpu, memory, net_of, step_time
 
 MiB = 2 ** 20
 
@@ -14,7 +12,7 @@ def plan(devices, budget, setting, device):
     """Rows {"layout", "memory", "time", "fits"} of every layout, ranked: those that fit first,
     then by predicted step time, then by memory (ties keep enumeration order)."""
     rows = [{"layout": l, "memory": memory(l, setting), "time": step_time(l, setting, device)}
-            for l in enumerate_layouts(devices, setting.batch, setting.width)]
+            for l in enumerate_layouts(devices, setting.batch, setting.width, setting.model)]
     for r in rows:
         r["fits"] = r["memory"]["total"] <= budget
     return sorted(rows, key=lambda r: (not r["fits"], r["time"]["total"], r["memory"]["total"]))
@@ -28,8 +26,24 @@ def recommend(rows, budget, setting):
                 f"{name(least['layout'])}, needs {least['memory']['total'] / MiB:.1f} MiB")
     l = rows[0]["layout"]
     missing = "" if mode(l) in MODES else f" (predicted only: this build has no --mode {mode(l)})"
-    return (f"recommended: {name(l)}: python -m manual_dp.train {train_flags(l)} --width {setting.width} "
+    return (f"recommended: {name(l)}: python -m manual_dp.train {train_flags(l)} {model_flags(net_of(setting))} "
             f"--batch-size {setting.batch} --optimizer {setting.optimizer}{missing}")
+
+
+def model_flags(net):
+    """The train flags that build `net`: its sizes (--width for LeNet), after --model unless it is
+    the default model."""
+    kind = net.name if net.name in MODELS else "PATH.py:FUNCTION"
+    sizes = [f"--{key.replace('_', '-')} {net.config[key]}" for key, models in MODEL_APPLIES.items()
+             if kind in models and key in net.config]
+    return " ".join(([] if net.name == RunConfig.model else [f"--model {net.name}"]) + sizes)
+
+
+def describe(net):
+    """The model in a few words: its name, sizes, parameters and layers."""
+    sizes = ", ".join(f"{k} {v}" for k, v in net.config.items() if k != "source")
+    return (f"{net.name}{f' ({sizes})' if sizes else ''}: {net.n_params():,} parameters in "
+            f"{len(net.layers)} layers")
 
 
 def format_table(rows):
@@ -68,15 +82,15 @@ def format_verify(checked):
     return "\n".join(lines)
 
 
-def run(args, machine):
-    """The planner's whole output for parsed arguments."""
-    setting = Setting(args.width, args.batch_size, args.optimizer)
+def run(args, machine, net):
+    """The planner's whole output for parsed arguments and the model they name."""
+    setting = Setting(args.width, args.batch_size, args.optimizer, net)
     device = gpu(args.link)
     rows = plan(args.devices, args.memory_per_device, setting, device)
-    n = sum(math.prod(s) for _, s in lenet_shapes(args.width))
-    out = [f"LeNet x{args.width} ({n:,} parameters), batch {args.batch_size}, {args.optimizer}, "
-           f"{args.devices} devices of {args.memory_per_device / MiB:.1f} MiB; {device.name}",
-           format_table(rows), recommend(rows, args.memory_per_device, setting)]
+    skipped = left_out(args.devices, args.batch_size, model=net)
+    out = [f"{describe(net)}; batch {args.batch_size}, {args.optimizer}, {args.devices} devices of "
+           f"{args.memory_per_device / MiB:.1f} MiB; {device.name}",
+           format_table(rows)] + ([skipped] if skipped else []) + [recommend(rows, args.memory_per_device, setting)]
     if args.verify:
         checked = verify_rows(rows, setting, args.top, args.steps)
         out += [f"machine: {machine['cpu']}, {machine['cores']} cores", format_verify(checked)]

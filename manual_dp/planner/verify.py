@@ -7,9 +7,9 @@ schedule ran (end_epoch's activation_peak_bytes), otherwise memory.per_context's
 strategy's layout() and the layer shapes (MXNet has no per-context memory counter on CPU). The
 busiest context is reported. Measured time = the median of `steps` steps after one warm-up.
 
-BUILDERS is the registry of kinds that have a strategy: build(params, ctx, optimizer, layout) and
-activations(model, batch, shapes) -> bytes per context name. A kind without an entry is predicted,
-never run.
+BUILDERS is the registry of kinds that have a strategy: build(params, ctx, optimizer, layout, net)
+(net: the models.Model laid out) and activations(model, batch, shapes) -> bytes per context name. A
+kind without an entry is predicted, never run.
 """
 import statistics
 import time
@@ -18,12 +18,11 @@ import mxnet as mx
 import numpy as np
 
 from .. import memory
-from ..lesson import init_lenet_params, lenet_shapes
 from ..strategies.data_parallel import DataParallel
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.tensor import TensorParallel
 from ..strategies.zero import ZeroRedundancy
-from .predict import stage_flops
+from .predict import net_of, stage_flops
 
 
 def counted_activations(model, batch, shapes):
@@ -37,11 +36,12 @@ def shape_activations(model, batch, shapes):
 
 
 BUILDERS = {
-    "data": (lambda p, ctx, opt, l: DataParallel(p, ctx, opt, graph=False), shape_activations),
-    "zero": (lambda p, ctx, opt, l: ZeroRedundancy(p, ctx, opt, stage=l.zero_stage), shape_activations),
-    "pipeline": (lambda p, ctx, opt, l: PipelineParallel(p, ctx, opt, l.micro, None, l.pp, l.schedule,
-                                                         l.recompute), counted_activations),
-    "tensor": (lambda p, ctx, opt, l: TensorParallel(p, ctx, opt, l.tp), shape_activations),
+    "data": (lambda p, ctx, opt, l, net: DataParallel(p, ctx, opt, graph=False, model=net), shape_activations),
+    "zero": (lambda p, ctx, opt, l, net: ZeroRedundancy(p, ctx, opt, stage=l.zero_stage, model=net),
+             shape_activations),
+    "pipeline": (lambda p, ctx, opt, l, net: PipelineParallel(p, ctx, opt, l.micro, None, l.pp, l.schedule,
+                                                              l.recompute, model=net), counted_activations),
+    "tensor": (lambda p, ctx, opt, l, net: TensorParallel(p, ctx, opt, l.tp, model=net), shape_activations),
 }
 
 
@@ -80,19 +80,20 @@ def peak_bytes(model, activations, batch, shapes):
 
 def measure(l, setting, steps=3):
     """{"state", "activations", "total"} bytes of the busiest context, "seconds" per step of layout
-    l run on CPU contexts cpu(0..devices-1), and "rate": this machine's FLOP/s on LeNet's layers,
+    l run on CPU contexts cpu(0..devices-1), and "rate": this machine's FLOP/s on the model's layers,
     timed side by side with it: the FLOPs of a one-context step on one device's share of the batch
     (ceil(batch / devices) examples) over its time. The contexts' work is taken to run one after
     another (measured here: 8 contexts on a batch of 64 took as long as 8 one-context steps of 8)."""
     build, activations = BUILDERS[l.kind]
+    net = net_of(setting)
     ctx = [mx.cpu(i) for i in range(l.dp * l.tp * l.pp)]
-    params = init_lenet_params(0, width=setting.width)
-    model = build(params, ctx, setting.optimizer, l)
-    one = DataParallel(params, [mx.cpu(0)], setting.optimizer, graph=False)
+    params = net.init_params(0)
+    model = build(params, ctx, setting.optimizer, l, net)
+    one = DataParallel(params, [mx.cpu(0)], setting.optimizer, graph=False, model=net)
     X, y = random_batch(setting.batch)
     share = -(-setting.batch // len(ctx))
     seconds, one_seconds = timed_steps([(model, X, y), (one, X[:share], y[:share])], steps)
-    shapes = [shape for _, shape in lenet_shapes(setting.width)]
+    shapes = [shape for _, shape in net.shapes()]
     state, acts = max(peak_bytes(model, activations, setting.batch, shapes).values(), key=sum)
-    rate = share * stage_flops(setting.width, range(4), False) / one_seconds
+    rate = share * stage_flops(net, range(len(net.layers)), False) / one_seconds
     return {"state": state, "activations": acts, "total": state + acts, "seconds": seconds, "rate": rate}

@@ -1,0 +1,153 @@
+"""The planner on any model (issue 21): tensor traffic counted from Model.tensor_traffic, layouts a
+model cannot run left out with a reason, the table of a transformer and of a user's Gluon block,
+predicted memory equal to what each strategy holds, --verify on a tiny transformer, bad input
+(--memory-per-device on any model: tests/test_memory.py)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from manual_dp.errors import UsageError
+from manual_dp.models import build
+from manual_dp.plan import main, network, parse
+from manual_dp.planner.layouts import enumerate_layouts, layout, left_out, name
+from manual_dp.planner.predict import Device, Setting, communication, memory, tensor_values
+from manual_dp.planner.report import format_table, plan, recommend
+
+ROOT = Path(__file__).parent.parent
+FIXED = Device("fixed", 1e9, 1e-5, 1e-9, False)      # 1 GFLOP/s, 10 us a message, 1 GB/s
+BLOCK = '''from mxnet.gluon import nn
+
+
+def net():
+    block = nn.HybridSequential()
+    block.add(nn.Dense(32, activation="relu"), nn.Dense(16, activation="relu"), nn.Dense(10))
+    return block
+'''
+
+
+def tiny_transformer():
+    return build("transformer", layers=1, d_model=16, heads=2, patch=0)
+
+
+@pytest.fixture
+def user_block(tmp_path):
+    path = tmp_path / "block.py"
+    path.write_text(BLOCK)
+    return build(f"{path}:net")
+
+
+def test_lenet_tensor_traffic_is_what_the_step_sends():
+    """g on conv2's unpooled partial output (50 x 9 x 9), f on dense1's input gradient (800), g on
+    the scores (10): 4,860 values an example and step (the hand formula priced 1,620: the pooled
+    800 twice and the scores twice)."""
+    net = build("lenet")
+    assert tensor_values(net) == 50 * 9 * 9 + 800 + 10 == 4_860
+    s = Setting(1, 8, "sgd")                          # one group of 2: 8 examples each, no data parallelism
+    ring = sum(2 * 1e-5 + 8 * e * 4 * 1e-9 for e in (4_050, 800, 10))   # ring over 2: 2 messages, n bytes
+    assert communication(layout("tensor", 1, tp=2), s, FIXED) == pytest.approx(ring)
+
+
+@pytest.mark.parametrize("layers, patch, tokens", [(1, 0, 28), (3, 7, 16)])
+def test_transformer_tensor_traffic_is_four_per_block(layers, patch, tokens):
+    """Per block f and g around attention and around the MLP: 4 x tokens x d_model."""
+    net = build("transformer", layers=layers, d_model=16, heads=2, patch=patch)
+    assert tensor_values(net) == layers * 4 * tokens * 16
+
+
+def test_layouts_a_model_cannot_run_are_left_out_with_a_reason():
+    net = tiny_transformer()                          # 2 heads, 3 layers (embed, block, head)
+    names = [name(l) for l in enumerate_layouts(4, 16, model=net)]
+    assert "tensor T=2 x dp 2" in names and "tensor T=4" not in names
+    assert not [n for n in names if n.startswith("pipeline S=4")]
+    assert left_out(4, 16, model=net) == ("left out: tensor T=4 (4 does not divide the transformer's 2 heads); "
+                                          "pipeline S=4 (transformer has 3 layers to cut between)")
+    assert left_out(4, 16) is None                    # LeNet runs every layout of 4 devices
+    resnet = build("resnet")
+    assert [name(l) for l in enumerate_layouts(4, 16, model=resnet)] == ["data"]
+    assert left_out(4, 16, model=resnet).startswith(
+        "left out: zero1, zero2, zero3, tensor T=2 x dp 2, tensor T=4, pipeline S=2 x dp 2, pipeline S=4 "
+        "(resnet keeps BatchNorm's running statistics")
+
+
+def table_kinds(net):
+    """{kind: [predicted MiB]} of the planner's table of `net` on 4 devices, and the table."""
+    rows = plan(4, 2 ** 30, Setting(1, 64, "momentum", net), FIXED)
+    kinds = {}
+    for r in rows:
+        assert r["memory"]["state"] > 0 and r["memory"]["activations"] > 0 and r["fits"]
+        kinds.setdefault(r["layout"].kind, []).append(r["memory"]["total"])
+    return kinds, rows
+
+
+def test_transformer_table_lists_every_kind():
+    kinds, rows = table_kinds(build("transformer"))
+    assert set(kinds) == {"data", "zero", "pipeline", "tensor"}
+    assert len(kinds["tensor"]) == 2 and len(kinds["pipeline"]) == 8
+    assert "tensor T=4" in format_table(rows)
+    assert recommend(rows, 2 ** 30, Setting(1, 64, "momentum", build("transformer"))).endswith(
+        "--model transformer --layers 2 --d-model 64 --heads 4 --patch 0 --batch-size 64 --optimizer momentum")
+
+
+def test_user_block_table_lists_every_kind(user_block):
+    kinds, rows = table_kinds(user_block)
+    assert set(kinds) == {"data", "zero", "pipeline", "tensor"}     # tensor: AutoTP's Dense pair
+    assert min(kinds["tensor"]) < min(kinds["data"])                  # the pair's weights cut in 4
+
+
+CHECKED = [layout("data", 2), layout("zero", 2, zero_stage=2), layout("zero", 2, zero_stage=3),
+           layout("pipeline", 1, pp=2, schedule="gpipe", micro=4),
+           layout("pipeline", 2, pp=2, schedule="1f1b", micro=4, recompute=True), layout("tensor", 1, tp=2)]
+
+
+@pytest.mark.parametrize("l", CHECKED, ids=name)
+@pytest.mark.parametrize("which", ["transformer", "user block"])
+def test_predicted_memory_equals_measured(l, which, user_block):
+    """Exact, as for LeNet: the same arrays counted from the layers and from what a step held
+    (ZeRO's moments: autograd makes a transformer block's and a Gluon layer's gradient whole)."""
+    from manual_dp.planner.verify import measure
+    s = Setting(1, 16, "adam", tiny_transformer() if which == "transformer" else user_block)
+    predicted, measured = memory(l, s), measure(l, s, steps=1)
+    assert (measured["state"], measured["activations"]) == (predicted["state"], predicted["activations"])
+
+
+def test_verify_a_tiny_transformer():
+    out = subprocess.run([sys.executable, "-m", "manual_dp.plan", "--devices", "2", "--memory-per-device", "8MiB",
+                          "--model", "transformer", "--layers", "1", "--d-model", "16", "--heads", "2",
+                          "--batch-size", "16", "--verify", "--top", "2", "--steps", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("transformer (layers 1, d_model 16, heads 2, mlp_ratio 2, patch 0): 3,338 parameters")
+    head = lines.index(next(l for l in lines if l.startswith("layout") and "meas MiB" in l))
+    rows = lines[head + 1:]
+    assert len(rows) == 2 and all(r.split()[-5] == "1.000" for r in rows), rows   # memory: exact
+    assert any(l.startswith("recommended: ") and "--model transformer --layers 1" in l for l in lines)
+
+
+BAD = [(["--model", "lenet", "--layers", "2"], "--layers applies only to --model transformer, not --model lenet"),
+       (["--model", "transformer", "--width", "2"], "--width applies only to --model lenet or mlp or resnet"),
+       (["--model", "transformer", "--heads", "0"], "--heads must be >= 1, got 0"),
+       (["--model", "transformer", "--patch", "5"], "--patch must be 0 (rows) or divide 28, got 5"),
+       (["--model", "vgg"], "--model vgg: choose lenet, mlp, transformer, resnet or PATH.py:FUNCTION")]
+
+
+@pytest.mark.parametrize("argv, says", BAD, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_bad_model_flags_one_line_exit_2(capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        main(["--devices", "2", "--memory-per-device", "1G"] + argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+
+
+@pytest.mark.parametrize("argv, says", [(["--model", "transformer", "--d-model", "16", "--heads", "3"],
+                                         "--heads 3 does not divide --d-model 16"),
+                                        (["--model", "transformer", "--heads", "3"], "heads dividing d_model"),
+                                        (["--model", "missing.py:net"], "no file missing.py")])
+def test_models_that_cannot_be_built_are_refused(argv, says):
+    with pytest.raises(UsageError, match=says):
+        network(parse(["--devices", "2", "--memory-per-device", "1G"] + argv))
+
