@@ -69,3 +69,30 @@ def test_sigterm_and_sighup_end_a_run_with_one_line_and_the_checkpoint_kept(data
     assert proc.returncode == 128 + sig and lines == [f"manual_dp.train: error: stopped by {sig.name}"], (proc.returncode, err)
     checkpoint.load(ck)                                        # whole and readable
     assert not list(ck.glob(checkpoint.TMP_PREFIX + "*"))
+
+
+# Local SGD across processes resumes exactly (item 1) -----------------------------------------------
+
+from jobs import launch_cmd, read_log, run_job   # noqa: E402  (the multi-process helpers)
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_local_sgd_across_processes_resumes_to_the_uninterrupted_bits(data_dir, tmp_path, optimizer):
+    """2 dist_sync workers, local SGD H=3 (epochs end between syncs): 2 epochs straight against 1
+    epoch, a checkpoint and --resume. Each process's inner optimiser state and replica are saved."""
+    common = ["--cpus", 1, "--data-dir", data_dir, "--train-size", 320, "--test-size", 64, "--batch-size", 32,
+              "--mode", "local", "--sync-every", 3, "--optimizer", optimizer]
+    straight = tmp_path / "straight.jsonl"
+    code, out = run_job(launch_cmd(2, "dist_sync", *common, "--epochs", 2, "--log-json", straight,
+                                   "--checkpoint-dir", tmp_path / "ck_a"), tmp_path / "a.txt")
+    assert code == 0, out
+    resumed, ck = tmp_path / "resumed.jsonl", tmp_path / "ck_b"
+    for epochs in (1, 2):
+        code, out = run_job(launch_cmd(2, "dist_sync", *common, "--epochs", epochs, "--log-json", resumed,
+                                       "--checkpoint-dir", ck, "--resume"), tmp_path / f"b{epochs}.txt")
+        assert code == 0, out
+    keys = ("train_loss", "train_acc", "test_acc")
+    assert [[r[k] for k in keys] for r in read_log(straight)] == [[r[k] for k in keys] for r in read_log(resumed)]
+    code, out = run_job(launch_cmd(3, "dist_sync", *common, "--epochs", 3, "--checkpoint-dir", ck, "--resume"),
+                        tmp_path / "c.txt")
+    assert code != 0 and "resume it with 2, not 3" in out, out

@@ -253,8 +253,9 @@ def train_in(cfg, world, ctx):
                       start_epoch=epoch - 1, on_batch=bar, check_replicas=cfg.check_replicas or 0)
         bar.close()
         history.append(dict(record, mode=cfg.mode, memory=mem, model=net.describe()))
+        state = model.state_dict() if cfg.checkpoint_dir else None   # every rank: it may gather
         if cfg.checkpoint_dir and world.is_root:
-            checkpoint.save(cfg.checkpoint_dir, model.state_dict(),
+            checkpoint.save(cfg.checkpoint_dir, state,
                             {"epoch": epoch, "history": history, "config": run_config,
                              "rng_state": rng.bit_generator.state, "model": net.describe()})
         if cfg.log_json and world.is_root:

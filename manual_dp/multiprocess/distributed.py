@@ -11,6 +11,7 @@ import time
 import numpy as np
 from mxnet import nd
 
+from ..errors import CheckpointError
 from ..strategies.base import Wrapper, rank_rows
 
 
@@ -145,3 +146,33 @@ class MultiProcess(Wrapper):
     def layout(self, batch_size):
         start, stop = self.own_rows(batch_size)
         return self.model.layout(stop - start)
+
+    def state_dict(self):
+        """The strategy's state, with every process's part of what differs between processes
+        (Strategy.per_process_extra: local SGD's replicas and their inner optimiser state) gathered,
+        rank after rank, and the process count in extra["processes"]. Every rank must call it."""
+        state = self.model.state_dict()
+        size, rank = self.world.size, self.world.rank
+        extra = dict(state["extra"], processes=[np.array([size], dtype=np.int64)])
+        for key in self.model.per_process_extra:
+            gathered = []
+            for i, mine in enumerate(extra[key]):
+                table = nd.zeros((size,) + mine.shape, ctx=self.ctx[0], dtype=mine.dtype)
+                table[rank] = nd.array(mine, ctx=self.ctx[0], dtype=mine.dtype)
+                self.world.allreduce(table, f"state-{key}-{i}")    # zeros elsewhere: each slot exact
+                gathered.append(table.asnumpy())
+            extra[key] = [g[r] for r in range(size) for g in gathered]
+        return dict(state, extra=extra)
+
+    def load_state_dict(self, state):
+        """This process's part of what differs between processes; CheckpointError if the checkpoint
+        holds such state of another number of processes."""
+        extra, keys = dict(state.get("extra", {})), [k for k in self.model.per_process_extra if k in state.get("extra", {})]
+        saved = int(extra.pop("processes", [np.array([1])])[0][0])
+        if keys and saved != self.world.size:
+            raise CheckpointError(f"the checkpoint holds the per-process state ({', '.join(keys)}) of {saved} "
+                                  f"process(es); resume it with {saved}, not {self.world.size}")
+        for key in keys:
+            per = len(extra[key]) // saved
+            extra[key] = extra[key][self.world.rank * per:(self.world.rank + 1) * per]
+        self.model.load_state_dict(dict(state, extra=extra))

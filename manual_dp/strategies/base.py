@@ -35,6 +35,7 @@ class Strategy:
     ctx = ()
     t = 0
     net = None
+    per_process_extra = ()     # names of state_dict()["extra"] entries that differ between processes
 
     @property
     def min_batch(self):
@@ -129,6 +130,10 @@ class Wrapper(Strategy):
     @property
     def net(self):
         return self.model.net
+
+    @property
+    def per_process_extra(self):
+        return self.model.per_process_extra
 
     @property
     def min_batch(self):

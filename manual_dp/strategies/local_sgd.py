@@ -129,6 +129,8 @@ class LocalSGD(Strategy):
         return {"param": [f.flat for f in self.flat] + self.outer,
                 "state": [f.grad for f in self.flat] + states + self.momentum}
 
+    per_process_extra = ("local_replicas", "local_inner_state")   # each process's own replicas
+
     def state_dict(self):
         """params: G; opt_state: the replicas' mean inner state; extra: every replica's parameters
         and inner state, the outer momentum and where the period stands (resumes exactly)."""
@@ -168,10 +170,13 @@ class LocalSGD(Strategy):
     def load_period(self, extra):
         """The replicas, their inner state and the period's counters, from this strategy's extra."""
         steps, examples, rounds, *counts = (int(v) for v in extra["local_period"][0])
-        if len(counts) != len(self.ctx):
+        processes = int(extra.get("processes", [[1]])[0][0])     # set by a multi-process job's wrapper
+        if len(counts) != len(self.ctx) or processes != 1:
             if steps:
+                where = f" in each of {processes} processes" if processes > 1 else ""
                 raise CheckpointError(f"the checkpoint was taken between syncs of {len(counts)} local SGD "
-                                      f"replicas; this run has {len(self.ctx)}")
+                                      f"replicas{where}; this run has {len(self.ctx)}"
+                                      f"{' in one process' if processes > 1 else ''}")
             return
         for f, W in zip(self.flat, extra["local_replicas"]):
             f.flat[:] = nd.array(W, ctx=f.flat.context)
