@@ -256,10 +256,10 @@ def test_user_block_gradients_equal_gluons_own(user_block):
 def test_transformer_split_follows_megatron(references):
     """q, k, v and w1 (and their biases) by output rows, wo and w2 by input columns, the rest whole."""
     net = references["transformer"][0]
-    split = {p.name.split("_", 1)[-1]: p.split for p in net.params() if p.name.startswith("block0")}
+    split = {p.name.split("_", 1)[-1]: p.split for p in net.param_table() if p.name.startswith("block0")}
     assert split == {"ln1_g": None, "ln1_b": None, "wq": 0, "bq": 0, "wk": 0, "bk": 0, "wv": 0, "bv": 0,
                      "wo": 1, "bo": None, "ln2_g": None, "ln2_b": None, "w1": 0, "b1": 0, "w2": 1, "b2": None}
-    assert all(p.split is None for p in net.params() if not p.name.startswith("block"))
+    assert all(p.split is None for p in net.param_table() if not p.name.startswith("block"))
 
 
 def test_tensor_refusals_name_what_does_not_divide(user_block):
@@ -483,3 +483,23 @@ def test_cli_resnet_with_sync_batchnorm_and_refusals(capsys, data_dir, tmp_path)
                           (["--model", "mlp", "--sync-batchnorm", "--mode", "async"], "applies to models with BatchNorm")):
         code, _, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, *argv])
         assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_layers_without_parameters_pass_through_zero_and_pipelines(tmp_path):
+    """A user block with Flatten (no parameters) and a convolution: ZeRO 2 and 3 gather nothing for
+    it and hand its input's gradient on; every layout still equals one context."""
+    path = tmp_path / "flat.py"
+    path.write_text("from mxnet.gluon import nn\n"
+                    "def net():\n"
+                    "    b = nn.HybridSequential()\n"
+                    "    b.add(nn.Conv2D(4, 3, activation='relu'), nn.Flatten(), nn.Dense(16, activation='relu'), nn.Dense(10))\n"
+                    "    return b\n")
+    net = models.build(f"{path}:net")
+    assert [len(layer.params) for layer in net.layers] == [2, 0, 2, 2]
+    P = net.init_params()
+    want = params_after(DataParallel(P, cpus(1), "momentum", lesson=True, model=net))
+    for make in (lambda: ZeroRedundancy(P, cpus(2), "momentum", 2, model=net),
+                 lambda: ZeroRedundancy(P, cpus(3), "momentum", 3, model=net),
+                 lambda: PipelineParallel(P, cpus(2), "momentum", 2, stages=2, model=net),
+                 lambda: TensorParallel(P, cpus(2), "momentum", 2, model=net)):
+        assert close(params_after(make()), want)

@@ -92,16 +92,16 @@ class Model:
     layers = ()
 
     # -- the parameter table ------------------------------------------------------------------
-    def params(self):
+    def param_table(self):
         """Every Param, layer after layer: the model's flat order."""
         return [p for layer in self.layers for p in layer.params]
 
     def shapes(self):
         """[(name, shape)] in the flat order (for LeNet: the lesson's LENET_SHAPES)."""
-        return [(p.name, p.shape) for p in self.params()]
+        return [(p.name, p.shape) for p in self.param_table()]
 
     def names(self):
-        return [p.name for p in self.params()]
+        return [p.name for p in self.param_table()]
 
     def slices(self):
         """The slice of the flat parameter list each layer owns."""
@@ -127,7 +127,7 @@ class Model:
         return [self.forward(X, P) for X, P in zip(Xs, shards)]
 
     def n_params(self):
-        return sum(p.size for p in self.params())
+        return sum(p.size for p in self.param_table())
 
     def flops_per_example(self):
         """(forward, forward + backward) FLOPs of one example: backward two products per layer,
@@ -150,7 +150,7 @@ class Model:
         import mxnet as mx
         ctx = ctx or mx.cpu(0)
         rng = np.random.RandomState(seed)
-        return [nd.array(draw(p, rng, scale), ctx=ctx) for p in self.params()]
+        return [nd.array(draw(p, rng, scale), ctx=ctx) for p in self.param_table()]
 
     # -- the function -------------------------------------------------------------------------
     def forward(self, X, params, F=nd, shapes=None):
@@ -186,7 +186,7 @@ class Model:
         default: a split axis that T does not divide, or no layer that splits."""
         if not any(layer.split_forward for layer in self.layers):
             return f"{self.name} has no layer that tensor parallelism splits"
-        bad = [p.name for p in self.params() if p.split is not None and p.shape[p.split] % T]
+        bad = [p.name for p in self.param_table() if p.split is not None and p.shape[p.split] % T]
         return f"{T} does not divide the split axis of {', '.join(bad)}" if bad else None
 
     def graph_params(self, params, shapes, pad):

@@ -179,4 +179,4 @@ class GluonModel(Model):
         import mxnet as mx
         from mxnet import nd
         return [nd.array(np.asarray(self.values[p.name], np.float32), ctx=ctx or mx.cpu(0))
-                for p in self.params()]
+                for p in self.param_table()]

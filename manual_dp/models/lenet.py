@@ -94,7 +94,7 @@ class LeNet(Model):
                 ("g: the scores", self.shapes()[6][1][1], "forward")]
 
     def tensor_refusal(self, T):
-        bad = [p.name for p in self.params() if p.split is not None and p.shape[p.split] % T]
+        bad = [p.name for p in self.param_table() if p.split is not None and p.shape[p.split] % T]
         return f"{T} does not divide the split axis of {', '.join(bad)}" if bad else None
 
     def cuts(self, n_stages):

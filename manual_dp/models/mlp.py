@@ -42,7 +42,7 @@ class MLP(Model):
         return pair_traffic(self.layers, self.roles, [layer.acts // 3 for layer in self.layers])
 
     def tensor_refusal(self, T):
-        bad = [p.name for p in self.params() if p.split is not None and p.shape[p.split] % T]
+        bad = [p.name for p in self.param_table() if p.split is not None and p.shape[p.split] % T]
         return f"{T} does not divide the split axis of {', '.join(bad)}" if bad else None
 
 

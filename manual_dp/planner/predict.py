@@ -110,7 +110,7 @@ def per_device_state(l, setting):
     if l.kind == "data":        # and the running statistics (BatchNorm's), on every replica
         return [((2 + c) * n + sum(p.size for p in net.stats()), 0)] * l.dp
     if l.kind == "tensor":      # split parameters 1/T each (Param.split), the others whole on every rank
-        kept = sum(p.size // l.tp if p.split is not None else p.size for p in net.params())
+        kept = sum(p.size // l.tp if p.split is not None else p.size for p in net.param_table())
         return [((2 + c) * kept, 0)] * l.tp
     if l.kind == "pipeline":
         return [((2 + c) * sum(layers[p] for p in pieces), 0) for pieces in net.cuts(l.pp)]

@@ -43,7 +43,7 @@ from ..replicas import fingerprint
 from .base import Strategy
 
 # The axis along which each of LeNet's 8 parameters is split; None: whole on every context.
-SPLIT = [p.split for p in as_model(None).params()]    # W1, b1 | W2, b2 | W3, b3 | W4, b4: 0, 0, 1, None, 1, 0, 0, None
+SPLIT = [p.split for p in as_model(None).param_table()]    # W1, b1 | W2, b2 | W3, b3 | W4, b4: 0, 0, 1, None, 1, 0, 0, None
 NAMES = as_model(None).names()
 
 
@@ -92,7 +92,7 @@ class TensorParallel(Strategy):
                  allreduce_fn=None, tp_allreduce=None, model=None):
         self.ctx, self.optimizer, self.net = list(ctx), optimizer, stateless(as_model(model, params), "--mode tensor")
         T = self.T = tensor_parallel or len(self.ctx)
-        self.split, self.join = [p.split for p in self.net.params()], None
+        self.split, self.join = [p.split for p in self.net.param_table()], None
         refusal = self.net.tensor_refusal(T)
         if len(self.ctx) % T or refusal:
             raise ValueError(f"tensor degree {T} does not divide {len(self.ctx)} contexts"

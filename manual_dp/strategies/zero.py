@@ -96,6 +96,8 @@ class ZeroRedundancy(Strategy):
     def fetch(self, l):
         """Layer l's parameters per context, new arrays each call: stage 2 views of the replica, stage 3 all-gathered."""
         start, end, shapes = self.layer_range(l)
+        if start == end:                                                # a layer without parameters
+            return [[] for _ in self.ctx]
         if self.stage == 2:
             return [views(f[start:end], shapes) for f in self.flats]
         full = [nd.empty((end - start,), ctx=c) for c in self.ctx]      # (layer size,) per context

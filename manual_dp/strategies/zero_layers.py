@@ -64,7 +64,8 @@ def autograd_backward(l, layer, acts, params, heads, y_shards, last):
     """Layer l recorded from its kept inputs and differentiated (with the loss if it is the last):
     its parameters' gradient per context (flat), while the parameters are still held; the inputs'
     gradients in acts[c][l].grad; for the last layer also (loss sum, number correct) per context."""
-    grads, outs, metrics = [attach_layer_grad(P) for P in params], [], []
+    grads = [attach_layer_grad(P) for P in params] if layer.params else []
+    outs, metrics = [], []
     with autograd.record():
         for h, P, y in zip(acts, params, y_shards):
             if l:
@@ -129,7 +130,8 @@ def layer_backward(l, layers, acts, heads, y_shards, sink):
     if not hand_made(layers[l], last):
         grads, metrics = autograd_backward(l, layers[l], acts, params, heads, y_shards, last)
         sink.note(params, grads)
-        sink.reduce(l, lambda lo, hi: [g[lo:hi] for g in grads])
+        if layers[l].params:                       # (a Flatten has no gradient to hand on)
+            sink.reduce(l, lambda lo, hi: [g[lo:hi] for g in grads])
         return ([h[l].grad for h in acts] if l else None), metrics
     outs, metrics = dense_input_grads(l, acts, params, heads, y_shards, last)
     sink.note(params, [])
