@@ -21,3 +21,16 @@ def test_bad_values_are_one_line_and_exit_2():
     done = subprocess.run([sys.executable, "-m", "manual_dp.bench.modes", "--steps", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--steps" in done.stderr
+
+
+def test_any_model_is_timed_and_what_it_refuses_is_left_out_with_a_reason(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.modes", "--out", str(tmp_path), "--batch", "8",
+                           "--steps", "1", "--rounds", "1", "--model", "mlp"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "modes.json").read_text())
+    assert result["model"]["name"] == "mlp" and "tensor T=4" in result["images_per_sec"]
+    assert "cannot be cut into 4-stage pipelines" in result["left_out"]["model S=4"]     # 3 layers
+    assert "left out:" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "manual_dp.bench.modes", "--model", "transformer", "--heads", "5"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "heads" in bad.stderr

@@ -1,24 +1,30 @@
 """`python -m manual_dp.bench.modes`: images/s of every mode side by side, in one run.
 
-Every strategy is built on the same CPU contexts from the same parameters and takes `--steps`
-momentum steps on one random batch, the strategies taking turns for `--rounds` rounds (round 0
+Every strategy is built on the same CPU contexts from the same parameters of `--model` (any model of
+the contract; layouts it refuses are left out, with the reason) and takes `--steps` momentum steps
+on one random batch, the strategies taking turns for `--rounds` rounds (round 0
 warms up: graphs, kernels); the median of each is kept and divided by sync's. CPU contexts share
 the machine's cores, so no mode is expected to beat sync here: the table is each mode's overhead.
 Prints one line per mode and writes DIR/modes.json with the machine and commit.
 """
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import numpy as np
 
+from ..checks import check_model
 from ..cli.options import OneLineParser
 from ..cli.output import parsed_or_exit
+from ..config import TRANSFORMER, RunConfig
+from ..errors import UsageError
 from ..fast.runtime import configure, machine
 
 
-def strategies(ctx):
-    """{name: make(params)} of every mode on the contexts `ctx` (4 of them)."""
+def strategies(ctx, net=None):
+    """{name: make(params)} of every mode on the contexts `ctx` (4 of them), for the models.Model
+    `net` (None: LeNet of the parameters' width)."""
     from ..strategies.async_dp import AsyncDataParallel
     from ..strategies.data_parallel import DataParallel
     from ..strategies.deterministic import DeterministicDataParallel
@@ -26,32 +32,37 @@ def strategies(ctx):
     from ..strategies.pipeline import PipelineParallel
     from ..strategies.tensor import TensorParallel
     from ..strategies.zero import ZeroRedundancy
-    opt = "momentum"
+    opt, m = "momentum", dict(model=net)
     return {
-        "sync (fast step)": lambda p: DataParallel(p, ctx, opt),
-        "sync (the lesson's step)": lambda p: DataParallel(p, ctx, opt, lesson=True),
-        "deterministic": lambda p: DeterministicDataParallel(p, ctx, opt),
-        "async S=1": lambda p: AsyncDataParallel(p, ctx, opt, staleness=1),
-        "local H=4": lambda p: LocalSGD(p, ctx, opt, sync_every=4),
-        "zero stage 1": lambda p: ZeroRedundancy(p, ctx, opt, stage=1),
-        "zero stage 2": lambda p: ZeroRedundancy(p, ctx, opt, stage=2),
-        "zero stage 3": lambda p: ZeroRedundancy(p, ctx, opt, stage=3),
-        "tensor T=4": lambda p: TensorParallel(p, ctx, opt),
-        "tensor T=2 x data 2": lambda p: TensorParallel(p, ctx, opt, 2),
-        "model S=4": lambda p: PipelineParallel(p, ctx, opt, 1, stages=4),
-        "pipeline S=4 gpipe M=4": lambda p: PipelineParallel(p, ctx, opt, 4, stages=4),
-        "pipeline S=4 1f1b M=4": lambda p: PipelineParallel(p, ctx, opt, 4, stages=4, schedule="1f1b"),
-        "hybrid 2x2 M=4": lambda p: PipelineParallel(p, ctx, opt, 4),
+        "sync (fast step)": lambda p: DataParallel(p, ctx, opt, **m),
+        "sync (the lesson's step)": lambda p: DataParallel(p, ctx, opt, lesson=True, **m),
+        "deterministic": lambda p: DeterministicDataParallel(p, ctx, opt, **m),
+        "async S=1": lambda p: AsyncDataParallel(p, ctx, opt, staleness=1, **m),
+        "local H=4": lambda p: LocalSGD(p, ctx, opt, sync_every=4, **m),
+        "zero stage 1": lambda p: ZeroRedundancy(p, ctx, opt, stage=1, **m),
+        "zero stage 2": lambda p: ZeroRedundancy(p, ctx, opt, stage=2, **m),
+        "zero stage 3": lambda p: ZeroRedundancy(p, ctx, opt, stage=3, **m),
+        "tensor T=4": lambda p: TensorParallel(p, ctx, opt, **m),
+        "tensor T=2 x data 2": lambda p: TensorParallel(p, ctx, opt, 2, **m),
+        "model S=4": lambda p: PipelineParallel(p, ctx, opt, 1, stages=4, **m),
+        "pipeline S=4 gpipe M=4": lambda p: PipelineParallel(p, ctx, opt, 4, stages=4, **m),
+        "pipeline S=4 1f1b M=4": lambda p: PipelineParallel(p, ctx, opt, 4, stages=4, schedule="1f1b", **m),
+        "hybrid 2x2 M=4": lambda p: PipelineParallel(p, ctx, opt, 4, **m),
     }
 
 
-def speed(width, batch, steps, rounds):
-    """{mode: median images/s} over `rounds` turns of `steps` steps each, on cpu(0..3)."""
+def speed(net, batch, steps, rounds):
+    """({mode: median images/s} over `rounds` turns of `steps` steps each, on cpu(0..3),
+    {mode: why it was left out}) for the models.Model `net`."""
     import mxnet as mx
-    from ..lesson import init_lenet_params
     ctx = [mx.cpu(i) for i in range(4)]
-    models = {name: make(init_lenet_params(0, width=width)) for name, make in strategies(ctx).items()}
-    return take_turns(models, batch, steps, rounds)
+    models, left_out = {}, {}
+    for name, make in strategies(ctx, net).items():
+        try:
+            models[name] = make(net.init_params(0))
+        except ValueError as e:                   # a layout this model refuses: more stages than layers, ...
+            left_out[name] = str(e)
+    return take_turns(models, batch, steps, rounds), left_out
 
 
 def take_turns(models, batch, steps, rounds):
@@ -76,14 +87,29 @@ def parse(argv):
     """The checked arguments; UsageError (one line) for values no run can use."""
     parser = OneLineParser(prog="python -m manual_dp.bench.modes", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench_out", help="directory for modes.json")
-    parser.add_argument("--width", type=int, default=1)
+    parser.add_argument("--model", default=RunConfig.model, help="lenet, mlp, transformer, resnet or PATH.py:FUNCTION")
+    parser.add_argument("--width", type=int, default=RunConfig.width, help="lenet, mlp, resnet: width")
+    for flag, help in (("--layers", "transformer: blocks"), ("--d-model", "transformer: token width"),
+                       ("--heads", "transformer: heads"), ("--patch", "transformer: P x P patch tokens")):
+        parser.add_argument(flag, type=int, help=f"{help} (default {TRANSFORMER[flag[2:].replace('-', '_')]})")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3, help="steps per mode per round")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     if min(args.width, args.steps, args.rounds) < 1 or args.batch < 4:
         parser.error("--width, --steps and --rounds must be >= 1, --batch >= 4")
+    check_model(dataclasses.replace(RunConfig(), model=args.model, layers=args.layers, d_model=args.d_model,
+                                    heads=args.heads, patch=args.patch))
     return args
+
+
+def network(args):
+    """The models.Model the arguments name; UsageError (one line) for sizes it cannot take."""
+    from ..models import build
+    try:
+        return build(args.model, args.width, args.layers, args.d_model, args.heads, args.patch)
+    except ValueError as e:
+        raise UsageError(f"--model {args.model}: {e}") from None
 
 
 def main(argv=None):
@@ -91,16 +117,19 @@ def main(argv=None):
     configure(4)                                    # thread settings before MXNet loads
     from ..bench.command import commit
     where = dict(machine(), commit=commit())
-    rates = speed(args.width, args.batch, args.steps, args.rounds)
+    net = parsed_or_exit(network, args, "python -m manual_dp.bench.modes")
+    rates, left_out = speed(net, args.batch, args.steps, args.rounds)
     base = rates["sync (fast step)"]
     print(f"{where['cpu']} ({where['vector']}), {where['cores']} cores, commit {where['commit']}; 4 CPU "
-          f"contexts, LeNet x{args.width}, batch {args.batch}, median of {args.rounds} rounds")
+          f"contexts, {net.name} {net.config}, batch {args.batch}, median of {args.rounds} rounds")
     for name, rate in rates.items():
         print(f"  {name:26} {rate:8.0f} img/s  {rate / base:5.2f}x sync")
+    for name, why in left_out.items():
+        print(f"  {name:26} left out: {why}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "modes.json").write_text(json.dumps(dict(where, width=args.width, batch=args.batch,
-                                                    images_per_sec=rates), indent=1))
+    (out / "modes.json").write_text(json.dumps(dict(where, model=net.describe(), width=args.width, batch=args.batch,
+                                                    images_per_sec=rates, left_out=left_out), indent=1))
 
 
 if __name__ == "__main__":
