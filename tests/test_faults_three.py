@@ -2,6 +2,7 @@
 combinations that used to raise deep inside, thread variables MXNet aborts on, and SIGTERM/SIGHUP
 ending a run with one line and a kept checkpoint."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,3 +97,34 @@ def test_local_sgd_across_processes_resumes_to_the_uninterrupted_bits(data_dir, 
     code, out = run_job(launch_cmd(3, "dist_sync", *common, "--epochs", 3, "--checkpoint-dir", ck, "--resume"),
                         tmp_path / "c.txt")
     assert code != 0 and "resume it with 2, not 3" in out, out
+
+
+# A job's processes agree on their settings (item 3) -------------------------------------------------
+
+from manual_dp.multiprocess.agree import PER_PROCESS, settings   # noqa: E402
+
+
+def per_worker(flag, first, second, *argv):
+    """A command for the launcher whose worker 0 passes `flag first` and every other `flag second`."""
+    cmd = " ".join(map(str, [sys.executable, "-m", "manual_dp.train", "--no-progress", "--backend", "dist_sync", *argv]))
+    return [sys.executable, "-m", "manual_dp.launch", "--workers", "2", "--", "bash", "-c",
+            f'if [ "$MANUAL_DP_WORKER" = "worker 0" ]; then v={first}; else v={second}; fi; exec {cmd} {flag} $v']
+
+
+@pytest.mark.parametrize("flag,first,second", [("--lr", "0.05", "0.1"), ("--epochs", "1", "2")])
+def test_workers_with_different_settings_end_the_job_before_training(data_dir, tmp_path, flag, first, second):
+    code, out = run_job(per_worker(flag, first, second, "--cpus", 1, "--data-dir", data_dir, *TINY[:6],
+                                   "--log-json", tmp_path / "log.jsonl"), tmp_path / "out.txt", timeout=120)
+    assert code != 0, out
+    # which worker the servers make rank 0 is theirs to choose: the other names both values
+    mine, theirs = re.search(rf"rank 1 runs with other settings than rank 0: {flag} (\S+) here, (\S+) on rank 0", out).groups()
+    assert {mine, theirs} == {first, second}, out
+    assert "rank(s) 1 of 2 run with other settings" in out and "epoch 1/" not in out, out
+    assert not (tmp_path / "log.jsonl").exists()
+
+
+def test_what_may_differ_per_process_is_only_paths_and_the_terminal():
+    from manual_dp.config import RunConfig
+    cfg = RunConfig()
+    assert set(settings(cfg)) | set(PER_PROCESS) == set(vars(cfg))
+    assert {"lr", "epochs", "model", "mode", "optimizer", "seed", "batch_size", "cpus"} <= set(settings(cfg))

@@ -20,6 +20,7 @@ from ..fast.compress import make_reducer
 from ..fast.trace import TRACE_UPDATES
 from ..loop import fit
 from ..models import build as build_network
+from ..multiprocess.agree import agree
 from ..multiprocess.connect import connect
 from ..schedule import make_lr, updates_per_epoch
 from ..strategies.accum import GradAccum
@@ -208,6 +209,7 @@ def resume_from(cfg, world, model, run_config):
 def run_in(cfg, world):
     """The run as one process of `world`; returns the history."""
     ctx = contexts(cfg, world)
+    agree(cfg, world)                    # every process of a job: the same settings, or one line each
     checks.check_layout(cfg, len(ctx), world.size)
     if world.is_root:
         check_outputs(cfg)
