@@ -60,6 +60,18 @@ def ctx(request):
     return [mx.cpu(i) for i in range(request.param)]
 
 
+def run_main(capsys, argv):
+    """(exit status, stdout, stderr lines) of `python -m manual_dp.train argv`, run in this process."""
+    from manual_dp.train import main
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
 def assert_on(arrays, c):
     """Every array lives on context c (MXNet mixes cpu(0) and cpu(1) silently, so check)."""
     for a in arrays:

@@ -19,7 +19,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from conftest import write_dataset
+from conftest import run_main, write_dataset
 from manual_dp import checkpoint
 from manual_dp.train import main
 
@@ -28,12 +28,8 @@ TINY = ["--train-size", "100", "--test-size", "64", "--batch-size", "32", "--no-
 
 def run(capsys, argv):
     """(exit status, stderr lines) of the CLI run in this process."""
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err.strip().splitlines()
+    code, _, lines = run_main(capsys, argv)
+    return code, lines
 
 
 def good_checkpoint(tmp, data):

@@ -12,18 +12,14 @@ import pytest
 
 from manual_dp import checkpoint
 from manual_dp.fast.runtime import environment_problem
-from manual_dp.train import main
+from conftest import run_main
 
 TINY = ["--train-size", "100", "--test-size", "64", "--batch-size", "32", "--no-progress", "--epochs", "1"]
 
 
 def run(capsys, argv):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err.strip().splitlines()
+    code, _, lines = run_main(capsys, argv)
+    return code, lines
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import batch, cpus
+from conftest import batch, cpus, run_main
 from manual_dp import models
 from manual_dp.lesson import LENET_SHAPES, cross_entropy, init_lenet_params, lenet, lenet_shapes
 from manual_dp.models.contract import balanced_cuts
@@ -295,15 +295,7 @@ def test_autotp_pairs_consecutive_dense_layers_only(tmp_path):
 TINY = ["--train-size", "96", "--test-size", "32", "--batch-size", "32", "--no-progress", "--epochs", "1"]
 
 
-def cli(capsys, argv):
-    from manual_dp.train import main
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err.strip().splitlines()
+cli = run_main
 
 
 def test_cli_trains_each_model_and_logs_its_description(capsys, data_dir, tmp_path, user_block):

@@ -1,15 +1,17 @@
 """The conjugate operators of Megatron-LM's tensor parallelism, written by hand across contexts.
 
 A tensor group is T contexts that each hold one shard of every split layer. Two operators join the
-shards, each the other's transpose (Shoeybi et al. 2019, "f" and "g"):
+shards, each the other's transpose (Shoeybi et al. 2019, "f" and "g"), and the sum both ways:
 
     f   forward: identity (every context already holds the same input)
         backward: all-reduce (each context's shard saw only its part of the gradient)
     g   forward: all-reduce (each context computed a partial sum of the layer's output)
         backward: identity (every context already holds the whole gradient of the output)
 
+    sum_everywhere   forward: all-reduce, backward: all-reduce (--sync-batchnorm's statistics)
+
 A column-parallel layer (output units split) is entered through f; a row-parallel layer (input
-units split) is left through g. Both are one mx.autograd.Function over all T contexts of a group:
+units split) is left through g. Each is one mx.autograd.Function (Joined) over all T contexts of a group:
 its forward takes the T arrays (one per context) and returns T arrays on the same contexts; MXNet's
 autograd records it as one node whose inputs and outputs live on different contexts and calls its
 backward with the T output gradients, each on its own context (tests/test_tensor.py checks it).
@@ -27,62 +29,34 @@ def summed(arrays, allreduce):
     return out
 
 
-class IdentityAllreduce(autograd.Function):
-    """f: identity forward, all-reduce backward."""
+class Joined(autograd.Function):
+    """One autograd node over a tensor group's arrays: forward and backward each either the identity
+    (copies) or the all-reduce (fresh sums on every context)."""
 
-    def __init__(self, allreduce):
+    def __init__(self, allreduce, sum_forward, sum_backward):
         super().__init__()
-        self.allreduce = allreduce
+        self.allreduce, self.sum_forward, self.sum_backward = allreduce, sum_forward, sum_backward
 
     def forward(self, *xs):
-        return tuple(x.copy() for x in xs)
+        return tuple(summed(xs, self.allreduce) if self.sum_forward else (x.copy() for x in xs))
 
     def backward(self, *dys):
-        return tuple(summed(dys, self.allreduce))
-
-
-class AllreduceIdentity(autograd.Function):
-    """g: all-reduce forward, identity backward."""
-
-    def __init__(self, allreduce):
-        super().__init__()
-        self.allreduce = allreduce
-
-    def forward(self, *xs):
-        return tuple(summed(xs, self.allreduce))
-
-    def backward(self, *dys):
-        return tuple(dy.copy() for dy in dys)
-
-
-class AllreduceAllreduce(autograd.Function):
-    """The sum on every context, forward and backward (each output depends on every input): the
-    statistics of --sync-batchnorm (models.batchnorm)."""
-
-    def __init__(self, allreduce):
-        super().__init__()
-        self.allreduce = allreduce
-
-    def forward(self, *xs):
-        return tuple(summed(xs, self.allreduce))
-
-    def backward(self, *dys):
-        return tuple(summed(dys, self.allreduce))
+        return tuple(summed(dys, self.allreduce) if self.sum_backward else (dy.copy() for dy in dys))
 
 
 def sum_everywhere(xs, allreduce):
     """Every context's output holds the sum of `xs`; in backward, each x's gradient is the sum of
-    every output's gradient."""
-    return list(AllreduceAllreduce(allreduce)(*xs)) if len(xs) > 1 else list(xs)
+    every output's gradient (each output depends on every input): --sync-batchnorm's statistics."""
+    return list(Joined(allreduce, True, True)(*xs)) if len(xs) > 1 else list(xs)
 
 
 def f(xs, allreduce):
     """The same values as `xs` (one array per context of a tensor group); in backward, each x's
     gradient is the sum of the gradients of every context's output."""
-    return list(IdentityAllreduce(allreduce)(*xs)) if len(xs) > 1 else list(xs)
+    return list(Joined(allreduce, False, True)(*xs)) if len(xs) > 1 else list(xs)
 
 
 def g(xs, allreduce):
     """Every context's output holds the sum of `xs` (partial results, one per context); in
     backward, each x's gradient is its own output's gradient."""
-    return list(AllreduceIdentity(allreduce)(*xs)) if len(xs) > 1 else list(xs)
+    return list(Joined(allreduce, True, False)(*xs)) if len(xs) > 1 else list(xs)
