@@ -20,6 +20,8 @@ MAX_STAGES = 4                # its layers: conv1 | conv2 | dense1 | dense2 (str
 DEFAULT_CPU_CONTEXTS = 2      # contexts when there is no GPU and none are named
 FAST_STEP = dict(allreduce="reduce_bcast", fuse_grads=True, graph=True)
 LESSON_STEP = dict(allreduce="lesson", fuse_grads=False, graph=False)
+PLAN_TOP, PLAN_STEPS = 3, 3    # python -m manual_dp.plan --verify: layouts run, steps timed each
+PLAN_MAX_DEVICES, PLAN_MAX_BATCH = 4096, 1 << 22    # what the planner lays out at most (memory, time bounded)
 PIECE_ROWS = 32               # --deterministic: rows per piece, the unit whose gradient is computed whole
 TENSOR_PIECES = 4             # --deterministic --mode tensor: channel pieces of every split layer, whatever T
 

@@ -12,7 +12,8 @@ from . import config
 from .checks import check_model, parse_bytes
 from .cli.options import OneLineParser
 from .cli.output import parsed_or_exit
-from .config import MODEL_APPLIES, MODELS, OPTIMIZERS, TRANSFORMER, RunConfig
+from .config import (MODEL_APPLIES, MODELS, OPTIMIZERS, PLAN_MAX_BATCH, PLAN_MAX_DEVICES, PLAN_STEPS, PLAN_TOP,
+                     TRANSFORMER, RunConfig)
 from .errors import UsageError
 from .fast.runtime import configure, machine
 
@@ -38,17 +39,23 @@ def build_parser():
                                                   "manual_dp.costmodel.LINKS the devices share")
     p.add_argument("--verify", action="store_true", help="run the top layouts on CPU contexts, a few steps each")
     p.add_argument("--plot", help="with --verify: draw predicted beside measured to this PNG")
-    p.add_argument("--top", type=int, default=3, help="layouts --verify runs (default 3)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per layout under --verify (default 3)")
+    p.add_argument("--top", type=int, help=f"layouts --verify runs (default {PLAN_TOP})")
+    p.add_argument("--steps", type=int, help=f"timed steps per layout under --verify (default {PLAN_STEPS})")
     return p
 
 
 def parse(argv):
     """The checked arguments, memory_per_device in bytes; UsageError for anything no plan can use."""
     args = build_parser().parse_args(argv)
+    if (args.top is not None or args.steps is not None) and not args.verify:
+        raise UsageError("--top and --steps choose what --verify runs: add --verify")
+    args.top, args.steps = args.top or PLAN_TOP, args.steps or PLAN_STEPS
     for flag in ("devices", "width", "batch_size", "top", "steps"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag, most in (("devices", PLAN_MAX_DEVICES), ("batch_size", PLAN_MAX_BATCH)):
+        if getattr(args, flag) > most:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: the planner lays out at most {most:,}")
     if args.link not in LINKS:
         raise UsageError(f"--link {args.link}: choose from {', '.join(LINKS)}")
     if args.optimizer not in OPTIMIZERS:

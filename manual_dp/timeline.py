@@ -233,6 +233,8 @@ def main(argv=None):
                                                                     "of the one fitted to the trace")
     try:
         args = p.parse_args(argv)
+        if not args.out.lower().endswith(".png"):
+            raise UsageError(f"-o {args.out}: the drawing is a PNG, name it NAME.png")
         trace = load(args.trace)
         if not spans(trace):
             raise UsageError(f"{args.trace}: holds no trainer spans")

@@ -124,3 +124,41 @@ def test_what_may_differ_per_process_is_only_paths_and_the_terminal():
     cfg = RunConfig()
     assert set(settings(cfg)) | set(PER_PROCESS) == set(vars(cfg))
     assert {"lr", "epochs", "model", "mode", "optimizer", "seed", "batch_size", "cpus"} <= set(settings(cfg))
+
+
+# Small refusals of issue 25, items 6-8: one row a case, extend it -------------------------------------
+
+CASES = [   # (command, expected exit status, expected text in the output)
+    (["manual_dp.plan", "--devices", "100000", "--memory-per-device", "1G", "--batch-size", "1000000"], 2,
+     "--devices 100000: the planner lays out at most 4,096"),
+    (["manual_dp.plan", "--devices", "4", "--memory-per-device", "1G", "--batch-size", "1" + "0" * 9], 2,
+     "the planner lays out at most"),
+    (["manual_dp.plan", "--devices", "4", "--memory-per-device", "1G", "--top", "5"], 2,
+     "--top and --steps choose what --verify runs: add --verify"),
+    (["manual_dp.launch", "--help"], 0, "usage: python -m manual_dp.launch [options] -- COMMAND..."),
+    (["manual_dp.launch", "--grace", "1e-9", "--", "true"], 2, "at least 0.5"),
+    (["manual_dp.timeline", "trace.json", "-o", "NAME"], 2, "the drawing is a PNG, name it NAME.png"),
+]
+
+
+@pytest.mark.parametrize("argv,code,text", CASES, ids=[" ".join(c[0][:2]) + f" {i}" for i, c in enumerate(CASES)])
+def test_case_table(tmp_path, argv, code, text):
+    done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == code and text in done.stdout + done.stderr, (done.returncode, done.stdout, done.stderr)
+    if code:
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_hosts_files_with_a_byte_order_mark_or_mpi_slots(tmp_path):
+    from manual_dp.errors import UsageError
+    from manual_dp.multiprocess.launcher import read_hosts
+    (tmp_path / "bom").write_bytes("\ufeff127.0.0.1\n127.0.0.2 # second\n".encode("utf-8"))
+    assert read_hosts(tmp_path / "bom") == ["127.0.0.1", "127.0.0.2"]
+    (tmp_path / "slots").write_text("127.0.0.1 slots=2\n")
+    with pytest.raises(UsageError, match="a line names one host, not '127.0.0.1 slots=2'"):
+        read_hosts(tmp_path / "slots")
+
+
+def test_local_sgd_divergence_names_the_outer_lr(capsys, data_dir):
+    code, lines = run(capsys, ["--data-dir", str(data_dir), *TINY, "--mode", "local", "--outer-lr", "1e30", "--sync-every", "1", "--cpus", "2"])
+    assert code == 3 and len(lines) == 1 and "or --outer-lr than 1e+30" in lines[0], lines

@@ -297,7 +297,8 @@ def run_or_exit(cfg):
     except DivergedError as e:
         saved = cfg.checkpoint_dir and (Path(cfg.checkpoint_dir) / checkpoint.NAME).is_file()
         kept = " (the checkpoint of the last good epoch is kept)" if saved else ""
-        sys.exit(fail(f"training diverged at {e}{kept}; try a lower --lr than {cfg.lr:g}", 3))
+        lower = f"a lower --lr than {cfg.lr:g}" + (f" or --outer-lr than {cfg.outer_lr:g}" if cfg.mode == "local" else "")
+        sys.exit(fail(f"training diverged at {e}{kept}; try {lower}", 3))
     except KeyboardInterrupt:
         interrupted()
     except Terminated as e:

@@ -38,6 +38,7 @@ from ..errors import UsageError
 
 LOOPBACK = "127.0.0.1"
 STARTED = "manual_dp.launch: remote command started"  # a remote shell's first own line
+MIN_SECONDS = 0.5     # --grace, --start-timeout: below it a finished job's servers race its workers' end
 
 
 class Parser(argparse.ArgumentParser):
@@ -74,14 +75,15 @@ def seconds(text):
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number of seconds, got {text}")
+    if not (math.isfinite(value) and value >= MIN_SECONDS):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, at least {MIN_SECONDS}, got {text}")
     return value
 
 
 def parse(argv):
     """(options, COMMAND) from `[options] -- COMMAND...`."""
     if "--" not in argv:
+        build_parser().parse_args(argv)     # --help prints the options and exits 0; bad options their line
         raise UsageError("give the command after --, e.g. -- python -m manual_dp.train --backend dist_sync")
     cut = argv.index("--")
     args, command = build_parser().parse_args(argv[:cut]), argv[cut + 1:]
@@ -99,7 +101,7 @@ def parse(argv):
 
 def read_hosts(path):
     try:
-        lines = Path(path).read_bytes().decode("utf-8").splitlines()
+        lines = Path(path).read_bytes().decode("utf-8-sig").splitlines()    # -sig: a byte-order mark is no host
     except OSError as e:
         raise UsageError(f"--hosts {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
@@ -107,6 +109,10 @@ def read_hosts(path):
                          f"at offset {e.start})") from None
     hosts = [ln.split("#")[0].strip() for ln in lines]
     hosts = [h for h in hosts if h]
+    for h in hosts:
+        if len(h.split()) > 1:
+            raise UsageError(f"--hosts {path}: a line names one host, not {h!r} (for two workers on a host, "
+                             f"list it twice; 'slots=' is MPI's syntax)")
     if not hosts:
         raise UsageError(f"--hosts {path} names no host")
     return hosts
