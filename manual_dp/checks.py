@@ -19,7 +19,10 @@ def check(cfg):
         value = getattr(cfg, name)
         if value is not None and value < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    for name in ("lr", "init_scale", "timeout"):
+    if cfg.clip_norm is not None and cfg.mode == "tensor" and cfg.deterministic:
+        raise UsageError("--clip-norm with --deterministic --mode tensor: not yet (its fixed channel pieces "
+                         "keep their own gradient layout); use it with sync or zero")
+    for name in ("lr", "init_scale", "timeout", "clip_norm"):
         value = getattr(cfg, name)
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise UsageError(f"--{name.replace('_', '-')} must be positive and finite, got {value}")

@@ -92,6 +92,9 @@ class RunConfig:
                                            "2: also the gradients, 3: also the parameters (default 1)",
                                      "parallelism", choices=(1, 2, 3))
     grad_accum: int = flag(1, "batches per update", "parallelism")
+    clip_norm: Optional[float] = flag(None, "scale the gradient by min(1, C / its global L2 norm) before every "
+                                            "update, every parameter counted once in any layout; the norm is "
+                                            "logged per epoch either way (manual_dp/strategies/clipping.py)")
     scale_lr: str = flag("none", "linear: lr x batch-size x grad-accum / 256 (Goyal et al.)",
                          "parallelism", choices=("none", "linear"))
     warmup_epochs: float = flag(0.0, "ramp the lr up linearly over this many epochs, per update",
@@ -164,6 +167,7 @@ APPLIES = {
     "no_autotune": ("sync", "zero"),
     "deterministic": ("sync", "zero", "tensor"),
     "sync_batchnorm": ("sync",),
+    "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
     "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor"),
     "zero_stage": ("zero",),
     "sync_every": ("local",),
@@ -182,13 +186,13 @@ APPLIES = {
 MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer",), "d_model": ("transformer",),
                  "heads": ("transformer",), "patch": ("transformer",)}
 # Settings that must match for --resume to continue the same run.
-RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "sync_batchnorm", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
+RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "sync_batchnorm", "clip_norm", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
             "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
             "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
 DEFAULTS_OF_NEWER_KEYS = {"model": "lenet", "layers": None, "d_model": None, "heads": None, "patch": None,
-                          "sync_batchnorm": False,
+                          "sync_batchnorm": False, "clip_norm": None,
                           "width": 1, "sync_every": None, "outer_optimizer": None, "outer_lr": None,
                           "outer_momentum": None, "compress": "none"}
 

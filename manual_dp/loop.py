@@ -106,6 +106,7 @@ def fit(model, train_data, test_data, epochs, batch_size, lr, rng,
         except DivergedError as e:
             raise DivergedError(f"epoch {epoch}, {e}") from None
         extras = model.end_epoch(lr_at(lr, model.t))   # e.g. an open accumulation window applied
+        extras.update(model.grad_norms())              # the global gradient norm's mean and max
         epoch_sec = time.perf_counter() - start
         try:
             check_params(model)

@@ -82,6 +82,7 @@ def describe(cfg):
                 f"tensor group in {TENSOR_PIECES} fixed channel pieces, pieces of the batch and of the "
                 f"channels added in fixed trees, the same bits on any such layout and process count")
     line += ", BatchNorm statistics over every context" if cfg.sync_batchnorm else ""
+    line += f", gradients clipped to a global norm of {cfg.clip_norm:g}" if cfg.clip_norm else ""
     return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
         f", {'LeNet' if cfg.model == 'lenet' else cfg.model} x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg) + compression(cfg)
 
@@ -106,6 +107,8 @@ def format_record(r, epochs):
     """The epoch's line: losses, accuracies, time, and what the mode measured."""
     line = (f"epoch {r['epoch']}/{epochs}  loss {r['train_loss']:.4f}  train acc {r['train_acc']:.3f}  "
             f"test acc {r['test_acc']:.3f}  {r['epoch_sec']:.1f} s  {r['images_per_sec']:.0f} img/s")
+    if "grad_norm_mean" in r:
+        line += f"  grad norm {r['grad_norm_mean']:.3g} (max {r['grad_norm_max']:.3g})"
     if "staleness_mean" in r:
         line += f"  staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})"
     if "bubble_fraction" in r:

@@ -129,7 +129,8 @@ def build_model(cfg, params, ctx, world):
         model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce,
                                  cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute, model=net)
     model = world.wrap(model)
-    return GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
+    model = GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
+    return model.clip(cfg.clip_norm)          # None: the global gradient norm is only logged
 
 
 def writable(directory, flag):

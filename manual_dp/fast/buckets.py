@@ -69,15 +69,24 @@ class Buckets:
         """Bucket b's flat gradient on every context."""
         return [r.groups[b].grad for r in self.replicas]
 
-    def reduce_and_update(self, allreduce_fn, lr, t, n_examples):
+    def reduce_and_update(self, allreduce_fn, lr, t, n_examples, count=None, reduced=None):
         """Afterwards every replica took the same update from the gradients summed over the
-        contexts, bucket by bucket, and the gradients are zero."""
+        contexts, bucket by bucket, and the gradients are zero. count(n) (clipping) needs every
+        bucket summed first: then all are reduced before any is updated, with n = count(n);
+        reduced(b, grads), if given, sees each bucket's sum before its update."""
         mark = self.marks or (lambda b, event, arrays: None)
+        if count:
+            for b in range(len(self.plan)):
+                allreduce_fn(self.grads(b))
+            n_examples = count(n_examples)
         for b in range(len(self.plan)):
             grads = self.grads(b)
-            mark(b, "ready", grads)
-            allreduce_fn(grads)
-            mark(b, "reduced", grads)
+            if not count:
+                mark(b, "ready", grads)
+                allreduce_fn(grads)
+                mark(b, "reduced", grads)
+                if reduced:
+                    reduced(b, grads)
             for r in self.replicas:
                 apply_update_and_clear([r.groups[b].flat], [r.flat_states[b]], self.optimizer, lr, t, n_examples)
             mark(b, "updated", grads)      # zeroed after the update read them: so after both

@@ -15,6 +15,7 @@ backward this process's rows of every global batch and update the global count.
 """
 
 from ..lesson import shard_sizes
+from .clipping import NormLog
 
 
 def rank_rows(n, rank, size, k):
@@ -36,6 +37,7 @@ class Strategy:
     t = 0
     net = None
     per_process_extra = ()     # names of state_dict()["extra"] entries that differ between processes
+    norm_log = None            # NormLog: the global gradient norms, and clipping (strategies/clipping.py)
 
     @property
     def min_batch(self):
@@ -83,6 +85,29 @@ class Strategy:
     def end_epoch(self, lr):
         """Called after an epoch's last batch; returns what the strategy measured ({} if nothing)."""
         return {}
+
+    def reduced_grads(self):
+        """The model's gradient summed over the batch (and every context and process), one NDArray
+        per parameter of the model, in its order, each element once: read inside `update`, after
+        the reduction and before the optimiser (strategies/clipping.py). A strategy without one
+        gradient (async, local SGD) does not clip."""
+        raise NotImplementedError
+
+    def counted(self, n_examples):
+        """What `update` divides the reduced gradient by: n_examples, or more under --clip-norm;
+        the norm is logged either way (NormLog)."""
+        self.norm_log = self.norm_log or NormLog()
+        return self.norm_log.count(self.reduced_grads(), n_examples)
+
+    def clip(self, clip_norm):
+        """Afterwards every update scales the gradient by min(1, clip_norm / global norm); None:
+        only log the norm. Returns the strategy."""
+        self.norm_log = NormLog(clip_norm)
+        return self
+
+    def grad_norms(self):
+        """{"grad_norm_mean", "grad_norm_max"} of the updates since the last call."""
+        return self.norm_log.epoch_stats() if self.norm_log else {}
 
     def layout(self, batch_size):
         """[(context, stage, examples)]: for each placement of a stage of the network, how many
@@ -159,6 +184,13 @@ class Wrapper(Strategy):
 
     def end_epoch(self, lr):
         return self.model.end_epoch(lr)
+
+    def clip(self, clip_norm):
+        self.model.clip(clip_norm)
+        return self
+
+    def grad_norms(self):
+        return self.model.grad_norms()
 
     def layout(self, batch_size):
         return self.model.layout(batch_size)

@@ -25,6 +25,7 @@ from ..models.batchnorm import Moments
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
+from .clipping import NormLog, squares
 
 
 def graph_forward_backward(graph, X_shards, y_shards, device_params, on_forward=None):
@@ -118,10 +119,15 @@ class DataParallel(Strategy):
         if not self.lesson_path or self.running:
             return super().step(X, y, lr)
         self.t += 1
-        return train_batch(X, y, self.replicas, self.ctx, lr, self.allreduce_fn,
-                           update=lambda W, lr, n: apply_update_and_clear(W, self.states_of[id(W)],
-                                                                           self.optimizer, lr, self.t, n),
+        return train_batch(X, y, self.replicas, self.ctx, lr, self.allreduce_fn, update=self.lesson_update,
                            net=self.net.forward)
+
+    def lesson_update(self, W, lr, n):
+        """train_batch's update of replica W (every gradient already all-reduced): the first
+        replica's call counts the examples (--clip-norm), every replica's applies the same step."""
+        if W is self.replicas[0]:
+            self.n_counted = self.counted(n)
+        apply_update_and_clear(W, self.states_of[id(W)], self.optimizer, lr, self.t, self.n_counted)
 
     def backward(self, X, y):
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
@@ -154,19 +160,37 @@ class DataParallel(Strategy):
     def update(self, lr, n_examples):
         self.t += 1
         if self.buckets:
-            self.buckets.reduce_and_update(self.allreduce_fn, lr, self.t, n_examples)
-            if self.tracer:
-                self.tracer.step_ends()
+            self.bucket_update(lr, n_examples)
             return
         if self.flat:
             self.allreduce_fn([f.grad for f in self.flat])
+            n_examples = self.counted(n_examples)
             for f, s in zip(self.flat, self.flat_states):
                 apply_update_and_clear([f.flat], [s], self.optimizer, lr, self.t, n_examples)
             return
         for i in range(len(self.replicas[0])):
             self.allreduce_fn([W[i].grad for W in self.replicas])
+        n_examples = self.counted(n_examples)
         for W, S in zip(self.replicas, self.states):
             apply_update_and_clear(W, S, self.optimizer, lr, self.t, n_examples)
+
+    def bucket_update(self, lr, n_examples):
+        """The buckets' all-reduces and updates, overlapping the backward; under --clip-norm every
+        bucket is summed before any is updated (the norm needs them all)."""
+        self.norm_log = self.norm_log or NormLog()
+        clipping = self.norm_log.clip_norm is not None
+        parts = []
+        self.buckets.reduce_and_update(self.allreduce_fn, lr, self.t, n_examples,
+                                       count=self.counted if clipping else None,
+                                       reduced=lambda b, grads: parts.append(squares(grads[0])))
+        if parts:
+            self.norm_log.add(parts, n_examples)
+        if self.tracer:
+            self.tracer.step_ends()
+
+    def reduced_grads(self):
+        """The first replica's gradients (every replica holds the same sums)."""
+        return [p.grad for p in self.replicas[0]]
 
     def correct(self, X, y):
         """Correct predictions on (X, y), sharded over every context (idle ones if X is tiny)."""

@@ -178,7 +178,12 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
         """The tree's gradient on every replica, then the same elementwise update on each."""
         self.t += 1
         gradient = self.held[:self.n]
+        n_examples = self.counted(n_examples)
         for f, s in zip(self.flat, self.flat_states):
             gradient.copyto(f.grad)
             apply_update_and_clear([f.flat], [s], self.optimizer, lr, self.t, n_examples)
         self.held = None
+
+    def reduced_grads(self):
+        """The tree's total gradient (the same bits on any layout)."""
+        return [self.held[:self.n]]

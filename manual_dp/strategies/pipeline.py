@@ -153,9 +153,14 @@ class PipelineParallel(Strategy):
             for i in range(len(P)):
                 self.allreduce_fn([row[s][i].grad for row in self.params])
         self.t += 1
+        n_examples = self.counted(n_examples)
         for row, row_states in zip(self.params, self.states):
             for P, S in zip(row, row_states):
                 apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
+
+    def reduced_grads(self):
+        """The first replica's stages' gradients, in the model's order."""
+        return [p.grad for P in self.params[0] for p in P]
 
     def end_epoch(self, lr):
         """The mean bubble fraction of the epoch's schedules (idle share of stage time), and the

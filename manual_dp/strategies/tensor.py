@@ -138,9 +138,17 @@ class TensorParallel(Strategy):
             for i in range(len(self.split)):
                 self.allreduce_fn([P[j][i].grad for P in self.shards])
         self.t += 1
+        n_examples = self.counted(n_examples)
         for P_row, S_row in zip(self.shards, self.states):
             for P, S in zip(P_row, S_row):
                 apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
+
+    def reduced_grads(self):
+        """The first group's gradients, a split parameter's shards joined on the first context, a
+        replicated one's once: the whole model's gradient in its order."""
+        row, home = self.shards[0], self.grid[0][0]
+        return [nd.concat(*[P[i].grad.as_in_context(home) for P in row], dim=a) if a is not None and self.T > 1
+                else row[0][i].grad for i, a in enumerate(self.split)]
 
     def correct(self, X, y):
         """Correct predictions on (X, y), sharded over the groups (idle ones if X is tiny)."""

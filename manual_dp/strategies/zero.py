@@ -147,12 +147,18 @@ class ZeroRedundancy(Strategy):
         """Each context updates its shard; stages 1 and 2 then all-gather the parameters."""
         self.t += 1
         _, rule = OPTIMIZERS[self.optimizer]
-        for p, g, state in zip(self.shards, self.owned_grads(), self.states):
+        self.owned = self.owned_grads()
+        n_examples = self.counted(n_examples)
+        for p, g, state in zip(self.shards, self.owned, self.states):
             rule(p, g / n_examples, state, lr, self.t)
         for g in ([r.grad for r in self.replicas] if self.stage == 1 else self.grad_shards):
             g[:] = 0
         if self.flats:
             self.all_gather(self.flats)                                 # in place: shard i from context i
+
+    def reduced_grads(self):
+        """The owned gradient shards: together the flat gradient, once, in the model's order."""
+        return self.owned
 
     def correct(self, X, y):
         """Correct predictions on (X, y), sharded over the contexts (idle ones if X is tiny)."""

@@ -148,10 +148,15 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
         """Each context's shard updated by apply_update_and_clear from its tree-summed gradient
         shard (then zero); stages 1 and 2 then all-gather the parameters."""
         self.t += 1
+        n_examples = self.counted(n_examples)
         for p, state in zip(self.shards, self.states):
             apply_update_and_clear([p], [state], self.optimizer, lr, self.t, n_examples)
         if self.flats:
             self.all_gather(self.flats)                      # in place: shard i from context i
+
+    def reduced_grads(self):
+        """The tree-summed gradient shards: the flat gradient, once, in the model's order."""
+        return [p.grad for p in self.shards]
 
     def arrays(self):
         """ZeroRedundancy's, and in stage 1 the gradient shards the tree's sums are held in."""
