@@ -24,8 +24,16 @@ from .contract import CLASSES, IMAGE, Layer, Model, Param, fc
 DEFAULTS = dict(TRANSFORMER, mlp_ratio=2)          # the command line's sizes (manual_dp.config)
 
 
-def layer_norm(h, g, b, F=nd):
-    return F.LayerNorm(h, gamma=g, beta=b, axis=-1, eps=1e-5)
+def layer_norm(h, g, b, F=nd, eps=1e-5):
+    """(h - mean) / sqrt(var + eps) * g + b over the last axis, the means taken as thin matrix
+    products (h times a column of 1/d): MXNet 1.9's LayerNorm operator has a slow backward on CPU
+    (its generic reduce: 44% of the transformer's step, docs/performance.md); these ops' are fast."""
+    ones = F.BlockGrad(F.reshape(F.ones_like(g), shape=(1, -1)))                 # (1, d)
+    column = F.broadcast_div(ones, F.sum(ones))                                  # 1/d each
+    mean = F.FullyConnected(h, column, no_bias=True, num_hidden=1, flatten=False)           # (B, T, 1)
+    centred = F.broadcast_sub(h, mean)
+    var = F.FullyConnected(F.square(centred), column, no_bias=True, num_hidden=1, flatten=False)
+    return F.broadcast_add(F.broadcast_mul(F.broadcast_div(centred, F.sqrt(var + eps)), g), b)
 
 
 def tokens(X, patch, F=nd):
@@ -53,10 +61,10 @@ def attend(a, p, F, shapes, head_dim):
     def split_heads(x):                                   # (B, T, nh * dh) -> (B * nh, T, dh)
         x = F.reshape(x, shape=(0, 0, -4, n_heads, head_dim))
         return F.reshape(F.transpose(x, axes=(0, 2, 1, 3)), shape=(-3, -2))
-    q = split_heads(fc(a, wq, bq, F, shapes[0]))
+    q = split_heads(fc(a, wq, bq, F, shapes[0]) * (1 / math.sqrt(head_dim)))   # scaled here: (B, T, d) < (B*nh, T, T)
     k = split_heads(fc(a, wk, bk, F, shapes[2]))
     v = split_heads(fc(a, wv, bv, F, shapes[4]))
-    weights = F.softmax(F.batch_dot(q, k, transpose_b=True) / math.sqrt(head_dim), axis=-1)  # (B*nh, T, T)
+    weights = F.softmax(F.batch_dot(q, k, transpose_b=True), axis=-1)            # (B*nh, T, T)
     o = F.batch_dot(weights, v)                                                  # (B*nh, T, dh)
     return F.reshape(F.transpose(F.reshape(o, shape=(-4, -1, n_heads, -2)), axes=(0, 2, 1, 3)),
                      shape=(0, 0, -3))                                           # (B, T, nh*dh)
