@@ -24,16 +24,20 @@ from .contract import CLASSES, IMAGE, Layer, Model, Param, fc
 DEFAULTS = dict(TRANSFORMER, mlp_ratio=2)          # the command line's sizes (manual_dp.config)
 
 
-def layer_norm(h, g, b, F=nd, eps=1e-5):
-    """(h - mean) / sqrt(var + eps) * g + b over the last axis, the means taken as thin matrix
-    products (h times a column of 1/d): MXNet 1.9's LayerNorm operator has a slow backward on CPU
-    (its generic reduce: 44% of the transformer's step, docs/performance.md); these ops' are fast."""
-    ones = F.BlockGrad(F.reshape(F.ones_like(g), shape=(1, -1)))                 # (1, d)
-    column = F.broadcast_div(ones, F.sum(ones))                                  # 1/d each
-    mean = F.FullyConnected(h, column, no_bias=True, num_hidden=1, flatten=False)           # (B, T, 1)
-    centred = F.broadcast_sub(h, mean)
-    var = F.FullyConnected(F.square(centred), column, no_bias=True, num_hidden=1, flatten=False)
-    return F.broadcast_add(F.broadcast_mul(F.broadcast_div(centred, F.sqrt(var + eps)), g), b)
+def layer_norm(h, g, b, F=nd, d=None, eps=1e-5):
+    """(h - mean) / sqrt(var + eps) * g + b over the last axis (of size d), every mean and every
+    broadcast a skinny matrix product (oneDNN's inner product) and g a diagonal one: MXNet 1.9's
+    LayerNorm operator, and its broadcast ops, differentiate through a slow generic reduce on CPU
+    (LayerNorm's backward was 44% of the step; docs/performance.md)."""
+    d = d or g.shape[0]
+    where = {"ctx": h.context} if F is nd else {}
+    average, spread = F.ones(shape=(1, d), **where) / d, F.ones(shape=(d, 1), **where)
+
+    def times(x, w, n):
+        return F.FullyConnected(x, w, no_bias=True, num_hidden=n, flatten=False)
+    centred = h - times(times(h, average, 1), spread, d)                          # (B, T, d)
+    scale = 1 / F.sqrt(times(F.square(centred), average, 1) + eps)                # (B, T, 1)
+    return F.FullyConnected(centred * times(scale, spread, d), F.diag(g), b, num_hidden=d, flatten=False)
 
 
 def tokens(X, patch, F=nd):
@@ -75,8 +79,9 @@ def make_block(head_dim):
         """h + attention(LN(h)), then h + MLP(LN(h)); p: ln1 g, b, q, k, v, o (w, b each), ln2 g, b,
         MLP w1, b1, w2, b2."""
         shapes = shapes or [x.shape for x in p]
-        h = h + attention(layer_norm(h, p[0], p[1], F), p[2:10], F, shapes[2:10], head_dim)
-        m = relu(fc(layer_norm(h, p[10], p[11], F), p[12], p[13], F, shapes[12]), F)   # (B, T, hidden)
+        d = shapes[0][0]
+        h = h + attention(layer_norm(h, p[0], p[1], F, d), p[2:10], F, shapes[2:10], head_dim)
+        m = relu(fc(layer_norm(h, p[10], p[11], F, d), p[12], p[13], F, shapes[12]), F)   # (B, T, hidden)
         return h + fc(m, p[14], p[15], F, shapes[14])
     return block
 
@@ -163,7 +168,7 @@ class Transformer(Model):
     @staticmethod
     def head_layer(T, d):
         def head(h, p, F=nd, shapes=None):
-            pooled = F.mean(layer_norm(h, p[0], p[1], F), axis=1)                # (B, d)
+            pooled = F.mean(layer_norm(h, p[0], p[1], F, d), axis=1)             # (B, d)
             return fc(pooled, p[2], p[3], F, shapes[2] if shapes else None)      # (B, 10)
         params = (Param("lnf_g", (d,), "ones"), Param("lnf_b", (d,)),
                   Param("head_w", (CLASSES, d), "lecun", d), Param("head_b", (CLASSES,)))
