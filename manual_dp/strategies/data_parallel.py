@@ -189,8 +189,9 @@ class DataParallel(Strategy):
             self.tracer.step_ends()
 
     def reduced_grads(self):
-        """The first replica's gradients (every replica holds the same sums)."""
-        return [p.grad for p in self.replicas[0]]
+        """The first replica's gradients (every replica holds the same sums): its one flat
+        gradient when fused (one reduction for the norm, not one per parameter)."""
+        return [self.flat[0].grad] if self.flat else [p.grad for p in self.replicas[0]]
 
     def correct(self, X, y):
         """Correct predictions on (X, y), sharded over every context (idle ones if X is tiny)."""
