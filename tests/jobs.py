@@ -143,3 +143,16 @@ def assert_same_run(log_a, ck_a, log_b, ck_b, exact=True):
             np.testing.assert_array_equal(x, y)
         else:
             np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+
+
+def two_workers_as_one_process(tmp_path, k, *argv):
+    """Run `argv` in one process on 2k CPU contexts and as 2 dist_sync workers of k contexts each;
+    assert both end 0 with the same losses and parameters (to float rounding: the cross-process sum
+    adds the replicas' gradients in another order). Returns both runs' last log records."""
+    for name, cmd in (("one", train_cmd("--cpus", 2 * k, *argv)),
+                      ("two", launch_cmd(2, "dist_sync", "--cpus", k, *argv))):
+        code, out = run_job([*cmd, "--log-json", str(tmp_path / f"{name}.jsonl"),
+                             "--checkpoint-dir", str(tmp_path / name)], tmp_path / f"{name}.txt")
+        assert code == 0, out
+    assert_same_run(tmp_path / "one.jsonl", tmp_path / "one", tmp_path / "two.jsonl", tmp_path / "two", exact=False)
+    return [read_log(tmp_path / f"{name}.jsonl")[-1] for name in ("one", "two")]

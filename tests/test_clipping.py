@@ -127,15 +127,7 @@ def test_cli_logs_the_norm_and_refuses_what_does_not_clip(capsys, data_dir, tmp_
 @pytest.mark.parametrize("mode", [[], ["--mode", "zero", "--zero-stage", "2"]], ids=["sync", "zero2"])
 def test_two_dist_sync_workers_clip_as_one_process(data_dir, tmp_path, mode):
     """The norm is taken after the cross-process sum: 2 workers x 1 context clip as 1 process x 2."""
-    from jobs import assert_same_run, launch_cmd, run_job, train_cmd
-    common = ["--data-dir", data_dir, "--train-size", 256, "--test-size", 64, "--batch-size", 32, "--epochs", 2,
-              "--clip-norm", 0.5, *mode]
-    code, out = run_job(train_cmd("--cpus", 2, *common, "--log-json", tmp_path / "one.jsonl",
-                                  "--checkpoint-dir", tmp_path / "one"), tmp_path / "one.txt")
-    assert code == 0, out
-    code, out = run_job(launch_cmd(2, "dist_sync", "--cpus", 1, *common, "--log-json", tmp_path / "two.jsonl",
-                                   "--checkpoint-dir", tmp_path / "two"), tmp_path / "two.txt")
-    assert code == 0, out
-    assert_same_run(tmp_path / "one.jsonl", tmp_path / "one", tmp_path / "two.jsonl", tmp_path / "two", exact=False)
-    one, two = (json.loads((tmp_path / f"{n}.jsonl").read_text().splitlines()[-1]) for n in ("one", "two"))
+    from jobs import two_workers_as_one_process
+    one, two = two_workers_as_one_process(tmp_path, 1, "--data-dir", data_dir, "--train-size", 256, "--test-size", 64,
+                                          "--batch-size", 32, "--epochs", 2, "--clip-norm", 0.5, *mode)
     assert two["grad_norm_max"] == pytest.approx(one["grad_norm_max"], rel=1e-5) and one["grad_norm_max"] > 0.5

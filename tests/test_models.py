@@ -503,13 +503,7 @@ def test_layers_without_parameters_pass_through_zero_and_pipelines(tmp_path):
 def test_two_dist_sync_workers_train_the_transformer_as_one_process(data_dir, tmp_path, mode):
     """2 workers x 2 contexts against one process with 4: the same losses and parameters (to float
     rounding: the cross-process sum adds the replicas' gradients in another order)."""
-    from jobs import assert_same_run, launch_cmd, run_job, train_cmd
-    common = ["--model", "transformer", "--layers", 1, "--d-model", 16, "--heads", 2, "--data-dir", data_dir,
-              "--train-size", 256, "--test-size", 64, "--batch-size", 32, "--epochs", 2, *mode]
-    code, out = run_job(train_cmd("--cpus", 4, *common, "--log-json", tmp_path / "one.jsonl",
-                                  "--checkpoint-dir", tmp_path / "one"), tmp_path / "one.txt")
-    assert code == 0, out
-    code, out = run_job(launch_cmd(2, "dist_sync", "--cpus", 2, *common, "--log-json", tmp_path / "two.jsonl",
-                                   "--checkpoint-dir", tmp_path / "two"), tmp_path / "two.txt")
-    assert code == 0, out
-    assert_same_run(tmp_path / "one.jsonl", tmp_path / "one", tmp_path / "two.jsonl", tmp_path / "two", exact=False)
+    from jobs import two_workers_as_one_process
+    two_workers_as_one_process(tmp_path, 2, "--model", "transformer", "--layers", 1, "--d-model", 16, "--heads", 2,
+                               "--data-dir", data_dir, "--train-size", 256, "--test-size", 64, "--batch-size", 32,
+                               "--epochs", 2, *mode)

@@ -88,7 +88,8 @@ class LeNet(Model):
     def tensor_traffic(self):
         """g on conv2's unpooled partial output, f on dense1's input gradient (conv2's pooled
         output), g on the scores: per example and step."""
-        (c2, _, k, _), side = self.shapes()[2][1], (IMAGE[1] - 2) // 2 - self.shapes()[2][1][2] + 1
+        c2, _, k, _ = self.shapes()[2][1]
+        side = (IMAGE[1] - self.shapes()[0][1][2] + 1) // 2 - k + 1                     # conv2's output: 9
         return [("g: conv2's partial output", c2 * side * side, "forward"),
                 ("f: dense1's input gradient", self.layers[2].inputs, "backward"),
                 ("g: the scores", self.shapes()[6][1][1], "forward")]
