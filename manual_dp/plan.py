@@ -8,10 +8,13 @@ runs the top ones on CPU contexts.
 
 The models behind the numbers: manual_dp/planner/predict.py (docstring); docs/design.md "The planner".
 """
+import os
+from pathlib import Path
+
 from . import config
 from .checks import check_model, parse_bytes
 from .cli.options import OneLineParser
-from .cli.output import parsed_or_exit
+from .cli.output import interrupted, parsed_or_exit
 from .config import (MODEL_APPLIES, MODELS, OPTIMIZERS, PLAN_MAX_BATCH, PLAN_MAX_DEVICES, PLAN_STEPS, PLAN_TOP,
                      TRANSFORMER, RunConfig)
 from .errors import UsageError
@@ -64,6 +67,11 @@ def parse(argv):
         raise UsageError(f"--batch-size {args.batch_size} is smaller than the {args.devices} devices")
     if args.plot and not args.verify:
         raise UsageError("--plot draws what --verify measured: add --verify")
+    if args.plot:                     # checked now, not after --verify's measurements
+        plot = Path(args.plot)
+        if plot.is_dir() or not plot.parent.is_dir() or not os.access(plot.parent, os.W_OK):
+            raise UsageError(f"--plot {plot}: " + ("is a directory" if plot.is_dir() else
+                                                   f"cannot write in {plot.parent}"))
     args.memory_per_device = parse_bytes(args.memory_per_device)
     return model_sizes(args)
 
@@ -93,11 +101,15 @@ def network(args):
 
 
 def main(argv=None):
+    """Ctrl-C (during --verify's measurements) ends the plan with one line and exit 130."""
     args = parsed_or_exit(parse, argv, "manual_dp.plan")
     configure(args.devices)                     # thread settings before MXNet loads
     net = parsed_or_exit(network, args, "manual_dp.plan")
     from .planner.report import run
-    print(run(args, machine(), net))
+    try:
+        print(run(args, machine(), net))
+    except KeyboardInterrupt:
+        interrupted(prog="manual_dp.plan")
 
 
 if __name__ == "__main__":

@@ -138,11 +138,20 @@ CASES = [   # (command, expected exit status, expected text in the output)
     (["manual_dp.launch", "--help"], 0, "usage: python -m manual_dp.launch [options] -- COMMAND..."),
     (["manual_dp.launch", "--grace", "1e-9", "--", "true"], 2, "at least 0.5"),
     (["manual_dp.timeline", "trace.json", "-o", "NAME"], 2, "the drawing is a PNG, name it NAME.png"),
+    (["manual_dp.plan", "--devices", "2", "--memory-per-device", "1G", "--verify", "--plot", "missing/dir/p.png"], 2,
+     "--plot missing/dir/p.png: cannot write in missing/dir"),
+    (["manual_dp.bench", "--tiny", "--timeout", "0"], 2, "--timeout must be a positive number of seconds"),
+    (["manual_dp.bench", "--memory", "--out", "trace.json"], 2, "--out trace.json is a file, not a directory"),
+    (["manual_dp.bench", "--width", "2"], 2, "--width applies only with --memory"),
+    (["manual_dp.bench", "--local-sgd", "--compress"], 2, "--local-sgd and --compress are separate runs"),
+    (["manual_dp.bench", "--tiny", "--only", "train", "--data-dir", "missing"], 2, "--data-dir missing: no such directory"),
+    (["manual_dp.bench", "--wait-for-cores", "100"], 2, "--wait-for-cores 100.0: this machine has"),
 ]
 
 
 @pytest.mark.parametrize("argv,code,text", CASES, ids=[" ".join(c[0][:2]) + f" {i}" for i, c in enumerate(CASES)])
 def test_case_table(tmp_path, argv, code, text):
+    (tmp_path / "trace.json").write_text("{}")
     done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == code and text in done.stdout + done.stderr, (done.returncode, done.stdout, done.stderr)
     if code:
@@ -162,3 +171,16 @@ def test_hosts_files_with_a_byte_order_mark_or_mpi_slots(tmp_path):
 def test_local_sgd_divergence_names_the_outer_lr(capsys, data_dir):
     code, lines = run(capsys, ["--data-dir", str(data_dir), *TINY, "--mode", "local", "--outer-lr", "1e30", "--sync-every", "1", "--cpus", "2"])
     assert code == 3 and len(lines) == 1 and "or --outer-lr than 1e+30" in lines[0], lines
+
+
+@pytest.mark.parametrize("command", [["manual_dp.plan", "--devices", "2", "--memory-per-device", "1G", "--verify",
+                                      "--steps", "50"],
+                                     ["manual_dp.bench", "--tiny", "--only", "train"]], ids=["plan --verify", "bench"])
+def test_ctrl_c_in_a_long_command_is_one_line_and_130(tmp_path, command):
+    proc = subprocess.Popen([sys.executable, "-m", *command, *(["--out", str(tmp_path)] if "bench" in command[0] else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    time.sleep(8)                                   # past the start-up, inside the measurements
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    lines = [l for l in err.strip().splitlines() if not l.startswith("[")]
+    assert proc.returncode == 130 and lines == [f"{command[0]}: error: interrupted"], (proc.returncode, err)

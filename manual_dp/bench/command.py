@@ -14,6 +14,7 @@ repeats with the first (warm-up) dropped.
 """
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,8 +22,9 @@ import time
 from pathlib import Path
 
 from ..cli.options import OneLineParser
-from ..cli.output import parsed_or_exit
+from ..cli.output import fail, interrupted, parsed_or_exit
 from ..config import RunConfig
+from ..errors import UsageError
 from ..fast.runtime import machine, thread_env, usable_cores
 from .plots import FAST
 
@@ -215,14 +217,49 @@ def parse(argv):
     from .compress import check_settings
     args = build_parser().parse_args(argv)
     check_settings(args)
+    check_values(args)
     return args
 
 
-def main(argv=None):
-    from .report import report, write
-    args = parsed_or_exit(parse, argv, "manual_dp.bench")
+def check_values(args):
+    """UsageError for a value or combination the bench would meet only after measuring for a while
+    (a time of 0, more cores than there are, flags of a mode not chosen, an output path that is a
+    file, a data directory that is not there)."""
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not 0 <= args.wait_for_cores <= usable_cores():
+        raise UsageError(f"--wait-for-cores {args.wait_for_cores}: this machine has {usable_cores()} cores")
+    memory_flags = [f for f in ("width", "batch_size", "cpus") if getattr(args, f) is not None]
+    if memory_flags and not args.memory:
+        raise UsageError(f"--{memory_flags[0].replace('_', '-')} applies only with --memory")
+    args.width, args.batch_size, args.cpus = args.width or RunConfig.width, args.batch_size or RunConfig.batch_size, args.cpus or 2
+    modes = [f"--{m.replace('_', '-')}" for m in ("memory", "local_sgd", "compress", "model") if getattr(args, m)]
+    if len(modes) > 1:
+        raise UsageError(f"{modes[0]} and {modes[1]} are separate runs: choose one")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory")
+    if args.data_dir and not Path(args.data_dir).is_dir():
+        raise UsageError(f"--data-dir {args.data_dir}: no such directory")
+
+
+def main(argv=None):
+    """Ctrl-C ends the bench with one line and exit 130."""
+    args = parsed_or_exit(parse, argv, "manual_dp.bench")
+    try:
+        bench(args)
+    except KeyboardInterrupt:
+        interrupted(prog="manual_dp.bench")
+
+
+def bench(args):
+    """The run `args` ask for (see the module docstring)."""
+    from .report import report, write
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        sys.exit(fail(f"--out {out}: cannot create it ({e.strerror})", 2, "manual_dp.bench"))
     if args.model:
         print(report_model(out))
         return
@@ -277,9 +314,9 @@ def build_parser():
                         "until this many cores are free, e.g. 1.8 of 2")
     p.add_argument("--memory", action="store_true",
                    help="every mode's measured peak memory per context (OUT/memory.json), nothing else")
-    p.add_argument("--width", type=positive, default=RunConfig.width, help="with --memory: LeNet's width")
-    p.add_argument("--batch-size", type=positive, default=RunConfig.batch_size, help="with --memory: the global batch")
-    p.add_argument("--cpus", type=positive, default=2, help="with --memory: CPU contexts")
+    p.add_argument("--width", type=positive, help=f"with --memory: LeNet's width (default {RunConfig.width})")
+    p.add_argument("--batch-size", type=positive, help=f"with --memory: the global batch (default {RunConfig.batch_size})")
+    p.add_argument("--cpus", type=positive, help="with --memory: CPU contexts (default 2)")
     p.add_argument("--local-sgd", action="store_true",
                    help="instead: local SGD at H = 1, 4, 16 side by side, test accuracy and communication "
                         "rounds per epoch (OUT/local_sgd.json, local_sgd.png; --timeout is per epoch)")
