@@ -29,17 +29,12 @@ FLOAT_BYTES = 4
 KINDS = ("param", "grad", "state")
 
 
-def net_of(model=None, shapes=None):
-    """The models.Model whose layers are counted: `model`, or the lesson's LeNet of `shapes`."""
-    return as_model(model, shapes)
-
-
 def piece_activation_elems(image=(1, 28, 28), shapes=None, model=None):
     """[(input, kept)] per-example elements for each layer of the model (models.contract: a
     layer's `inputs` and `acts`): the layer's input, and the outputs of its ops (the loss goes with
     the last). A stage of layers i..j keeps the input of layer i and the `kept` of each. For LeNet
     (default, of `shapes`): conv1, conv2, dense1, dense2."""
-    return [(layer.inputs, layer.acts) for layer in net_of(model, shapes).layers]
+    return [(layer.inputs, layer.acts) for layer in as_model(model, shapes).layers]
 
 
 def part_activation_elems(part, image=(1, 28, 28), shapes=None, model=None):
@@ -62,7 +57,7 @@ def stage_activation_elems(image=(1, 28, 28), shapes=None, model=None):
     Counted: the network's input and every op's output (convolution, ReLU, pooling; dot, bias add,
     ReLU, log-softmax, the picked loss), which autograd holds until the backward pass.
     """
-    net = net_of(model, shapes)
+    net = as_model(model, shapes)
     if len(net.layers) < 2:
         return [part_activation_elems((0,), image, shapes, net), 0]
     first, second = net.cuts(2)
@@ -100,7 +95,7 @@ def finish(report, peaks, method):
 def per_context(model, batch_size, shapes=None):
     """The computed report for a step on `batch_size`: kept arrays measured, activations from the
     layers of the strategy's model (Strategy.net; or LeNet of `shapes`)."""
-    net = net_of(getattr(model, "net", None), shapes)
+    net = as_model(getattr(model, "net", None), shapes)
     report, elems = held_bytes(model), stage_activation_elems(model=net)
     peaks = {c: sum(r.values()) for c, r in report.items()}
     for c, s, n in model.layout(batch_size):

@@ -183,8 +183,9 @@ class Model:
 
     def tensor_refusal(self, T):
         """Why the model cannot be split over T contexts, in a few words; None if it can. By
-        default: a split axis that T does not divide, or no layer that splits."""
-        if not any(layer.split_forward for layer in self.layers):
+        default: a split axis that T does not divide, or no layer that splits (a model that
+        overrides split_forward splits itself)."""
+        if type(self).split_forward is Model.split_forward and not any(layer.split_forward for layer in self.layers):
             return f"{self.name} has no layer that tensor parallelism splits"
         bad = [p.name for p in self.param_table() if p.split is not None and p.shape[p.split] % T]
         return f"{T} does not divide the split axis of {', '.join(bad)}" if bad else None

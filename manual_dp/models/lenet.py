@@ -94,10 +94,6 @@ class LeNet(Model):
                 ("f: dense1's input gradient", self.layers[2].inputs, "backward"),
                 ("g: the scores", self.shapes()[6][1][1], "forward")]
 
-    def tensor_refusal(self, T):
-        bad = [p.name for p in self.param_table() if p.split is not None and p.shape[p.split] % T]
-        return f"{T} does not divide the split axis of {', '.join(bad)}" if bad else None
-
     def cuts(self, n_stages):
         """The lesson's cuts: 2 stages are the convolutions | the dense layers."""
         if n_stages not in CUTS:

@@ -41,10 +41,6 @@ class MLP(Model):
     def tensor_traffic(self):
         return pair_traffic(self.layers, self.roles, [layer.acts // 3 for layer in self.layers])
 
-    def tensor_refusal(self, T):
-        bad = [p.name for p in self.param_table() if p.split is not None and p.shape[p.split] % T]
-        return f"{T} does not divide the split axis of {', '.join(bad)}" if bad else None
-
 
 def row(l, h, p, partial):
     """The row-parallel dense layer: its partial product h W (W's rows split, no bias), or after the

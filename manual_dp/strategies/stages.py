@@ -40,7 +40,8 @@ def make_stage(model, layer_ids):
 
 def param_slices(n_stages=2, model=None):
     """Which of the model's parameters each of the `n_stages` stages owns (default model: LeNet)."""
-    model, slices = as_model(model), as_model(model).slices()
+    model = as_model(model)
+    slices = model.slices()
     return [slice(slices[ids[0]].start, slices[ids[-1]].stop) for ids in model.cuts(n_stages)]
 
 
