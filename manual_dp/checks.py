@@ -22,6 +22,13 @@ def check(cfg):
     if cfg.clip_norm is not None and cfg.mode == "tensor" and cfg.deterministic:
         raise UsageError("--clip-norm with --deterministic --mode tensor: not yet (its fixed channel pieces "
                          "keep their own gradient layout); use it with sync or zero")
+    if cfg.precision == "fp16" and cfg.mode in ("async", "local"):
+        raise UsageError(f"--precision fp16 needs one reduced gradient per update to unscale and check for "
+                         f"overflow: not --mode {cfg.mode} (use bf16, which needs no loss scale)")
+    if cfg.scale_window is not None and cfg.scale_window < 1:
+        raise UsageError(f"--scale-window must be >= 1, got {cfg.scale_window}")
+    if cfg.loss_scale is not None and not (cfg.loss_scale > 0 and math.isfinite(cfg.loss_scale)):
+        raise UsageError(f"--loss-scale must be positive and finite, got {cfg.loss_scale}")
     for name in ("lr", "init_scale", "timeout", "clip_norm"):
         value = getattr(cfg, name)
         if value is not None and not (value > 0 and math.isfinite(value)):

@@ -14,6 +14,7 @@ MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local", "tenso
 OPTIMIZERS = ("sgd", "momentum", "adam")
 MODELS = ("lenet", "mlp", "transformer", "resnet")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
 TRANSFORMER = dict(layers=2, d_model=64, heads=4, patch=0)   # --model transformer's default sizes
+LOSS_SCALE = dict(loss_scale=2.0 ** 16, scale_window=200)     # --precision fp16's dynamic loss scale
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
 STAGES = 2                    # LeNet cut in two by default: convolutions | dense layers
 MAX_STAGES = 4                # its layers: conv1 | conv2 | dense1 | dense2 (strategies/stages.py CUTS)
@@ -95,6 +96,13 @@ class RunConfig:
     clip_norm: Optional[float] = flag(None, "scale the gradient by min(1, C / its global L2 norm) before every "
                                             "update, every parameter counted once in any layout; the norm is "
                                             "logged per epoch either way (manual_dp/strategies/clipping.py)")
+    precision: str = flag("fp32", "bf16, fp16: products (matrix multiplies, convolutions) in that precision, "
+                                  "float32 master weights and optimiser; fp16 with a dynamic loss scale "
+                                  "(manual_dp/precision.py)", choices=("fp32", "bf16", "fp16"))
+    loss_scale: Optional[float] = flag(None, f"fp16 only: the loss scale to start from (default {LOSS_SCALE['loss_scale']:g}); "
+                                             "halved on every overflow, the update skipped")
+    scale_window: Optional[int] = flag(None, f"fp16 only: good updates in a row before the loss scale doubles "
+                                             f"(default {LOSS_SCALE['scale_window']})")
     scale_lr: str = flag("none", "linear: lr x batch-size x grad-accum / 256 (Goyal et al.)",
                          "parallelism", choices=("none", "linear"))
     warmup_epochs: float = flag(0.0, "ramp the lr up linearly over this many epochs, per update",
@@ -168,6 +176,9 @@ APPLIES = {
     "deterministic": ("sync", "zero", "tensor"),
     "sync_batchnorm": ("sync",),
     "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
+    "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local"),
+    "loss_scale": ("sync", "zero", "model", "pipeline", "hybrid"),
+    "scale_window": ("sync", "zero", "model", "pipeline", "hybrid"),
     "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor"),
     "zero_stage": ("zero",),
     "sync_every": ("local",),
@@ -186,13 +197,14 @@ APPLIES = {
 MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer",), "d_model": ("transformer",),
                  "heads": ("transformer",), "patch": ("transformer",)}
 # Settings that must match for --resume to continue the same run.
-RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "sync_batchnorm", "clip_norm", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
+RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "sync_batchnorm", "clip_norm", "precision",
+            "scale_window", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
             "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
             "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
 DEFAULTS_OF_NEWER_KEYS = {"model": "lenet", "layers": None, "d_model": None, "heads": None, "patch": None,
-                          "sync_batchnorm": False, "clip_norm": None,
+                          "sync_batchnorm": False, "clip_norm": None, "precision": "fp32", "scale_window": None,
                           "width": 1, "sync_every": None, "outer_optimizer": None, "outer_lr": None,
                           "outer_momentum": None, "compress": "none"}
 
@@ -207,6 +219,13 @@ def resolve(cfg):
                              f"{' or '.join(modes)}, not --mode {cfg.mode}")
         default = MODE_DEFAULTS.get(name, FAST_STEP.get(name, defaults[name]))
         values[name] = given if given is not None else (default if cfg.mode in modes else None)
+    for name, default in LOSS_SCALE.items():                 # fp16's loss scale, and only fp16's
+        given = getattr(cfg, name)
+        if given is not None and cfg.precision != "fp16":
+            raise UsageError(f"--{name.replace('_', '-')} applies only to --precision fp16 (bf16 and fp32 "
+                             f"need no loss scale)")
+        if cfg.precision == "fp16" and cfg.mode in APPLIES[name]:
+            values[name] = given if given is not None else default
     kind = cfg.model if cfg.model in MODELS else "PATH.py:FUNCTION"
     for name, models in MODEL_APPLIES.items():
         given = getattr(cfg, name)

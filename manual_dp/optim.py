@@ -57,7 +57,9 @@ def apply_update(params, states, name, lr, t, batch_size):
 
 
 def apply_update_and_clear(params, states, name, lr, t, batch_size):
-    """apply_update, then zero the gradients, ready for the next accumulation."""
-    apply_update(params, states, name, lr, t, batch_size)
+    """apply_update, then zero the gradients, ready for the next accumulation; batch_size None:
+    a skipped update (fp16's overflow, manual_dp.precision), the gradients only zeroed."""
+    if batch_size is not None:
+        apply_update(params, states, name, lr, t, batch_size)
     for p in params:
         p.grad[:] = 0

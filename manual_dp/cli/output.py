@@ -109,6 +109,8 @@ def format_record(r, epochs):
             f"test acc {r['test_acc']:.3f}  {r['epoch_sec']:.1f} s  {r['images_per_sec']:.0f} img/s")
     if "grad_norm_mean" in r:
         line += f"  grad norm {r['grad_norm_mean']:.3g} (max {r['grad_norm_max']:.3g})"
+    if "loss_scale" in r:
+        line += f"  loss scale {r['loss_scale']:g} ({r['skipped_steps']} skipped)"
     if "staleness_mean" in r:
         line += f"  staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})"
     if "bubble_fraction" in r:

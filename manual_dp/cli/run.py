@@ -20,6 +20,8 @@ from ..fast.compress import make_reducer
 from ..fast.trace import TRACE_UPDATES
 from ..loop import fit
 from ..models import build as build_network
+from ..models.precise import Precise
+from ..precision import Policy
 from ..multiprocess.agree import agree
 from ..multiprocess.connect import connect
 from ..schedule import make_lr, updates_per_epoch
@@ -30,6 +32,7 @@ from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.compressed import Compressed
 from ..strategies.local_sgd import LocalSGD
+from ..strategies.loss_scaled import LossScaled
 from ..strategies.tensor import TensorParallel
 from ..strategies.tensor_deterministic import TensorDeterministic
 from ..strategies.zero import ZeroRedundancy
@@ -75,10 +78,28 @@ def network(cfg):
     return network_of(cfg.model, cfg.width, cfg.layers, cfg.d_model, cfg.heads, cfg.patch, cfg.seed)
 
 
-def build_model(cfg, params, ctx, world):
-    """The strategy of cfg.mode on `ctx` for cfg's model, composed with the world (the cross-process
-    sum and this process's rows) and with gradient accumulation."""
-    net = network(cfg)
+def policy_of(cfg):
+    """The run's precision.Policy (a fresh loss scale)."""
+    return Policy(cfg.precision, loss_scale=cfg.loss_scale or config.LOSS_SCALE["loss_scale"],
+                  window=cfg.scale_window or config.LOSS_SCALE["scale_window"])
+
+
+def precise(net, policy):
+    """`net` computing in the policy's precision (itself under fp32)."""
+    if policy.precision == "fp32":
+        return net
+    try:
+        return Precise(net, policy)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def build_model(cfg, params, ctx, world, policy=None):
+    """The strategy of cfg.mode on `ctx` for cfg's model in the precision of `policy` (default
+    policy_of(cfg)), composed with the world (the cross-process sum and this process's rows), with
+    gradient accumulation and fp16's loss scale."""
+    policy = policy or policy_of(cfg)
+    net = precise(network(cfg), policy)
     refusal = net.tensor_refusal(cfg.tensor_parallel or len(ctx)) if cfg.mode == "tensor" else None
     if refusal:
         raise UsageError(f"--tensor-parallel {refusal}")
@@ -130,6 +151,7 @@ def build_model(cfg, params, ctx, world):
                                  cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute, model=net)
     model = world.wrap(model)
     model = GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
+    model = LossScaled(model, policy.scaler) if policy.scaler else model
     return model.clip(cfg.clip_norm)          # None: the global gradient norm is only logged
 
 
@@ -227,7 +249,8 @@ def train_in(cfg, world, ctx):
     mem = memcheck.run_report(cfg, params, ctx, build_model, world.size)   # before anything else runs
     data_dir, data_label = locate_data(cfg.data_dir)
     train_data, test_data = load_fashion_mnist(data_dir, cfg.train_size, cfg.test_size)
-    model = build_model(cfg, params, ctx, world)
+    policy = policy_of(cfg)
+    model = build_model(cfg, params, ctx, world, policy)
     if len(train_data[0]) < model.min_batch:
         raise UsageError(f"{len(train_data[0])} training example(s) cannot be split over the "
                          f"{model.min_batch} devices of a batch: use a larger --train-size")
@@ -249,6 +272,8 @@ def train_in(cfg, world, ctx):
     print(f"model {net.name} ({', '.join(f'{k} {v}' for k, v in net.config.items())}): "
           f"{net.n_params():,} parameters in {len(net.layers)} layers")
     print(f"mode {describe(cfg)}; lr {lr}\nmemory per context: {memory.format_report(mem)}")
+    if policy.precision != "fp32":
+        print(f"precision {policy.describe()}")
     show = sys.stderr.isatty() and not cfg.no_progress and world.is_root
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         bar = Progress(epoch, cfg.epochs, show)

@@ -20,6 +20,7 @@ from mxnet import nd
 from ..config import TRANSFORMER
 from ..lesson import relu
 from .contract import CLASSES, IMAGE, Layer, Model, Param, fc
+from ..precision import float32_ops
 
 DEFAULTS = dict(TRANSFORMER, mlp_ratio=2)          # the command line's sizes (manual_dp.config)
 
@@ -28,7 +29,9 @@ def layer_norm(h, g, b, F=nd, d=None, eps=1e-5):
     """(h - mean) / sqrt(var + eps) * g + b over the last axis (of size d), every mean and every
     broadcast a skinny matrix product (oneDNN's inner product) and g a diagonal one: MXNet 1.9's
     LayerNorm operator, and its broadcast ops, differentiate through a slow generic reduce on CPU
-    (LayerNorm's backward was 44% of the step; docs/performance.md)."""
+    (LayerNorm's backward was 44% of the step; docs/performance.md). In float32 under any
+    --precision, as autocast keeps layer norms."""
+    F = float32_ops(F)
     d = d or g.shape[0]
     where = {"ctx": h.context} if F is nd else {}
     average, spread = F.ones(shape=(1, d), **where) / d, F.ones(shape=(d, 1), **where)

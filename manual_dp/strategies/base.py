@@ -94,19 +94,22 @@ class Strategy:
         raise NotImplementedError
 
     def counted(self, n_examples):
-        """What `update` divides the reduced gradient by: n_examples, or more under --clip-norm;
-        the norm is logged either way (NormLog)."""
+        """What `update` divides the reduced gradient by: n_examples, or more under --clip-norm,
+        times fp16's loss scale; None: skip this update (fp16's overflow), only zero the gradients.
+        The norm is logged either way (NormLog)."""
         self.norm_log = self.norm_log or NormLog()
         return self.norm_log.count(self.reduced_grads(), n_examples)
 
-    def clip(self, clip_norm):
+    def clip(self, clip_norm, scaler=None):
         """Afterwards every update scales the gradient by min(1, clip_norm / global norm); None:
-        only log the norm. Returns the strategy."""
-        self.norm_log = NormLog(clip_norm)
+        only log the norm. scaler: fp16's precision.LossScale, which the gradient carries and
+        which decides whether an update is skipped. Returns the strategy."""
+        self.norm_log = NormLog(clip_norm, scaler)
         return self
 
     def grad_norms(self):
-        """{"grad_norm_mean", "grad_norm_max"} of the updates since the last call."""
+        """{"grad_norm_mean", "grad_norm_max"} of the updates since the last call (and fp16's
+        "loss_scale" and "skipped_steps")."""
         return self.norm_log.epoch_stats() if self.norm_log else {}
 
     def layout(self, batch_size):
@@ -185,8 +188,8 @@ class Wrapper(Strategy):
     def end_epoch(self, lr):
         return self.model.end_epoch(lr)
 
-    def clip(self, clip_norm):
-        self.model.clip(clip_norm)
+    def clip(self, clip_norm, scaler=None):
+        self.model.clip(clip_norm, scaler)
         return self
 
     def grad_norms(self):

@@ -12,7 +12,10 @@ an update on a larger count: g / n x min(1, C / norm) = g / (n max(1, norm / C))
                value whatever the layout gives identical gradients (so --deterministic layouts keep
                one bit pattern); it costs one copy of the gradient to the host per update
     logging    without --clip-norm the norm is summed on the devices and read at the epoch's end
+    fp16       the gradient carries the loss scale S (manual_dp.precision): the norm is read on the
+               host, an inf or NaN skips the update (count None), else the count is multiplied by S
 """
+
 import math
 
 import numpy as np
@@ -22,18 +25,29 @@ from mxnet import nd
 class NormLog:
     """The global gradient norm of every update since the last `epoch_stats`, and the clipping."""
 
-    def __init__(self, clip_norm=None):
-        self.clip_norm, self.norms = clip_norm, []
+    def __init__(self, clip_norm=None, scaler=None):
+        self.clip_norm, self.scaler, self.norms = clip_norm, scaler, []
+
+    @property
+    def needs_norm(self):
+        """Whether `count` reads the whole reduced gradient before any update (clipping, fp16)."""
+        return self.clip_norm is not None or self.scaler is not None
 
     def count(self, grads, n_examples):
         """The count to divide the summed gradient by: n_examples, or more when the mean gradient's
-        norm exceeds the clip norm. `grads`: the model's reduced gradient, once per parameter."""
-        if self.clip_norm is None:
+        norm exceeds the clip norm, times the loss scale; None to skip the update (an overflow).
+        `grads`: the model's reduced gradient, once per parameter."""
+        if not self.needs_norm:
             self.add([squares(g) for g in grads], n_examples)
             return n_examples
-        norm = host_norm(grads) / n_examples
+        norm, scale = host_norm(grads), 1.0
+        if self.scaler is not None:
+            scale = self.scaler.scale
+            if not self.scaler.update(math.isfinite(norm)):
+                return None
+        norm = norm / scale / n_examples
         self.norms.append(norm)
-        return n_examples * max(1.0, norm / self.clip_norm)
+        return n_examples * scale * (max(1.0, norm / self.clip_norm) if self.clip_norm is not None else 1.0)
 
     def add(self, parts, n_examples):
         """Log the norm whose square is the sum of `parts` (squares(g) of the reduced gradient's
@@ -44,7 +58,8 @@ class NormLog:
     def epoch_stats(self):
         """{"grad_norm_mean", "grad_norm_max"} of the updates since the last call ({} if none)."""
         norms, self.norms = [float(n.asscalar()) if hasattr(n, "asscalar") else n for n in self.norms], []
-        return {"grad_norm_mean": float(np.mean(norms)), "grad_norm_max": float(np.max(norms))} if norms else {}
+        out = {"grad_norm_mean": float(np.mean(norms)), "grad_norm_max": float(np.max(norms))} if norms else {}
+        return dict(out, **self.scaler.epoch_stats()) if self.scaler is not None else out
 
 
 def squares(g):

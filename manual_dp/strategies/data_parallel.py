@@ -175,10 +175,10 @@ class DataParallel(Strategy):
             apply_update_and_clear(W, S, self.optimizer, lr, self.t, n_examples)
 
     def bucket_update(self, lr, n_examples):
-        """The buckets' all-reduces and updates, overlapping the backward; under --clip-norm every
-        bucket is summed before any is updated (the norm needs them all)."""
+        """The buckets' all-reduces and updates, overlapping the backward; under --clip-norm or
+        fp16 every bucket is summed before any is updated (the norm needs them all)."""
         self.norm_log = self.norm_log or NormLog()
-        clipping = self.norm_log.clip_norm is not None
+        clipping = self.norm_log.needs_norm
         parts = []
         self.buckets.reduce_and_update(self.allreduce_fn, lr, self.t, n_examples,
                                        count=self.counted if clipping else None,

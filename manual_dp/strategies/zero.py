@@ -149,7 +149,7 @@ class ZeroRedundancy(Strategy):
         _, rule = OPTIMIZERS[self.optimizer]
         self.owned = self.owned_grads()
         n_examples = self.counted(n_examples)
-        for p, g, state in zip(self.shards, self.owned, self.states):
+        for p, g, state in zip(self.shards, self.owned, self.states) if n_examples is not None else ():
             rule(p, g / n_examples, state, lr, self.t)
         for g in ([r.grad for r in self.replicas] if self.stage == 1 else self.grad_shards):
             g[:] = 0

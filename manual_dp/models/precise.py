@@ -1,0 +1,52 @@
+"""A model in a precision: the same layers, their products in bf16 or fp16 (manual_dp.precision).
+
+Precise(model, policy) is a Model with the same parameters, cuts and table whose every layer's
+forward sees `policy.low(F)` instead of F, so that every strategy that runs the model's layers (sync,
+ZeRO 1-3, pipelines, hybrid, local SGD, async, the deterministic ones) computes in the precision
+without a line of its own. Under fp16 the last layer's output carries the loss scale into the
+backward (precision.scaled). A "dense" layer becomes a "block": ZeRO-3's hand-made dense gradient
+(strategies/zero_layers.py) would compute in float32.
+"""
+import dataclasses
+
+from mxnet import nd
+
+from ..precision import scaled
+from .contract import Model
+
+
+class Precise(Model):
+    """`model` (a models.Model) computing in `policy` (precision.Policy)."""
+
+    def __init__(self, model, policy):
+        if model.stats():
+            raise ValueError(f"--precision {policy.precision}: --model {model.name}'s BatchNorm trains in fp32 only")
+        if any(layer.kind == "gluon" for layer in model.layers):
+            raise ValueError(f"--precision {policy.precision}: a Gluon block's layers run as MXNet's cached "
+                             f"graphs, which the precision does not reach: it trains in fp32 only")
+        self.inner, self.policy = model, policy
+        self.name, self.config = model.name, model.config
+        last = len(model.layers) - 1
+        self.layers = tuple(dataclasses.replace(layer, forward=self.lowered(layer.forward, i == last),
+                                                kind="block" if layer.kind == "dense" else layer.kind)
+                            for i, layer in enumerate(model.layers))
+
+    def lowered(self, forward, last):
+        policy = self.policy
+
+        def forward_low(h, params, F=nd, shapes=None):
+            out = forward(h, params, policy.low(F), shapes)
+            return scaled(out, policy.scaler, F) if last else out
+        return forward_low
+
+    def graph_params(self, params, shapes, pad):
+        return self.inner.graph_params(params, shapes, pad)
+
+    def cuts(self, n_stages):
+        return self.inner.cuts(n_stages)
+
+    def tensor_refusal(self, T):
+        return f"--precision {self.policy.precision} is not carried by tensor parallelism yet"
+
+    def tensor_traffic(self):
+        return self.inner.tensor_traffic()
