@@ -25,6 +25,8 @@ def check(cfg):
     if cfg.precision == "fp16" and cfg.mode in ("async", "local"):
         raise UsageError(f"--precision fp16 needs one reduced gradient per update to unscale and check for "
                          f"overflow: not --mode {cfg.mode} (use bf16, which needs no loss scale)")
+    if cfg.precision != "fp32" and cfg.compress != "none":
+        raise UsageError(f"--compress sends gradients in fewer bits its own way: not with --precision {cfg.precision}")
     if cfg.scale_window is not None and cfg.scale_window < 1:
         raise UsageError(f"--scale-window must be >= 1, got {cfg.scale_window}")
     if cfg.loss_scale is not None and not (cfg.loss_scale > 0 and math.isfinite(cfg.loss_scale)):

@@ -252,3 +252,36 @@ def test_fp16_that_no_scale_rescues_ends_with_exit_3_and_one_line(capsys, data_d
     code, _, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--epochs", "1", "--precision", "fp16",
                                      "--loss-scale", "1e-6", "--lr", "1e30"])
     assert code == 3 and len(err) == 1, err
+
+
+@pytest.mark.parametrize("precision, native", [("fp16", False), ("bf16", True), ("bf16", False)])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "reduce_bcast"])
+def test_gradients_are_all_reduced_in_the_precision(precision, native, algorithm):
+    from manual_dp.fast.collectives import make_allreduce
+    rng = np.random.RandomState(1)
+    values = [rng.standard_normal(1000).astype(np.float32) for _ in range(2)]
+    arrays = [nd.array(v, ctx=c) for v, c in zip(values, cpus(2))]
+    reduce = Policy(precision, native).reducer(make_allreduce(algorithm), algorithm)
+    reduce(arrays)
+    want = numpy_rounded(numpy_rounded(values[0], precision) + numpy_rounded(values[1], precision), precision) \
+        if reduce.low else numpy_rounded(values[0] + values[1], precision)
+    for a, c in zip(arrays, cpus(2)):
+        assert a.context == c and a.dtype == np.float32 and np.array_equal(a.asnumpy(), want)
+    assert reduce.moved == 2 * 1000 * (2 if reduce.low else 4)
+    assert reduce.low == (precision == "fp16" or native)
+
+
+def test_an_fp16_sum_past_65504_overflows_and_is_skipped():
+    from manual_dp.fast.collectives import make_allreduce
+    arrays = [nd.full((4,), 40000.0, ctx=c) for c in cpus(2)]
+    Policy("fp16").reducer(make_allreduce("ring"))(arrays)
+    assert np.isinf(arrays[0].asnumpy()).all()
+
+
+def test_cli_says_how_gradients_are_reduced_and_refuses_compression(capsys, data_dir):
+    code, out, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--epochs", "1", "--cpus", "2",
+                                       "--precision", "fp16"])
+    assert code == 0 and "gradients all-reduced in fp16 (2 bytes an element on every link)" in out, err
+    code, _, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--epochs", "1", "--precision", "bf16",
+                                     "--compress", "fp16"])
+    assert code == 2 and len(err) == 1 and "--compress sends gradients in fewer bits" in err[0], err

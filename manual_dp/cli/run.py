@@ -110,6 +110,7 @@ def build_model(cfg, params, ctx, world, policy=None):
     if name not in ALLREDUCE_ALGORITHMS:
         raise UsageError(f"--allreduce {name}: choose from {', '.join(ALLREDUCE_ALGORITHMS)}")
     reduce = world.reducer(make_allreduce(name))
+    grad_reduce = world.reducer(policy.reducer(make_allreduce(name), name))   # gradients: in the precision
     if cfg.mode == "sync":
         pad = world.share(lambda: conv_pad(cfg)) if cfg.graph and cfg.model == "lenet" else 1   # rank 0's
         if cfg.graph and cfg.model == "lenet":
@@ -121,7 +122,7 @@ def build_model(cfg, params, ctx, world, policy=None):
             params, ctx, cfg.optimizer, graph=cfg.graph, conv_pad=pad, rank=world.rank, size=world.size,
             exchange=lambda table: world.allreduce(table, "tree" + "x".join(map(str, table.shape))), model=net) \
             if cfg.deterministic else \
-            DataParallel(params, ctx, cfg.optimizer, compressed or reduce, cfg.fuse_grads, cfg.graph,
+            DataParallel(params, ctx, cfg.optimizer, compressed or grad_reduce, cfg.fuse_grads, cfg.graph,
                          conv_pad=pad, bucket_mb=bucket_mb, model=net, sync_batchnorm=cfg.sync_batchnorm)
         if cfg.trace:
             model.trace(cfg.trace, algorithm=name)
@@ -147,7 +148,7 @@ def build_model(cfg, params, ctx, world, policy=None):
     elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
         model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name), model=net)
     else:
-        model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, reduce,
+        model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, grad_reduce,
                                  cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute, model=net)
     model = world.wrap(model)
     model = GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
