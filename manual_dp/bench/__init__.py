@@ -12,4 +12,5 @@
     local_sgd   local SGD at H = 1, 4, 16: test accuracy and communication rounds per epoch
     modes       every mode's images/s side by side, for any model (`python -m manual_dp.bench.modes`)
     transformer the transformer beside PyTorch and the lesson's step (`python -m manual_dp.bench.transformer`)
+    precision   fp32, bf16 (native and emulated) and fp16 side by side, with the bytes all-reduced (`python -m manual_dp.bench.precision`)
 """

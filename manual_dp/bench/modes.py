@@ -85,8 +85,14 @@ def take_turns(models, batch, steps, rounds):
 
 def parse(argv):
     """The checked arguments; UsageError (one line) for values no run can use."""
-    parser = OneLineParser(prog="python -m manual_dp.bench.modes", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="bench_out", help="directory for modes.json")
+    parser = model_parser("python -m manual_dp.bench.modes", __doc__, "modes.json")
+    return checked(parser, parser.parse_args(argv))
+
+
+def model_parser(prog, doc, output):
+    """The parser of a bench that times a model: --out, the model's flags, --batch, --steps, --rounds."""
+    parser = OneLineParser(prog=prog, description=doc.split("\n")[0])
+    parser.add_argument("--out", default="bench_out", help=f"directory for {output}")
     parser.add_argument("--model", default=RunConfig.model, help="lenet, mlp, transformer, resnet or PATH.py:FUNCTION")
     parser.add_argument("--width", type=int, default=RunConfig.width, help="lenet, mlp, resnet: width")
     for flag, help in (("--layers", "transformer: blocks"), ("--d-model", "transformer: token width"),
@@ -95,7 +101,11 @@ def parse(argv):
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3, help="steps per mode per round")
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def checked(parser, args):
+    """args, or UsageError (one line) for values no run can use."""
     if min(args.width, args.steps, args.rounds) < 1 or args.batch < 4:
         parser.error("--width, --steps and --rounds must be >= 1, --batch >= 4")
     check_model(dataclasses.replace(RunConfig(), model=args.model, layers=args.layers, d_model=args.d_model,
