@@ -25,6 +25,9 @@ def check(cfg):
     if cfg.precision == "fp16" and cfg.mode in ("async", "local"):
         raise UsageError(f"--precision fp16 needs one reduced gradient per update to unscale and check for "
                          f"overflow: not --mode {cfg.mode} (use bf16, which needs no loss scale)")
+    if cfg.precision != "fp32" and cfg.mode == "tensor" and cfg.deterministic:
+        raise UsageError(f"--precision {cfg.precision} with --deterministic --mode tensor: not yet (its fixed "
+                         f"channel pieces are LeNet's own products); use it with sync or zero")
     if cfg.precision != "fp32" and cfg.compress != "none":
         raise UsageError(f"--compress sends gradients in fewer bits its own way: not with --precision {cfg.precision}")
     if cfg.scale_window is not None and cfg.scale_window < 1:

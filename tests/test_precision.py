@@ -23,6 +23,7 @@ from manual_dp.strategies.data_parallel import DataParallel
 from manual_dp.strategies.deterministic import DeterministicDataParallel
 from manual_dp.strategies.loss_scaled import LossScaled
 from manual_dp.strategies.pipeline import PipelineParallel
+from manual_dp.strategies.tensor import TensorParallel
 from manual_dp.strategies.zero import ZeroRedundancy
 from manual_dp.strategies.zero_deterministic import DeterministicZero
 
@@ -110,6 +111,8 @@ LAYOUTS = {
     "zero3 3": lambda P, m: ZeroRedundancy(P, cpus(3), "momentum", 3, model=m),
     "pipeline 2": lambda P, m: PipelineParallel(P, cpus(2), "momentum", 2, model=m),
     "hybrid 2x2": lambda P, m: PipelineParallel(P, cpus(4), "momentum", 2, model=m),
+    "tensor 2x2": lambda P, m: TensorParallel(P, cpus(4), "momentum", 2, model=m),
+    "tensor 2": lambda P, m: TensorParallel(P, cpus(2), "momentum", model=m),
 }
 
 
@@ -135,6 +138,7 @@ def test_every_layout_in_bf16_equals_one_context_in_bf16(bf16_reference, layout)
     got = steps(LAYOUTS[layout](P, low))
     change = max(float(np.abs(w - p.asnumpy()).max()) for w, p in zip(want, P))
     assert max(float(np.abs(g - w).max()) for g, w in zip(got, want)) <= 2e-2 * change
+    assert digest(got) != digest(steps(LAYOUTS[layout](P, low.inner)))     # the layout did compute in bf16
 
 
 def digest(params):
@@ -156,7 +160,8 @@ def test_deterministic_layouts_in_bf16_keep_one_bit_pattern_of_their_own(bf16_re
     lambda P, m: DataParallel(P, cpus(2), "sgd", model=m, conv_pad=1),
     lambda P, m: DataParallel(P, cpus(2), "sgd", model=m, conv_pad=1, bucket_mb=0),
     lambda P, m: ZeroRedundancy(P, cpus(2), "sgd", 2, model=m),
-    lambda P, m: PipelineParallel(P, cpus(4), "sgd", 2, model=m)], ids=["fast", "buckets", "zero2", "hybrid"])
+    lambda P, m: PipelineParallel(P, cpus(4), "sgd", 2, model=m),
+    lambda P, m: TensorParallel(P, cpus(4), "sgd", 2, model=m)], ids=["fast", "buckets", "zero2", "hybrid", "tensor"])
 def test_an_overflow_on_one_context_skips_the_update_on_every_context(make):
     net = small("lenet")
     policy = Policy("fp16", loss_scale=256.0)
@@ -235,7 +240,7 @@ def test_cli_fp16_from_a_scale_of_1e30_skips_halves_and_then_learns(capsys, data
     (["--precision", "fp16", "--scale-window", "0"], "--scale-window must be >= 1"),
     (["--precision", "fp16", "--mode", "async"], "--precision fp16 needs one reduced gradient"),
     (["--precision", "fp16", "--mode", "local"], "--precision fp16 needs one reduced gradient"),
-    (["--precision", "bf16", "--mode", "tensor"], "--precision applies only to --mode"),
+    (["--precision", "bf16", "--mode", "tensor", "--deterministic"], "with --deterministic --mode tensor: not yet"),
     (["--precision", "bf16", "--model", "resnet"], "BatchNorm trains in fp32 only"),
 ])
 def test_cli_refuses_bad_precision_settings_in_one_line(capsys, data_dir, argv, message):

@@ -17,9 +17,9 @@ parameter list and declares:
     stats     running statistics (Params of init "zeros" or "ones"): state that no gradient trains,
               BatchNorm's running means and variances (models.batchnorm); a model with any runs
               a step on all its contexts at once (Model.forward_group)
-    split_forward   split_forward(hs, shards, join) -> hs: the layer on the T contexts of a tensor
-              group, each holding its shards of the layer's parameters (Param.split), joined by
-              Megatron's f and g (join.f, join.g); None: the layer runs whole on every context
+    split_forward   split_forward(hs, shards, join, F=nd) -> hs: the layer on the T contexts of a
+              tensor group, each holding its shards of the layer's parameters (Param.split), joined
+              by Megatron's f and g (join.f, join.g); None: the layer runs whole on every context
 
 Everything that used to read LeNet's shapes reads a Model instead: the flat buffers and buckets
 (shapes), checkpoints (describe), ZeRO's per-layer gathers (slices), pipeline stages (layers, cut),
@@ -162,16 +162,17 @@ class Model:
             h = layer.forward(h, params[s], F, shapes[s])
         return h
 
-    def split_forward(self, Xs, shards, join):
+    def split_forward(self, Xs, shards, join, F=nd):
         """Class scores on every context of a tensor group (Megatron's split) from copies of the
         images Xs, one per context, and shards[j], context j's pieces of the parameters (cut by
-        Param.split); join.f and join.g are the conjugate operators (fast.tensor_ops). By default
-        each layer's split_forward, or the whole layer on every context."""
+        Param.split); join.f and join.g are the conjugate operators (fast.tensor_ops); F: the
+        operators' namespace (nd, or manual_dp.precision's). By default each layer's
+        split_forward, or the whole layer on every context."""
         hs = Xs
         for layer, s in zip(self.layers, self.slices()):
             own = [P[s] for P in shards]
-            hs = layer.split_forward(hs, own, join) if layer.split_forward else \
-                [layer.forward(h, q, nd, [p.shape for p in q]) for h, q in zip(hs, own)]
+            hs = layer.split_forward(hs, own, join, F) if layer.split_forward else \
+                [layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
         return hs
 
     def tensor_traffic(self):
@@ -243,19 +244,20 @@ def pair_traffic(layers, roles, outputs):
     return out
 
 
-def split_pairs(hs, shards, join, layers, slices, roles, column, row):
+def split_pairs(hs, shards, join, layers, slices, roles, column, row, F=nd):
     """Class scores on a tensor group for a model of dense pairs (pair_roles): a column layer
-    entered through f, column(l, h, params) on each context's shard; a row layer's partial
-    products row(l, h, params, True) summed by g, then row(l, s, params, False) adds its bias and
-    activation; other layers whole on every context."""
+    entered through f, column(l, h, params, F=F) on each context's shard; a row layer's partial
+    products row(l, h, params, True, F=F) summed by g, then row(l, s, params, False, F=F) adds its
+    bias and activation; other layers whole on every context."""
     for l, (layer, s) in enumerate(zip(layers, slices)):
         own = [P[s] for P in shards]
         if roles.get(l) == "column":
-            hs = [column(l, h, q) for h, q in zip(join.f(hs) if l else hs, own)]
+            hs = [column(l, h, q, F=F) for h, q in zip(join.f(hs) if l else hs, own)]
         elif roles.get(l) == "row":
-            hs = [row(l, h, q, False) for h, q in zip(join.g([row(l, h, q, True) for h, q in zip(hs, own)]), own)]
+            hs = [row(l, h, q, False, F=F)
+                  for h, q in zip(join.g([row(l, h, q, True, F=F) for h, q in zip(hs, own)]), own)]
         else:
-            hs = [layer.forward(h, q, nd, [p.shape for p in q]) for h, q in zip(hs, own)]
+            hs = [layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
     return hs
 
 

@@ -148,23 +148,24 @@ class GluonModel(Model):
         bias = {dense.bias.name: 0} if dense.bias is not None and role == "column" else {}
         return {dense.weight.name: 0 if role == "column" else 1, **bias}
 
-    def dense_forward(self, l, h, p, partial=None):
+    def dense_forward(self, l, h, p, partial=None, F=None):
         """Dense child l on its shard: x W^T (+ b), then its activation; partial=True: the row
         layer's product alone (summed by g next), partial=False: its bias and activation after."""
         from mxnet import nd
-        dense = self.dense[l]
+        F, dense = F or nd, self.dense[l]
         if partial is False:
-            out = nd.broadcast_add(h, p[1].reshape((1,) * (h.ndim - 1) + (-1,))) if len(p) > 1 else h
+            out = F.broadcast_add(h, p[1].reshape((1,) * (h.ndim - 1) + (-1,))) if len(p) > 1 else h
         else:
             w, b = p[0], (p[1] if len(p) > 1 and not partial else None)
-            out = nd.FullyConnected(h, w, b, no_bias=b is None, num_hidden=w.shape[0], flatten=dense._flatten)
+            out = F.FullyConnected(h, w, b, no_bias=b is None, num_hidden=w.shape[0], flatten=dense._flatten)
             if partial:
                 return out
-        return nd.Activation(out, act_type=dense.act._act_type) if dense.act is not None else out
+        return F.Activation(out, act_type=dense.act._act_type) if dense.act is not None else out
 
-    def split_forward(self, Xs, shards, join):
+    def split_forward(self, Xs, shards, join, F=None):
+        from mxnet import nd
         return split_pairs(Xs, shards, join, self.layers, self.slices(), self.roles,
-                           self.dense_forward, self.dense_forward)
+                           self.dense_forward, self.dense_forward, F or nd)
 
     def tensor_refusal(self, T):
         if not self.roles:

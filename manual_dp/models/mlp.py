@@ -32,19 +32,19 @@ class MLP(Model):
                                 2 * d_in * d_out, d_in, 3 * d_out + (1 if last else 0), "dense", {"relu": not last}))
         self.layers = tuple(layers)
 
-    def split_forward(self, Xs, shards, join):
+    def split_forward(self, Xs, shards, join, F=nd):
         """Megatron's dense pairs: dense1 split by output units, dense2 by input units (g, + b2,
         ReLU); the output layer whole."""
         return split_pairs(Xs, shards, join, self.layers, self.slices(), self.roles,
-                           lambda l, h, p: relu(dense(h, p[0], p[1])), row)
+                           lambda l, h, p, F: relu(dense(h, p[0], p[1], F), F), row, F)
 
     def tensor_traffic(self):
         return pair_traffic(self.layers, self.roles, [layer.acts // 3 for layer in self.layers])
 
 
-def row(l, h, p, partial):
+def row(l, h, p, partial, F=nd):
     """The row-parallel dense layer: its partial product h W (W's rows split, no bias), or after the
     sum, + b and ReLU."""
     if partial:
-        return nd.FullyConnected(h, nd.transpose(p[0]), no_bias=True, num_hidden=p[0].shape[1])
-    return relu(nd.broadcast_add(h, p[1].reshape((1, -1))))
+        return F.FullyConnected(h, F.transpose(p[0]), no_bias=True, num_hidden=p[0].shape[1])
+    return relu(F.broadcast_add(h, p[1].reshape((1, -1))), F)

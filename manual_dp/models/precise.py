@@ -45,8 +45,14 @@ class Precise(Model):
     def cuts(self, n_stages):
         return self.inner.cuts(n_stages)
 
+    def split_forward(self, Xs, shards, join, F=nd):
+        """The inner model's split (Megatron's), its products in the precision; g sums the rounded
+        partial products in float32."""
+        outs = self.inner.split_forward(Xs, shards, join, self.policy.low(F))
+        return [scaled(o, self.policy.scaler, F) for o in outs]
+
     def tensor_refusal(self, T):
-        return f"--precision {self.policy.precision} is not carried by tensor parallelism yet"
+        return self.inner.tensor_refusal(T)
 
     def tensor_traffic(self):
         return self.inner.tensor_traffic()

@@ -89,26 +89,26 @@ def make_block(head_dim):
     return block
 
 
-def row_parallel(hs, ws, join):
+def row_parallel(hs, ws, join, F=nd):
     """g of each context's partial product h W^T (W split by input columns, no bias): the sum."""
-    return join.g([nd.FullyConnected(h, w, no_bias=True, num_hidden=w.shape[0], flatten=False)
+    return join.g([F.FullyConnected(h, w, no_bias=True, num_hidden=w.shape[0], flatten=False)
                    for h, w in zip(hs, ws)])
 
 
 def make_split_block(head_dim):
-    def split_block(hs, shards, join):
+    def split_block(hs, shards, join, F=nd):
         """The block on a tensor group (Megatron): LN whole, f, this context's heads (q, k, v rows),
         its slice of the output projection's columns, g, + bo; LN, f, its MLP hidden units, its
         columns of w2, g, + b2. shards[j]: context j's pieces, in the block's parameter order."""
         shapes = [[x.shape for x in p] for p in shards]
-        a = join.f([layer_norm(h, p[0], p[1]) for h, p in zip(hs, shards)])
-        o = row_parallel([attend(aj, p[2:8], nd, s[2:8], head_dim) for aj, p, s in zip(a, shards, shapes)],
-                         [p[8] for p in shards], join)                           # (B, T, d) summed
-        hs = [h + nd.broadcast_add(oj, p[9]) for h, oj, p in zip(hs, o, shards)]
-        m = join.f([layer_norm(h, p[10], p[11]) for h, p in zip(hs, shards)])
-        m = [relu(fc(mj, p[12], p[13])) for mj, p in zip(m, shards)]           # (B, T, hidden/T)
-        m = row_parallel(m, [p[14] for p in shards], join)
-        return [h + nd.broadcast_add(mj, p[15]) for h, mj, p in zip(hs, m, shards)]
+        a = join.f([layer_norm(h, p[0], p[1], F) for h, p in zip(hs, shards)])
+        o = row_parallel([attend(aj, p[2:8], F, s[2:8], head_dim) for aj, p, s in zip(a, shards, shapes)],
+                         [p[8] for p in shards], join, F)                        # (B, T, d) summed
+        hs = [h + F.broadcast_add(oj, p[9]) for h, oj, p in zip(hs, o, shards)]
+        m = join.f([layer_norm(h, p[10], p[11], F) for h, p in zip(hs, shards)])
+        m = [relu(fc(mj, p[12], p[13], F), F) for mj, p in zip(m, shards)]     # (B, T, hidden/T)
+        m = row_parallel(m, [p[14] for p in shards], join, F)
+        return [h + F.broadcast_add(mj, p[15]) for h, mj, p in zip(hs, m, shards)]
     return split_block
 
 
