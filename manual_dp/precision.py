@@ -250,6 +250,19 @@ class Policy:
         self.reduction = LowReduce(allreduce_fn, self.precision, self.native and algorithm != "scatter_gather")
         return self.reduction
 
+    def rounding(self, allreduce_fn):
+        """allreduce_fn, then every sum rounded to the precision: across processes the sum is taken
+        in float32 by the engine (Horovod, KVStore), and rounding once afterwards gives the bits one
+        process gets from its 16-bit sum of one gradient per context."""
+        if self.precision == "fp32":
+            return allreduce_fn
+
+        def reduce_and_round(arrays):
+            allreduce_fn(arrays)
+            for a in arrays:
+                a[:] = rounded(a, self.precision)
+        return reduce_and_round
+
     def describe(self):
         """The header's words: which precision, native or emulated, the loss scale."""
         if self.precision == "fp32":

@@ -290,3 +290,13 @@ def test_cli_says_how_gradients_are_reduced_and_refuses_compression(capsys, data
     code, _, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--epochs", "1", "--precision", "bf16",
                                      "--compress", "fp16"])
     assert code == 2 and len(err) == 1 and "--compress sends gradients in fewer bits" in err[0], err
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_two_dist_sync_workers_train_in_the_precision_as_one_process(data_dir, tmp_path, precision):
+    """The engine sums across processes in float32, then the sum is rounded once: the values one
+    process's 16-bit sum of its two contexts' gradients gives."""
+    from jobs import two_workers_as_one_process
+    one, two = two_workers_as_one_process(tmp_path, 1, "--data-dir", data_dir, "--train-size", 256, "--test-size", 64,
+                                          "--batch-size", 32, "--epochs", 2, "--precision", precision)
+    assert one.get("loss_scale") == two.get("loss_scale") and one.get("skipped_steps") == two.get("skipped_steps")

@@ -111,6 +111,7 @@ def build_model(cfg, params, ctx, world, policy=None):
         raise UsageError(f"--allreduce {name}: choose from {', '.join(ALLREDUCE_ALGORITHMS)}")
     reduce = world.reducer(make_allreduce(name))
     grad_reduce = world.reducer(policy.reducer(make_allreduce(name), name))   # gradients: in the precision
+    grad_reduce = policy.rounding(grad_reduce) if world.size > 1 else grad_reduce
     if cfg.mode == "sync":
         pad = world.share(lambda: conv_pad(cfg)) if cfg.graph and cfg.model == "lenet" else 1   # rank 0's
         if cfg.graph and cfg.model == "lenet":
