@@ -75,6 +75,9 @@ class RunConfig:
     train_size: Optional[int] = flag(None, "use only the first N training examples", "data and outputs")
     test_size: Optional[int] = flag(None, "use only the first N test examples", "data and outputs")
     log_json: Optional[str] = flag(None, "write one JSON object per epoch to this file", "data and outputs")
+    digests: Optional[str] = flag(None, "write, per update, a digest, sum and norm of every gradient, parameter "
+                                        "and optimiser-state tensor to this file; compare two runs with "
+                                        "python -m manual_dp.diverge A B", "data and outputs")
     checkpoint_dir: Optional[str] = flag(None, "save a checkpoint here at the end of every epoch",
                                          "data and outputs")
     resume: bool = flag(False, "continue from --checkpoint-dir", "data and outputs")

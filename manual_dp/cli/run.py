@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import checkpoint, checks, config, memory
 from ..data import load_fashion_mnist, locate_data
+from ..digests import DigestFile
 from ..errors import (CheckpointError, DataError, DistributedError, DivergedError, OutputError,
                       ReplicaMismatchError, Terminated, UsageError)
 from ..fast import autotune
@@ -31,6 +32,7 @@ from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.compressed import Compressed
+from ..strategies.digested import Digested
 from ..strategies.local_sgd import LocalSGD
 from ..strategies.loss_scaled import LossScaled
 from ..strategies.tensor import TensorParallel
@@ -178,7 +180,8 @@ def check_outputs(cfg):
         except OSError as e:
             raise UsageError(f"--checkpoint-dir {d}: cannot create it ({e.strerror})") from None
         writable(d, "--checkpoint-dir")
-    files = {flag: Path(path) for flag, path in (("--log-json", cfg.log_json), ("--trace", cfg.trace)) if path}
+    files = {flag: Path(path) for flag, path in (("--log-json", cfg.log_json), ("--trace", cfg.trace),
+                                                 ("--digests", cfg.digests)) if path}
     seen = {}
     for flag, path in files.items():
         if path.is_dir():
@@ -263,6 +266,9 @@ def train_in(cfg, world, ctx):
                          f"use more --epochs or --train-size")
     run_config = {k: getattr(cfg, k) for k in config.RUN_KEYS}
     start_epoch, history, rng_state = resume_from(cfg, world, model, run_config)
+    if cfg.digests:                      # after the resume: the file keeps the checkpoint's updates
+        digests = DigestFile(cfg.digests).resume(model.t) if world.is_root else None
+        model = Digested(model, digests)
     if history and cfg.log_json and world.is_root:
         save_log(cfg, history)           # the log matches the checkpoint again, however the last run ended
     rng = np.random.default_rng(cfg.seed)

@@ -104,7 +104,14 @@ class Strategy:
         """Afterwards every update scales the gradient by min(1, clip_norm / global norm); None:
         only log the norm. scaler: fp16's precision.LossScale, which the gradient carries and
         which decides whether an update is skipped. Returns the strategy."""
-        self.norm_log = NormLog(clip_norm, scaler)
+        self.norm_log = NormLog(clip_norm, scaler, self.norm_log.watch if self.norm_log else None)
+        return self
+
+    def observe(self, watch):
+        """Afterwards every update calls watch(reduced_grads()) after the reduction and before the
+        optimiser (--digests). Returns the strategy."""
+        self.norm_log = self.norm_log or NormLog()
+        self.norm_log.watch = watch
         return self
 
     def grad_norms(self):
@@ -190,6 +197,10 @@ class Wrapper(Strategy):
 
     def clip(self, clip_norm, scaler=None):
         self.model.clip(clip_norm, scaler)
+        return self
+
+    def observe(self, watch):
+        self.model.observe(watch)
         return self
 
     def grad_norms(self):

@@ -25,18 +25,21 @@ from mxnet import nd
 class NormLog:
     """The global gradient norm of every update since the last `epoch_stats`, and the clipping."""
 
-    def __init__(self, clip_norm=None, scaler=None):
-        self.clip_norm, self.scaler, self.norms = clip_norm, scaler, []
+    def __init__(self, clip_norm=None, scaler=None, watch=None):
+        self.clip_norm, self.scaler, self.watch, self.norms = clip_norm, scaler, watch, []
 
     @property
     def needs_norm(self):
-        """Whether `count` reads the whole reduced gradient before any update (clipping, fp16)."""
-        return self.clip_norm is not None or self.scaler is not None
+        """Whether `count` reads the whole reduced gradient before any update (clipping, fp16,
+        a watcher such as --digests)."""
+        return self.clip_norm is not None or self.scaler is not None or self.watch is not None
 
     def count(self, grads, n_examples):
         """The count to divide the summed gradient by: n_examples, or more when the mean gradient's
         norm exceeds the clip norm, times the loss scale; None to skip the update (an overflow).
         `grads`: the model's reduced gradient, once per parameter."""
+        if self.watch is not None:
+            self.watch(grads)
         if not self.needs_norm:
             self.add([squares(g) for g in grads], n_examples)
             return n_examples

@@ -1,0 +1,116 @@
+"""`--digests FILE`: per update, a fingerprint of every gradient, parameter and optimiser-state
+tensor, by name, written as the run goes; `python -m manual_dp.diverge` reads two such files and
+names where the runs part (issue 24).
+
+One JSON line per update:
+
+    {"update": t, "tensors": [[kind, name, digest, sum, norm], ...]}
+
+kind is "grad" (the reduced gradient, as the optimiser receives it: summed over the batch, every
+context and process), "param" (after the update) or "state<i>" (the optimiser's i-th state array
+of that parameter, after the update); digest the first 16 hex digits of the SHA-1 of the tensor's
+float32 bytes; sum and norm in float64. The tensors come in the order a step computes them: the
+gradients from the last layer back to the first, then each parameter, in the model's order,
+followed by its optimiser state. A strategy without one reduced gradient (async, local SGD) logs
+parameters and state only.
+
+Each line is one os.write of the whole line, so a process killed with SIGKILL leaves whole lines
+(at most a torn last one, which the reader drops and says so). A resumed run first keeps only the
+updates its checkpoint has (`DigestFile.resume`), so its file equals an uninterrupted run's.
+"""
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .errors import OutputError
+
+
+def summary(kind, name, values):
+    """[kind, name, digest, float64 sum, float64 norm] of an array."""
+    v = np.ascontiguousarray(values, dtype=np.float32)
+    wide = v.astype(np.float64).ravel()
+    return [kind, name, hashlib.sha1(v.tobytes()).hexdigest()[:16], float(wide.sum()), math.sqrt(float(wide @ wide))]
+
+
+def record(t, names, shapes, grads, state):
+    """The line of update t: `grads` the reduced gradient as host arrays whose concatenation is the
+    model's flat vector (None: no reduced gradient), `state` a Strategy.state_dict()."""
+    tensors = []
+    if grads is not None:
+        flat = np.concatenate([np.asarray(g, dtype=np.float32).ravel() for g in grads])
+        sizes = [int(np.prod(s)) for s in shapes]
+        if flat.size != sum(sizes):
+            raise ValueError(f"the reduced gradient holds {flat.size} values, the model {sum(sizes)}")
+        ends = np.cumsum(sizes)
+        for i in reversed(range(len(names))):
+            tensors.append(summary("grad", names[i], flat[ends[i] - sizes[i]:ends[i]]))
+    for i, name in enumerate(names):
+        tensors.append(summary("param", name, state["params"][i]))
+        for j, s in enumerate(state["opt_state"][i]):
+            tensors.append(summary(f"state{j}", name, s))
+    return {"update": int(t), "tensors": tensors}
+
+
+class DigestFile:
+    """The --digests file of a run, appended to a line per update."""
+
+    def __init__(self, path):
+        self.path, self.fd = Path(path), None
+
+    def resume(self, t):
+        """Keep the whole lines of updates 1..t (a resumed run's checkpoint holds t updates; none
+        for a fresh start), replacing the file atomically, then open it for appending."""
+        kept = [line for line in read_lines(self.path) if line["update"] <= t] if t and self.path.exists() else []
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
+            os.replace(tmp, self.path)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        except OSError as e:
+            raise OutputError(f"--digests {self.path}: cannot write it ({e.strerror})") from None
+        return self
+
+    def write(self, line):
+        data = (json.dumps(line, allow_nan=True) + "\n").encode()
+        if os.write(self.fd, data) != len(data):
+            raise OutputError(f"--digests {self.path}: short write (disk full?)")
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class DigestError(Exception):
+    """A file that is not a digest file, or one that cannot be read."""
+
+
+def read_lines(path, torn=None):
+    """The records of a digest file, in order. A torn last line (a run killed mid-write) is dropped
+    and, if `torn` is a list, noted in it; anything else malformed raises DigestError."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DigestError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    lines, out = text.split("\n"), []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            ok = isinstance(r, dict) and isinstance(r.get("update"), int) and isinstance(r.get("tensors"), list) \
+                and all(isinstance(x, list) and len(x) == 5 for x in r["tensors"])
+        except ValueError:
+            ok = False
+        if not ok:
+            if i == len(lines) - 1:                  # no newline after it: torn by a kill
+                if torn is not None:
+                    torn.append(i + 1)
+                break
+            raise DigestError(f"{path}: line {i + 1} is not a digest record")
+        out.append(r)
+    return out

@@ -1,0 +1,67 @@
+"""`python -m manual_dp.diverge A B`: where two runs part, from their `--digests` files.
+
+Walks the updates both files hold, in order, and each update's tensors in the order a step computes
+them (gradients from the last layer back, then parameters and optimiser state), and names the first
+tensor whose digest differs: the update, the tensor, and how large the difference is (its sum and
+norm in both runs). Exit status 0: identical wherever both files have updates; 1: they part; 2: bad
+input (a missing or malformed file, no update in common, runs of different tensors).
+"""
+import argparse
+import sys
+
+from .digests import DigestError, read_lines
+
+
+def compare(a, b):
+    """(status, message) for two lists of digest records."""
+    by_update = {r["update"]: r for r in b}
+    common = [r for r in a if r["update"] in by_update]
+    if not common:
+        raise DigestError("the two files have no update in common")
+    for ra in common:
+        rb = by_update[ra["update"]]
+        keys_a, keys_b = [tuple(x[:2]) for x in ra["tensors"]], [tuple(x[:2]) for x in rb["tensors"]]
+        if keys_a != keys_b:
+            only = sorted(set(keys_a) ^ set(keys_b))
+            raise DigestError(f"update {ra['update']}: the runs hold different tensors"
+                              + (f" ({', '.join(' '.join(k) for k in only[:3])} in one only)" if only else
+                                 " (in another order)"))
+        for x, y in zip(ra["tensors"], rb["tensors"]):
+            if x[2] != y[2]:
+                kind, name, _, sum_a, norm_a = x
+                _, _, _, sum_b, norm_b = y
+                rel = abs(norm_a - norm_b) / max(abs(norm_a), abs(norm_b), 1e-300)
+                return 1, (f"the runs part at update {ra['update']}: {kind} {name} is the first tensor that differs "
+                           f"(sum {sum_a:.10g} against {sum_b:.10g}, norm {norm_a:.10g} against {norm_b:.10g}, "
+                           f"norms {rel:.1e} apart); every tensor before it is identical")
+    extra = len(a) - len(common), len(b) - len(common)
+    more = f"; A has {extra[0]} more, B {extra[1]} more" if any(extra) else ""
+    return 0, (f"identical: {len(common)} updates in common, {len(common[0]['tensors'])} tensors each, "
+               f"every digest equal{more}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m manual_dp.diverge", description=__doc__.split("\n")[0])
+    parser.add_argument("a", help="the first run's --digests file")
+    parser.add_argument("b", help="the second run's --digests file")
+    args = parser.parse_args(argv)
+    try:
+        notes = {}
+        runs = []
+        for label, path in (("A", args.a), ("B", args.b)):
+            torn = []
+            runs.append(read_lines(path, torn))
+            if torn:
+                notes[label] = f"{label} ({path}): its last line is torn (a run killed mid-write): ignored"
+        status, message = compare(*runs)
+    except DigestError as e:
+        sys.stderr.write(f"manual_dp.diverge: error: {e}\n")
+        sys.exit(2)
+    for note in notes.values():
+        print(note)
+    print(message)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
