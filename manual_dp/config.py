@@ -15,6 +15,8 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 MODELS = ("lenet", "mlp", "transformer", "resnet")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
 TRANSFORMER = dict(layers=2, d_model=64, heads=4, patch=0)   # --model transformer's default sizes
 LOSS_SCALE = dict(loss_scale=2.0 ** 16, scale_window=200)     # --precision fp16's dynamic loss scale
+PRECISIONS = ("fp32", "bf16", "fp16")                          # --precision (manual_dp/precision.py)
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
 STAGES = 2                    # LeNet cut in two by default: convolutions | dense layers
 MAX_STAGES = 4                # its layers: conv1 | conv2 | dense1 | dense2 (strategies/stages.py CUTS)
@@ -101,7 +103,7 @@ class RunConfig:
                                             "logged per epoch either way (manual_dp/strategies/clipping.py)")
     precision: str = flag("fp32", "bf16, fp16: products (matrix multiplies, convolutions) in that precision, "
                                   "float32 master weights and optimiser; fp16 with a dynamic loss scale "
-                                  "(manual_dp/precision.py)", choices=("fp32", "bf16", "fp16"))
+                                  "(manual_dp/precision.py)", choices=PRECISIONS)
     loss_scale: Optional[float] = flag(None, f"fp16 only: the loss scale to start from (default {LOSS_SCALE['loss_scale']:g}); "
                                              "halved on every overflow, the update skipped")
     scale_window: Optional[int] = flag(None, f"fp16 only: good updates in a row before the loss scale doubles "

@@ -15,7 +15,7 @@ from . import config
 from .checks import check_model, parse_bytes
 from .cli.options import OneLineParser
 from .cli.output import interrupted, parsed_or_exit
-from .config import (MODEL_APPLIES, MODELS, OPTIMIZERS, PLAN_MAX_BATCH, PLAN_MAX_DEVICES, PLAN_STEPS, PLAN_TOP,
+from .config import (MODEL_APPLIES, MODELS, OPTIMIZERS, PRECISIONS, PLAN_MAX_BATCH, PLAN_MAX_DEVICES, PLAN_STEPS, PLAN_TOP,
                      TRANSFORMER, RunConfig)
 from .errors import UsageError
 from .fast.runtime import configure, machine
@@ -38,6 +38,9 @@ def build_parser():
                    help=f"global batch (default {RunConfig.batch_size})")
     p.add_argument("--optimizer", default=RunConfig.optimizer,
                    help=f"{', '.join(OPTIMIZERS)} (default {RunConfig.optimizer})")
+    p.add_argument("--precision", default=RunConfig.precision, choices=PRECISIONS,
+                   help="fp32, bf16 or fp16 as manual_dp.train takes it: data parallelism's and pipelines' gradients "
+                        "cross the links in 2 bytes (master weights, gradients and state stay float32)")
     p.add_argument("--link", default="pcie", help=f"{', '.join(LINKS)} (default pcie): the link of "
                                                   "manual_dp.costmodel.LINKS the devices share")
     p.add_argument("--verify", action="store_true", help="run the top layouts on CPU contexts, a few steps each")

@@ -31,13 +31,12 @@ import mxnet as mx
 import numpy as np
 from mxnet import nd
 
+from .config import PRECISION_BYTES as BYTES, PRECISIONS
 from .errors import DivergedError
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 BF16 = np.dtype([("bfloat16", np.uint16)])     # MXNet's bfloat16 (oneDNN)
 GEMMS = ("FullyConnected", "Convolution", "batch_dot", "dot")
 NATIVE_OPS = ("FullyConnected", "Convolution")  # bf16 kernels that MXNet 1.9.1 runs on CPU
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MIN_SCALE = 2.0 ** -24                          # below it fp16's smallest step: scaling cannot rescue
 
 

@@ -151,3 +151,27 @@ def test_models_that_cannot_be_built_are_refused(argv, says):
     with pytest.raises(UsageError, match=says):
         network(parse(["--devices", "2", "--memory-per-device", "1G"] + argv))
 
+
+
+def test_precision_halves_the_gradient_bytes_data_parallelism_and_pipelines_send():
+    """--precision bf16|fp16 in the planner: the gradient all-reduces of data parallelism and of
+    pipeline stages cross the links in 2 bytes an element (what LowReduce sends); ZeRO's and
+    tensor parallelism's collectives, which stay float32, are unchanged; memory is unchanged
+    (master weights, gradients and state stay float32)."""
+    from manual_dp import costmodel
+    from manual_dp.planner.predict import gpu, layer_sizes
+    lenet = build("lenet", 4)
+    dev = gpu("eth25")
+    total = 4 * sum(layer_sizes(lenet))
+    for precision in ("bf16", "fp16"):
+        low, full = Setting(4, 64, "adam", lenet, precision), Setting(4, 64, "adam", lenet)
+        data = layout("data", 8)
+        assert communication(data, low, dev) == pytest.approx(costmodel.allreduce_time("ring", 8, total / 2, dev.alpha, dev.beta))
+        assert communication(data, low, dev) < communication(data, full, dev)
+        for kind, args in (("zero", dict(zero_stage=3)), ("tensor", dict(tp=2))):
+            other = layout(kind, 8, **args)
+            assert communication(other, low, dev) == communication(other, full, dev)
+            assert memory(other, low) == memory(other, full)
+    bad = subprocess.run([sys.executable, "-m", "manual_dp.plan", "--devices", "2", "--memory-per-device", "1G",
+                          "--precision", "fp8"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "fp8" in bad.stderr

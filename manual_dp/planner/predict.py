@@ -49,13 +49,14 @@ from .. import costmodel
 from ..fast.collectives import chunk_bounds
 from ..lesson import shard_sizes
 from ..memory import FLOAT_BYTES, part_activation_elems, piece_activation_elems, stage_activation_elems
+from ..config import PRECISION_BYTES as BYTES
 from ..strategies.zero_layers import hand_made
 from .layouts import model_of
 
 OPT_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
 # What is laid out: `model` (a models.Model; None: the lesson's LeNet of `width`), the global batch
 # and the optimiser.
-Setting = namedtuple("Setting", "width batch optimizer model", defaults=(None,))
+Setting = namedtuple("Setting", "width batch optimizer model precision", defaults=(None, "fp32"))
 # A device type: FLOP/s it sustains, the link's latency (s) and s/byte, whether devices share cores.
 Device = namedtuple("Device", "name rate alpha beta shared")
 GPU_RATE = 5e12   # stated: a V100-class GPU at about a third of its 15.7 TFLOP/s fp32 peak on LeNet's layers
@@ -180,8 +181,9 @@ def communication(l, setting, dev):
     net = net_of(setting)
     layers = [FLOAT_BYTES * s for s in layer_sizes(net)]
     total, k = sum(layers), l.dp
+    low = BYTES[setting.precision] / FLOAT_BYTES     # --precision: data parallelism's gradients on 16-bit links
     if l.kind == "data":
-        return costmodel.allreduce_time("ring", k, total, dev.alpha, dev.beta)
+        return costmodel.allreduce_time("ring", k, total * low, dev.alpha, dev.beta)
     if l.kind == "zero":
         gathers = {1: [total], 2: [total], 3: layers[:-1] + layers}[l.zero_stage]
         scatters = [total] if l.zero_stage == 1 else layers
@@ -195,7 +197,7 @@ def communication(l, setting, dev):
     cuts = net.cuts(l.pp)
     boundary = sum(2 * l.micro * dev.alpha + 2 * n * inputs[pieces[0]][0] * FLOAT_BYTES * dev.beta
                    for pieces in cuts[1:])
-    stages = max(costmodel.allreduce_time("ring", k, sum(layers[p] for p in pieces), dev.alpha, dev.beta)
+    stages = max(costmodel.allreduce_time("ring", k, sum(layers[p] for p in pieces) * low, dev.alpha, dev.beta)
                  for pieces in cuts)
     return boundary + stages
 

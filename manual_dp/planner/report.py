@@ -27,7 +27,8 @@ def recommend(rows, budget, setting):
     l = rows[0]["layout"]
     missing = "" if mode(l) in MODES else f" (predicted only: this build has no --mode {mode(l)})"
     return (f"recommended: {name(l)}: python -m manual_dp.train {train_flags(l)} {model_flags(net_of(setting))} "
-            f"--batch-size {setting.batch} --optimizer {setting.optimizer}{missing}")
+            f"--batch-size {setting.batch} --optimizer {setting.optimizer}"
+            f"{'' if setting.precision == 'fp32' else ' --precision ' + setting.precision}{missing}")
 
 
 def model_flags(net):
@@ -84,11 +85,11 @@ def format_verify(checked):
 
 def run(args, machine, net):
     """The planner's whole output for parsed arguments and the model they name."""
-    setting = Setting(args.width, args.batch_size, args.optimizer, net)
+    setting = Setting(args.width, args.batch_size, args.optimizer, net, args.precision)
     device = gpu(args.link)
     rows = plan(args.devices, args.memory_per_device, setting, device)
     skipped = left_out(args.devices, args.batch_size, model=net)
-    out = [f"{describe(net)}; batch {args.batch_size}, {args.optimizer}, {args.devices} devices of "
+    out = [f"{describe(net)}; batch {args.batch_size}, {args.optimizer}, {args.precision}, {args.devices} devices of "
            f"{args.memory_per_device / MiB:.1f} MiB; {device.name}",
            format_table(rows)] + ([skipped] if skipped else []) + [recommend(rows, args.memory_per_device, setting)]
     if args.verify:
