@@ -170,7 +170,15 @@ def writable(directory, flag):
 
 def check_outputs(cfg):
     """Refuse, before any training, output paths that cannot be written or would clobber each
-    other; create the checkpoint directory."""
+    other; create the checkpoint directory. A path the system refuses to look at (too long, a
+    name it cannot hold) is bad input too."""
+    try:
+        check_output_paths(cfg)
+    except OSError as e:
+        raise UsageError(f"an output path cannot be used: {e.strerror} ({str(e.filename)[:60]}...)") from None
+
+
+def check_output_paths(cfg):
     if cfg.checkpoint_dir:
         d = Path(cfg.checkpoint_dir)
         if d.exists() and not d.is_dir():
