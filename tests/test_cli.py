@@ -176,7 +176,7 @@ def test_console_script_entry_sets_thread_settings_before_mxnet_loads(data_dir):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     cores = len(os.sched_getaffinity(0))
-    assert out.stdout.strip().splitlines()[-1] == f"AT_LOAD 1024 {max(1, cores // 2)}"
+    assert out.stdout.strip().splitlines()[-1] == f"AT_LOAD 64 {max(1, cores // 2)}"
 
 
 def test_resume_rewrites_a_log_left_behind_the_checkpoint(capsys, data_dir, tmp_path):

@@ -5,6 +5,8 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
+import sys
 
 import mxnet as mx
 import numpy as np
@@ -165,3 +167,26 @@ def test_bench_memory_prints_every_mode_that_fits(tmp_path):
         if r["impl"] in ("sync", "async"):
             assert m["param_bytes"] == 4 * n_params * (2 if r["impl"] == "async" else 1)   # async: master + replica
     assert "sync      cpu(0)" in done.stdout and "async     cpu(0)" in done.stdout
+
+
+def test_the_fast_steps_resident_memory_stops_growing(tmp_path):
+    """The padded cached graph asks each scratch buffer for ~9 MB; with MXNet's pool of
+    MXNET_CPU_TEMP_COPY buffers drawn round-robin (fast/runtime.py sets it), resident memory must
+    level off once every buffer is drawn, not grow for thousands of steps (1024 buffers: 10.7 GB)."""
+    script = ("from manual_dp import DataParallel, init_lenet_params\n"
+              "import mxnet as mx, numpy as np\n"
+              "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+              "rng = np.random.default_rng(0)\n"
+              "X, y = rng.random((256, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, 256).astype(np.float32)\n"
+              "m = DataParallel(init_lenet_params(0), [mx.cpu(0), mx.cpu(1)], 'momentum', conv_pad=16)\n"
+              "seen = []\n"
+              "for i in range(1, 161):\n"
+              "    m.step(X, y, 0.01)\n"
+              "    if i in (80, 160):\n"
+              "        mx.nd.waitall(); seen.append(rss())\n"
+              "print(seen[0], seen[1])\n")
+    env = {k: v for k, v in os.environ.items() if k != "MXNET_CPU_TEMP_COPY"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    at_80, at_160 = map(int, done.stdout.split())
+    assert at_160 - at_80 < 150 * 2 ** 20, (at_80, at_160)
