@@ -1,6 +1,7 @@
 """Every notebook runs top to bottom in smoke mode (MANUAL_DP_SMOKE=1), and is committed with the
 outputs of a full run (regenerate: the command in notebooks/README.md)."""
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -41,3 +42,26 @@ def test_notebook_is_committed_with_the_outputs_of_a_full_run(path):
     assert not any(o.get("output_type") == "error" for c in code for o in c.get("outputs", []))
     said = first_output(nb)
     assert "full" in said and "smoke" not in said, f"{path.name} was last run with {said!r}"
+
+
+STAMP = re.compile(r"(?P<cpu>[^\n]+), (?P<cores>\d+) cores \([^)]*\); load (?P<load>[\d.]+); commit (?P<commit>[0-9a-f]{7,40})(?P<dirty>\+changes)?")
+
+
+def stamp(nb):
+    """(cpu, cores, load, commit, dirty) printed by one of a notebook's first three code cells."""
+    code = [c for c in nb.cells if c.cell_type == "code"][:3]
+    text = "".join(o.get("text", "") for c in code for o in c.get("outputs", []))
+    m = STAMP.search(text)
+    return m and (m["cpu"], int(m["cores"]), float(m["load"]), m["commit"], bool(m["dirty"]))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_names_its_machine_load_and_commit_first(path):
+    assert stamp(nbformat.read(path, as_version=4)), f"{path.name}: no 'CPU, N cores (...); load L; commit C' line"
+
+
+def test_every_notebook_comes_from_one_clean_commit():
+    stamps = {p.name: stamp(nbformat.read(p, as_version=4)) for p in NOTEBOOKS}
+    commits = {s[3] for s in stamps.values() if s}
+    assert len(commits) == 1, f"notebooks from several commits: {stamps}"
+    assert not any(s[4] for s in stamps.values() if s), "a notebook ran on a tree with uncommitted changes"
