@@ -113,12 +113,14 @@ def wait_for_cores(wanted, timeout):
 
 def commit():
     """The git commit of this checkout, with "+changes" if the tree differs from it; "unknown"
-    outside a git checkout."""
+    outside a git checkout. The notebooks' own outputs do not count as changes: re-executing them
+    in place, one after another, rewrites each before the next one prints this."""
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
                               text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                                ":(exclude,top)notebooks/*.ipynb"], cwd=here,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
