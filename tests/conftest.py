@@ -39,6 +39,26 @@ def batch(n, seed):
     return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
 
 
+def small_model(name):
+    """The model `name` at test size: a transformer of one block, width 16, two heads."""
+    from manual_dp import models
+    return models.build(name, **({"layers": 1, "d_model": 16, "heads": 2} if name == "transformer" else {}))
+
+
+def hand_grads(net, P, X, y):
+    """One context's gradient of the loss summed over (X, y), by plain autograd through
+    net.forward on copies of P: numpy arrays in the model's order."""
+    from mxnet import autograd, nd
+    from manual_dp.lesson import cross_entropy
+    Q = [p.copy() for p in P]
+    for q in Q:
+        q.attach_grad()
+    with autograd.record():
+        loss = cross_entropy(net.forward(nd.array(X), Q), nd.array(y)).sum()
+    loss.backward()
+    return [q.grad.asnumpy() for q in Q]
+
+
 def write_dataset(directory, n_train=600, n_test=200, seed=0):
     directory.mkdir(parents=True, exist_ok=True)
     for split, n in (("train", n_train), ("test", n_test)):

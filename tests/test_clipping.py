@@ -10,11 +10,8 @@ import json
 
 import numpy as np
 import pytest
-from mxnet import autograd, nd
 
-from conftest import batch, cpus, run_main
-from manual_dp import models
-from manual_dp.lesson import cross_entropy
+from conftest import batch, cpus, hand_grads, run_main, small_model
 from manual_dp.strategies.accum import GradAccum
 from manual_dp.strategies.data_parallel import DataParallel
 from manual_dp.strategies.deterministic import DeterministicDataParallel
@@ -37,19 +34,12 @@ LAYOUTS = {
 }
 
 
-def small(name):
-    return models.build(name, **({"layers": 1, "d_model": 16, "heads": 2} if name == "transformer" else {}))
+small = small_model
 
 
 def numpy_norm(net, P, X, y):
     """The first update's global norm by hand: every parameter's mean gradient, float64."""
-    Q = [p.copy() for p in P]
-    for q in Q:
-        q.attach_grad()
-    with autograd.record():
-        loss = cross_entropy(net.forward(nd.array(X), Q), nd.array(y)).sum()
-    loss.backward()
-    g = np.concatenate([q.grad.asnumpy().ravel() for q in Q]).astype(np.float64) / len(X)
+    g = np.concatenate([a.ravel() for a in hand_grads(net, P, X, y)]).astype(np.float64) / len(X)
     return float(np.sqrt(g @ g))
 
 

@@ -13,10 +13,8 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import batch, cpus, run_main
-from manual_dp import models
+from conftest import batch, cpus, hand_grads, run_main, small_model
 from manual_dp.errors import DivergedError
-from manual_dp.lesson import cross_entropy
 from manual_dp.models.precise import Precise
 from manual_dp.precision import MIN_SCALE, LossScale, Policy, numpy_rounded, rounded
 from manual_dp.strategies.data_parallel import DataParallel
@@ -72,18 +70,7 @@ def test_the_loss_scale_skips_halves_and_doubles_step_by_step():
         tiny.update(False)
 
 
-def small(name):
-    return models.build(name, **({"layers": 1, "d_model": 16, "heads": 2} if name == "transformer" else {}))
-
-
-def grads_of(net, P, X, y):
-    Q = [p.copy() for p in P]
-    for q in Q:
-        q.attach_grad()
-    with autograd.record():
-        loss = cross_entropy(net.forward(nd.array(X), Q), nd.array(y)).sum()
-    loss.backward()
-    return [q.grad.asnumpy() for q in Q]
+small, grads_of = small_model, hand_grads
 
 
 @pytest.mark.parametrize("name", ["lenet", "transformer", "mlp"])
