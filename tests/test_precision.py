@@ -14,6 +14,7 @@ import pytest
 from mxnet import autograd, nd
 
 from conftest import batch, cpus, hand_grads, run_main, small_model
+from test_clipping import LAYOUTS as CLIPPING_LAYOUTS
 from manual_dp.errors import DivergedError
 from manual_dp.models.precise import Precise
 from manual_dp.precision import MIN_SCALE, LossScale, Policy, numpy_rounded, rounded
@@ -90,17 +91,8 @@ def test_every_parameter_gradient_holds_bf16_values_and_fp16_carries_the_scale(n
     assert np.linalg.norm(low / 1024 - full) <= 2e-2 * np.linalg.norm(full)   # unscaled: fp32's, to fp16's error
 
 
-LAYOUTS = {
-    "fast 2": lambda P, m: DataParallel(P, cpus(2), "momentum", model=m, conv_pad=1),
-    "lesson 3": lambda P, m: DataParallel(P, cpus(3), "momentum", lesson=True, model=m),
-    "buckets 2": lambda P, m: DataParallel(P, cpus(2), "momentum", model=m, conv_pad=1, bucket_mb=0),
-    "zero1 2": lambda P, m: ZeroRedundancy(P, cpus(2), "momentum", 1, model=m),
-    "zero3 3": lambda P, m: ZeroRedundancy(P, cpus(3), "momentum", 3, model=m),
-    "pipeline 2": lambda P, m: PipelineParallel(P, cpus(2), "momentum", 2, model=m),
-    "hybrid 2x2": lambda P, m: PipelineParallel(P, cpus(4), "momentum", 2, model=m),
-    "tensor 2x2": lambda P, m: TensorParallel(P, cpus(4), "momentum", 2, model=m),
-    "tensor 2": lambda P, m: TensorParallel(P, cpus(2), "momentum", model=m),
-}
+LAYOUTS = {**{name: make for name, make in CLIPPING_LAYOUTS.items() if "accum" not in name},
+           "tensor 2": lambda P, m: TensorParallel(P, cpus(2), "momentum", model=m)}
 
 
 def steps(strategy, n=3, clip=None):
