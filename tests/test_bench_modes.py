@@ -34,3 +34,16 @@ def test_any_model_is_timed_and_what_it_refuses_is_left_out_with_a_reason(tmp_pa
     bad = subprocess.run([sys.executable, "-m", "manual_dp.bench.modes", "--model", "transformer", "--heads", "5"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "heads" in bad.stderr
+
+
+def test_two_contexts_time_the_modes_that_fit_two(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.modes", "--out", str(tmp_path), "--batch", "8",
+                           "--steps", "1", "--rounds", "1", "--cpus", "2"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "modes.json").read_text())
+    rates = result["images_per_sec"]
+    assert result["cpus"] == 2 and set(rates) == set(strategies([0, 1])) and "deterministic" in rates
+    assert "tensor T=2" in rates and "model S=2" in rates and not any(n.startswith("hybrid") for n in rates)
+    bad = subprocess.run([sys.executable, "-m", "manual_dp.bench.modes", "--cpus", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--cpus" in bad.stderr

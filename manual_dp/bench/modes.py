@@ -23,8 +23,9 @@ from ..fast.runtime import configure, machine
 
 
 def strategies(ctx, net=None):
-    """{name: make(params)} of every mode on the contexts `ctx` (4 of them), for the models.Model
-    `net` (None: LeNet of the parameters' width)."""
+    """{name: make(params)} of every mode on the contexts `ctx` (None: the names for 4), for the
+    models.Model `net` (None: LeNet of the parameters' width). Tensor x data and hybrid need an even
+    count of 4 or more."""
     from ..strategies.async_dp import AsyncDataParallel
     from ..strategies.data_parallel import DataParallel
     from ..strategies.deterministic import DeterministicDataParallel
@@ -32,8 +33,8 @@ def strategies(ctx, net=None):
     from ..strategies.pipeline import PipelineParallel
     from ..strategies.tensor import TensorParallel
     from ..strategies.zero import ZeroRedundancy
-    opt, m = "momentum", dict(model=net)
-    return {
+    opt, m, k = "momentum", dict(model=net), len(ctx) if ctx else 4
+    modes = {
         "sync (fast step)": lambda p: DataParallel(p, ctx, opt, **m),
         "sync (the lesson's step)": lambda p: DataParallel(p, ctx, opt, lesson=True, **m),
         "deterministic": lambda p: DeterministicDataParallel(p, ctx, opt, **m),
@@ -42,20 +43,22 @@ def strategies(ctx, net=None):
         "zero stage 1": lambda p: ZeroRedundancy(p, ctx, opt, stage=1, **m),
         "zero stage 2": lambda p: ZeroRedundancy(p, ctx, opt, stage=2, **m),
         "zero stage 3": lambda p: ZeroRedundancy(p, ctx, opt, stage=3, **m),
-        "tensor T=4": lambda p: TensorParallel(p, ctx, opt, **m),
-        "tensor T=2 x data 2": lambda p: TensorParallel(p, ctx, opt, 2, **m),
-        "model S=4": lambda p: PipelineParallel(p, ctx, opt, 1, stages=4, **m),
-        "pipeline S=4 gpipe M=4": lambda p: PipelineParallel(p, ctx, opt, 4, stages=4, **m),
-        "pipeline S=4 1f1b M=4": lambda p: PipelineParallel(p, ctx, opt, 4, stages=4, schedule="1f1b", **m),
-        "hybrid 2x2 M=4": lambda p: PipelineParallel(p, ctx, opt, 4, **m),
+        f"tensor T={k}": lambda p: TensorParallel(p, ctx, opt, **m),
+        f"model S={k}": lambda p: PipelineParallel(p, ctx, opt, 1, stages=k, **m),
+        f"pipeline S={k} gpipe M=4": lambda p: PipelineParallel(p, ctx, opt, 4, stages=k, **m),
+        f"pipeline S={k} 1f1b M=4": lambda p: PipelineParallel(p, ctx, opt, 4, stages=k, schedule="1f1b", **m),
     }
+    if k >= 4 and k % 2 == 0:
+        modes[f"tensor T=2 x data {k // 2}"] = lambda p: TensorParallel(p, ctx, opt, 2, **m)
+        modes[f"hybrid 2x{k // 2} M=4"] = lambda p: PipelineParallel(p, ctx, opt, 4, **m)
+    return modes
 
 
-def speed(net, batch, steps, rounds):
-    """({mode: median images/s} over `rounds` turns of `steps` steps each, on cpu(0..3),
+def speed(net, batch, steps, rounds, cpus=4):
+    """({mode: median images/s} over `rounds` turns of `steps` steps each, on cpu(0..cpus-1),
     {mode: why it was left out}) for the models.Model `net`."""
     import mxnet as mx
-    ctx = [mx.cpu(i) for i in range(4)]
+    ctx = [mx.cpu(i) for i in range(cpus)]
     models, left_out = {}, {}
     for name, make in strategies(ctx, net).items():
         try:
@@ -86,7 +89,11 @@ def take_turns(models, batch, steps, rounds):
 def parse(argv):
     """The checked arguments; UsageError (one line) for values no run can use."""
     parser = model_parser("python -m manual_dp.bench.modes", __doc__, "modes.json")
-    return checked(parser, parser.parse_args(argv))
+    parser.add_argument("--cpus", type=int, default=4, help="CPU contexts (default 4; 2 or more)")
+    args = checked(parser, parser.parse_args(argv))
+    if not 2 <= args.cpus <= 64:
+        parser.error(f"--cpus must be 2 to 64, got {args.cpus}")
+    return args
 
 
 def model_parser(prog, doc, output):
@@ -124,13 +131,13 @@ def network(args):
 
 def main(argv=None):
     args = parsed_or_exit(parse, argv, "python -m manual_dp.bench.modes")
-    configure(4)                                    # thread settings before MXNet loads
+    configure(args.cpus)                            # thread settings before MXNet loads
     from ..bench.command import commit
     where = dict(machine(), commit=commit())
     net = parsed_or_exit(network, args, "python -m manual_dp.bench.modes")
-    rates, left_out = speed(net, args.batch, args.steps, args.rounds)
+    rates, left_out = speed(net, args.batch, args.steps, args.rounds, args.cpus)
     base = rates["sync (fast step)"]
-    print(f"{where['cpu']} ({where['vector']}), {where['cores']} cores, commit {where['commit']}; 4 CPU "
+    print(f"{where['cpu']} ({where['vector']}), {where['cores']} cores, commit {where['commit']}; {args.cpus} CPU "
           f"contexts, {net.name} {net.config}, batch {args.batch}, median of {args.rounds} rounds")
     for name, rate in rates.items():
         print(f"  {name:26} {rate:8.0f} img/s  {rate / base:5.2f}x sync")
@@ -139,7 +146,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "modes.json").write_text(json.dumps(dict(where, model=net.describe(), width=args.width, batch=args.batch,
-                                                    images_per_sec=rates, left_out=left_out), indent=1))
+                                                    cpus=args.cpus, images_per_sec=rates, left_out=left_out), indent=1))
 
 
 if __name__ == "__main__":
