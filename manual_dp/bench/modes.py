@@ -88,11 +88,17 @@ def take_turns(models, batch, steps, rounds):
 
 def parse(argv):
     """The checked arguments; UsageError (one line) for values no run can use."""
-    parser = model_parser("python -m manual_dp.bench.modes", __doc__, "modes.json")
-    parser.add_argument("--cpus", type=int, default=4, help="CPU contexts (default 4; 2 or more)")
+    return parse_bench(argv, "python -m manual_dp.bench.modes", __doc__, "modes.json", cpus=4, least=2)
+
+
+def parse_bench(argv, prog, doc, output, cpus, least):
+    """The checked arguments of a bench that times a model on --cpus contexts (default `cpus`, at
+    least `least`, at most 64); UsageError (one line) for values no run can use."""
+    parser = model_parser(prog, doc, output)
+    parser.add_argument("--cpus", type=int, default=cpus, help=f"CPU contexts (default {cpus}; {least} to 64)")
     args = checked(parser, parser.parse_args(argv))
-    if not 2 <= args.cpus <= 64:
-        parser.error(f"--cpus must be 2 to 64, got {args.cpus}")
+    if not least <= args.cpus <= 64:
+        parser.error(f"--cpus must be {least} to 64, got {args.cpus}")
     return args
 
 

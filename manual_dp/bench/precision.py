@@ -15,7 +15,7 @@ import numpy as np
 
 from ..cli.output import parsed_or_exit
 from ..fast.runtime import configure, machine
-from .modes import checked, model_parser, network, take_turns
+from .modes import network, parse_bench, take_turns
 
 
 class Counted:
@@ -55,12 +55,7 @@ def build(net, ctx, name, precision, native, loss_scale=2.0 ** 16):
 
 def parse(argv):
     """The checked arguments; UsageError (one line) for values no run can use."""
-    parser = model_parser("python -m manual_dp.bench.precision", __doc__, "precision.json")
-    parser.add_argument("--cpus", type=int, default=2, help="CPU contexts (default 2)")
-    args = checked(parser, parser.parse_args(argv))
-    if not 1 <= args.cpus <= 64:
-        parser.error(f"--cpus must be 1 to 64, got {args.cpus}")
-    return args
+    return parse_bench(argv, "python -m manual_dp.bench.precision", __doc__, "precision.json", cpus=2, least=1)
 
 
 def main(argv=None):
