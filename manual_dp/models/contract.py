@@ -20,6 +20,11 @@ parameter list and declares:
     split_forward   split_forward(hs, shards, join, F=nd) -> hs: the layer on the T contexts of a
               tensor group, each holding its shards of the layer's parameters (Param.split), joined
               by Megatron's f and g (join.f, join.g); None: the layer runs whole on every context
+    sequence_forward   sequence_forward(hs, params, seq, F=nd) -> hs: the layer on the C contexts
+              of a context-parallel group, context j holding tokens seq.bounds[j]:seq.bounds[j+1]
+              of every example and the whole parameters (params[j], on its context); seq.attend
+              (ring or Ulysses attention) and seq.sum (the sum over the group) join the blocks
+              (strategies/context.py); None: a token-wise layer, run on each block as it is
 
 Everything that used to read LeNet's shapes reads a Model instead: the flat buffers and buckets
 (shapes), checkpoints (describe), ZeRO's per-layer gathers (slices), pipeline stages (layers, cut),
@@ -66,6 +71,7 @@ class Layer:
     extra: dict = field(default_factory=dict, compare=False)
     split_forward: Optional[Callable] = None
     stats: Tuple[Param, ...] = ()
+    sequence_forward: Optional[Callable] = None
 
 
 def draw(param, rng, scale=None):
@@ -174,6 +180,25 @@ class Model:
             hs = layer.split_forward(hs, own, join, F) if layer.split_forward else \
                 [layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
         return hs
+
+    def sequence_forward(self, Xs, params, seq, F=nd):
+        """Class scores on every context of a context-parallel group (each the same) from copies of
+        the images Xs, one per context, and params[j], context j's copy of the whole parameters:
+        each layer's sequence_forward, or a token-wise layer on each context's block of tokens."""
+        hs = Xs
+        for layer, s in zip(self.layers, self.slices()):
+            own = [P[s] for P in params]
+            hs = layer.sequence_forward(hs, own, seq, F) if layer.sequence_forward else \
+                [layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
+        return hs
+
+    def sequence_refusal(self, C, attention):
+        """Why the model's sequence cannot be cut into C blocks for `attention` ("ring" or
+        "ulysses"), in a few words; None if it can. By default: a model without a sequence (no
+        layer with a sequence_forward) refuses."""
+        if not any(layer.sequence_forward for layer in self.layers):
+            return f"{self.name} has no sequence of tokens to cut"
+        return None
 
     def tensor_traffic(self):
         """[(what, elements per example, "forward" | "backward")]: what Megatron's f and g of

@@ -58,23 +58,37 @@ def attention(a, p, F, shapes, head_dim):
     return fc(attend(a, p[:6], F, shapes, head_dim), p[6], p[7], F, shapes[6])             # (B, T, d)
 
 
-def attend(a, p, F, shapes, head_dim):
-    """The heads' outputs (B, T, nh * dh), before the output projection, of a (B, T, d) with q, k, v
-    = p[0:6] (weights and biases); the number of heads nh is what the query weight holds (all of
-    them, or a tensor group's share)."""
+def qkv(a, p, F, shapes, head_dim):
+    """The queries (scaled by 1 / sqrt(dh)), keys and values of a (B, T, d), each (B, T, nh, dh),
+    with q, k, v = p[0:6] (weights and biases); the number of heads nh is what the query weight
+    holds (all of them, or a tensor group's share)."""
     wq, bq, wk, bk, wv, bv = p
     n_heads = shapes[0][0] // head_dim
 
-    def split_heads(x):                                   # (B, T, nh * dh) -> (B * nh, T, dh)
-        x = F.reshape(x, shape=(0, 0, -4, n_heads, head_dim))
+    def heads(x):                                         # (B, T, nh * dh) -> (B, T, nh, dh)
+        return F.reshape(x, shape=(0, 0, -4, n_heads, head_dim))
+    return (heads(fc(a, wq, bq, F, shapes[0]) * (1 / math.sqrt(head_dim))),   # scaled here: (B, T, d) < (B*nh, T, T)
+            heads(fc(a, wk, bk, F, shapes[2])), heads(fc(a, wv, bv, F, shapes[4])))
+
+
+def attend(a, p, F, shapes, head_dim):
+    """The heads' outputs (B, T, nh * dh), before the output projection, of a (B, T, d) with q, k, v
+    = p[0:6] (weights and biases)."""
+    n_heads = shapes[0][0] // head_dim
+
+    def split_heads(x):                                   # (B, T, nh, dh) -> (B * nh, T, dh)
         return F.reshape(F.transpose(x, axes=(0, 2, 1, 3)), shape=(-3, -2))
-    q = split_heads(fc(a, wq, bq, F, shapes[0]) * (1 / math.sqrt(head_dim)))   # scaled here: (B, T, d) < (B*nh, T, T)
-    k = split_heads(fc(a, wk, bk, F, shapes[2]))
-    v = split_heads(fc(a, wv, bv, F, shapes[4]))
+    q, k, v = (split_heads(x) for x in qkv(a, p, F, shapes, head_dim))
     weights = F.softmax(F.batch_dot(q, k, transpose_b=True), axis=-1)            # (B*nh, T, T)
     o = F.batch_dot(weights, v)                                                  # (B*nh, T, dh)
     return F.reshape(F.transpose(F.reshape(o, shape=(-4, -1, n_heads, -2)), axes=(0, 2, 1, 3)),
                      shape=(0, 0, -3))                                           # (B, T, nh*dh)
+
+
+def mlp(h, p, F, shapes):
+    """h + MLP(LN(h)), p: ln2 g, b, w1, b1, w2, b2."""
+    m = relu(fc(layer_norm(h, p[0], p[1], F, shapes[0][0]), p[2], p[3], F, shapes[2]), F)   # (B, T, hidden)
+    return h + fc(m, p[4], p[5], F, shapes[4])
 
 
 def make_block(head_dim):
@@ -82,11 +96,23 @@ def make_block(head_dim):
         """h + attention(LN(h)), then h + MLP(LN(h)); p: ln1 g, b, q, k, v, o (w, b each), ln2 g, b,
         MLP w1, b1, w2, b2."""
         shapes = shapes or [x.shape for x in p]
-        d = shapes[0][0]
-        h = h + attention(layer_norm(h, p[0], p[1], F, d), p[2:10], F, shapes[2:10], head_dim)
-        m = relu(fc(layer_norm(h, p[10], p[11], F, d), p[12], p[13], F, shapes[12]), F)   # (B, T, hidden)
-        return h + fc(m, p[14], p[15], F, shapes[14])
+        h = h + attention(layer_norm(h, p[0], p[1], F, shapes[0][0]), p[2:10], F, shapes[2:10], head_dim)
+        return mlp(h, p[10:], F, shapes[10:])
     return block
+
+
+def make_sequence_block(head_dim):
+    def sequence_block(hs, own, seq, F=nd):
+        """The block on a context-parallel group, context j holding its block of tokens hs[j]
+        (B, T_j, d): queries, keys and values of its own tokens, seq.attend over the whole sequence
+        (ring or Ulysses), the rest token by token."""
+        shapes = [[x.shape for x in p] for p in own]
+        q, k, v = zip(*[qkv(layer_norm(h, p[0], p[1], F), p[2:8], F, s[2:8], head_dim)
+                        for h, p, s in zip(hs, own, shapes)])
+        o = [F.reshape(x, shape=(0, 0, -3)) for x in seq.attend(list(q), list(k), list(v))]   # (B, T_j, d)
+        hs = [h + fc(oj, p[8], p[9], F) for h, oj, p in zip(hs, o, own)]
+        return [mlp(h, p[10:], F, s[10:]) for h, p, s in zip(hs, own, shapes)]
+    return sequence_block
 
 
 def row_parallel(hs, ws, join, F=nd):
@@ -138,14 +164,31 @@ class Transformer(Model):
             return f"{T} does not divide the transformer's {self.config['heads']} heads"
         return super().tensor_refusal(T)
 
+    def sequence_refusal(self, C, attention):
+        """Every context needs a token; Ulysses gives each context whole heads."""
+        if C > self.tokens:
+            return f"{C} contexts cannot each take a block of the transformer's {self.tokens} tokens"
+        if attention == "ulysses" and self.config["heads"] % C:
+            return f"Ulysses needs cp={C} to divide the transformer's {self.config['heads']} heads"
+        return super().sequence_refusal(C, attention)
+
     @staticmethod
     def embed_layer(T, size, d, patch):
         def embed(X, p, F=nd, shapes=None):
             h = fc(tokens(X, patch, F), p[0], p[1], F, shapes[0] if shapes else None)   # (B, T, d)
             return F.broadcast_add(h, F.expand_dims(p[2], axis=0))
+
+        def sequence_embed(Xs, own, seq, F=nd):
+            """Context j embeds its block of tokens, at their positions."""
+            out = []
+            for X, p, a, b in zip(Xs, own, seq.bounds, seq.bounds[1:]):
+                h = fc(F.slice_axis(tokens(X, patch, F), axis=1, begin=a, end=b), p[0], p[1], F)
+                out.append(F.broadcast_add(h, F.expand_dims(F.slice_axis(p[2], axis=0, begin=a, end=b), axis=0)))
+            return out
         params = (Param("embed_w", (d, size), "lecun", size, split=None), Param("embed_b", (d,)),
                   Param("pos", (T, d), "normal", std=0.02))
-        return Layer("embed", params, embed, 2 * T * size * d, T * size, 2 * T * d, "embed")
+        return Layer("embed", params, embed, 2 * T * size * d, T * size, 2 * T * d, "embed",
+                     sequence_forward=sequence_embed)
 
     @staticmethod
     def block_layer(l, T, d, hidden, dh):
@@ -166,13 +209,21 @@ class Transformer(Model):
                    (f"f: block{l} MLP's input gradient", T * d, "backward"),
                    (f"g: block{l} MLP's partial output", T * d, "forward")]
         return Layer(f"block{l}", params, make_block(dh), flops, T * d, acts, "block",
-                     {"head_dim": dh, "traffic": traffic}, make_split_block(dh))
+                     {"head_dim": dh, "traffic": traffic}, make_split_block(dh),
+                     sequence_forward=make_sequence_block(dh))
 
     @staticmethod
     def head_layer(T, d):
         def head(h, p, F=nd, shapes=None):
             pooled = F.mean(layer_norm(h, p[0], p[1], F, d), axis=1)             # (B, d)
             return fc(pooled, p[2], p[3], F, shapes[2] if shapes else None)      # (B, 10)
+
+        def sequence_head(hs, own, seq, F=nd):
+            """Each context's share of the mean over tokens, summed over the group (seq.sum): then
+            every context holds the whole pooled vector and computes the same scores."""
+            parts = [F.sum(layer_norm(h, p[0], p[1], F, d), axis=1) * (1 / T) for h, p in zip(hs, own)]
+            return [fc(x, p[2], p[3], F) for x, p in zip(seq.sum(parts), own)]
         params = (Param("lnf_g", (d,), "ones"), Param("lnf_b", (d,)),
                   Param("head_w", (CLASSES, d), "lecun", d), Param("head_b", (CLASSES,)))
-        return Layer("head", params, head, 2 * d * CLASSES, T * d, T * d * 2 + d + 3 * CLASSES + 1, "head")
+        return Layer("head", params, head, 2 * d * CLASSES, T * d, T * d * 2 + d + 3 * CLASSES + 1, "head",
+                     sequence_forward=sequence_head)

@@ -1,0 +1,115 @@
+"""An N-D device mesh: the contexts laid out as a grid whose dimensions are kinds of parallelism.
+
+    dp   data: replicas of everything, each on its share of the batch; gradients all-reduced
+    pp   pipeline: runs of layers (stages), activations sent forwards, gradients backwards
+    cp   context: the sequence cut into blocks; attention joins them (ring or all-to-all)
+    tp   tensor: every split layer's weights cut (Megatron's f and g join the shards)
+
+`--mesh dp=2,tp=2` on 4 contexts: rank r (ctx[r]) has coordinates that count in that order, tp
+fastest: the contexts of a tensor group are neighbours, as clusters put tensor parallelism inside
+a node, and data parallelism outermost, where a job grows across processes (torchtitan's and
+Megatron's order, tp-cp-pp-dp from the inside out). A group of dimension `dim` is the ranks that
+agree on every other coordinate: each collective of that kind of parallelism runs over one group.
+
+The modes of the command line are meshes: sync dp=N, tensor dp=N/T x tp=T, hybrid dp=N/S x pp=S,
+model and pipeline pp=N, context dp=N/C x cp=C (`for_mode`).
+"""
+import math
+from dataclasses import dataclass
+
+DIMS = ("dp", "pp", "cp", "tp")             # outermost first
+KINDS = {"dp": "data", "pp": "pipeline", "cp": "context", "tp": "tensor"}
+COLLECTIVES = {"dp": "gradient all-reduce", "pp": "activations and gradients sent stage to stage",
+               "cp": "attention's ring (key and value blocks) or all-to-all (Ulysses)",
+               "tp": "Megatron's f and g (all-reduce)"}
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Sizes of the four dimensions, in DIMS order; 1 for a dimension not used."""
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def parse(cls, text, n_contexts):
+        """The mesh of "dp=D,tp=T,..." (any subset, any order) over `n_contexts`; ValueError (one
+        line) for an unknown or repeated dimension, a size that is not a positive whole number,
+        or sizes whose product is not the number of contexts."""
+        sizes = {}
+        for part in str(text).split(","):
+            name, eq, value = part.strip().partition("=")
+            if name not in DIMS or not eq:
+                raise ValueError(f"--mesh {text}: each part is NAME=SIZE with NAME one of {', '.join(DIMS)}")
+            if name in sizes:
+                raise ValueError(f"--mesh {text}: {name} given twice")
+            if not value.strip().isdigit() or int(value) < 1:
+                raise ValueError(f"--mesh {text}: {name}={value} is not a positive whole number")
+            sizes[name] = int(value)
+        mesh = cls(**sizes)
+        if mesh.size != n_contexts:
+            raise ValueError(f"--mesh {text} multiplies to {mesh.size} contexts, not the {n_contexts} "
+                             f"this run has")
+        return mesh
+
+    @classmethod
+    def for_mode(cls, mode, n_contexts, degree=None):
+        """The mesh a --mode lays out: `degree` is its T (tensor), S (hybrid) or C (context)."""
+        if mode in ("tensor", "hybrid", "context"):
+            d = degree or n_contexts
+            return cls(**{"dp": n_contexts // d, {"tensor": "tp", "hybrid": "pp", "context": "cp"}[mode]: d})
+        if mode in ("model", "pipeline"):
+            return cls(pp=n_contexts)
+        return cls(dp=n_contexts)
+
+    @property
+    def shape(self):
+        return tuple(getattr(self, d) for d in DIMS)
+
+    @property
+    def size(self):
+        return math.prod(self.shape)
+
+    def used(self):
+        """The dimensions of size > 1 (dp alone if none is)."""
+        return [d for d in DIMS if getattr(self, d) > 1] or ["dp"]
+
+    def coords(self, rank):
+        """{dim: coordinate} of `rank`, tp counting fastest."""
+        out = {}
+        for d in reversed(DIMS):
+            rank, out[d] = divmod(rank, getattr(self, d))
+        return {d: out[d] for d in DIMS}
+
+    def rank(self, **coords):
+        """The rank at `coords` (missing dimensions: 0)."""
+        r = 0
+        for d in DIMS:
+            r = r * getattr(self, d) + coords.get(d, 0)
+        return r
+
+    def groups(self, dim):
+        """The groups of `dim`: lists of ranks that differ only in their `dim` coordinate, in order."""
+        out = {}
+        for r in range(self.size):
+            key = tuple(v for d, v in self.coords(r).items() if d != dim)
+            out.setdefault(key, []).append(r)
+        return list(out.values())
+
+    def __str__(self):
+        return " x ".join(f"{d}={getattr(self, d)}" for d in self.used())
+
+    def describe(self, ctx):
+        """Lines for a run's header: the mesh, the coordinates of each context, and, per
+        dimension used, its groups and the collective that runs over each."""
+        names = [str(c) for c in ctx]
+        used = self.used()
+        lines = [f"mesh {self} over {len(ctx)} contexts (outermost first; "
+                 + ", ".join(f"{d}: {KINDS[d]}" for d in used) + ")"]
+        lines.append("  " + ", ".join(f"{names[r]} ({' '.join(f'{d}{self.coords(r)[d]}' for d in used)})"
+                                      for r in range(self.size)))
+        for d in used:
+            groups = " ".join("[" + " ".join(names[r] for r in g) + "]" for g in self.groups(d))
+            lines.append(f"  {d} groups {groups}: {COLLECTIVES[d]}")
+        return lines
