@@ -11,7 +11,7 @@ from .errors import UsageError
 def check(cfg):
     """Raise UsageError for values no run can use (before any device, file or MXNet is touched)."""
     for name in ("batch_size", "gpus", "cpus", "width", "train_size", "test_size", "micro_batches",
-                 "grad_accum", "check_replicas", "tensor_parallel", "layers", "d_model", "heads"):
+                 "grad_accum", "check_replicas", "tensor_parallel", "context_parallel", "layers", "d_model", "heads"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -91,6 +91,9 @@ def check_model(cfg):
                          "(without --deterministic, in one process) carries so far")
     if cfg.sync_batchnorm and cfg.model != "resnet":
         raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet), not --model {cfg.model}")
+    if cfg.mode == "context" and cfg.model != "transformer":
+        raise UsageError(f"--mode context cuts a sequence of tokens over the contexts: --model transformer has "
+                         f"one, --model {cfg.model} does not")
     if cfg.mode == "tensor" and cfg.deterministic and cfg.model != "lenet":
         raise UsageError(f"--deterministic --mode tensor cuts LeNet's channels into fixed pieces; not yet "
                          f"--model {cfg.model} (use --deterministic with sync or zero)")
@@ -126,6 +129,8 @@ def check_layout(cfg, n_contexts, n_processes=1):
         raise UsageError(f"--micro-batches {micro} is larger than the per-device batch of "
                          f"{cfg.batch_size // replicas} (--batch-size {cfg.batch_size} over "
                          f"{replicas} pipeline(s))")
+    if cfg.mode == "context" and n % (cfg.context_parallel or n):
+        raise UsageError(f"--context-parallel {cfg.context_parallel} does not divide the {n} contexts into groups")
     if cfg.mode == "tensor" and (cfg.model == "lenet" or n % (cfg.tensor_parallel or n)):
         check_tensor_layout(cfg.tensor_parallel or n, n, cfg.width)   # other models: Model.tensor_refusal
     if cfg.mode == "tensor" and cfg.deterministic:

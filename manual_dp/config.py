@@ -10,7 +10,8 @@ from typing import Optional
 from .errors import UsageError
 from .fast.runtime import visible_gpus
 
-MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local", "tensor")
+MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local", "tensor", "context")
+ATTENTIONS = ("ring", "ulysses")                              # --attention (manual_dp/fast/attention.py)
 OPTIMIZERS = ("sgd", "momentum", "adam")
 MODELS = ("lenet", "mlp", "transformer", "resnet")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
 TRANSFORMER = dict(layers=2, d_model=64, heads=4, patch=0)   # --model transformer's default sizes
@@ -88,8 +89,14 @@ class RunConfig:
                              "model: convs on one context, dense layers on the next; pipeline: "
                              "model + GPipe micro-batches; hybrid: data parallel over 2-context "
                              "pipelines; zero: data parallel with ZeRO's sharding (--zero-stage); "
-                             "local: local SGD / DiLoCo, replicas meet every --sync-every steps",
+                             "local: local SGD / DiLoCo, replicas meet every --sync-every steps; "
+                             "tensor: Megatron's split layers; context: the sequence cut over the "
+                             "contexts (--model transformer). --mesh lays these out as a grid",
                 "parallelism", choices=MODES)
+    mesh: Optional[str] = flag(None, "the contexts as a grid, dp=D,pp=P,cp=C,tp=T (any subset, the product the "
+                                     "number of contexts): dp alone is sync (or --mode zero, async, local), "
+                                     "dp x tp tensor, dp x pp hybrid, pp model/pipeline, dp x cp context "
+                                     "(manual_dp/mesh.py)", "parallelism")
     staleness: Optional[int] = flag(None, "async only: replicas refreshed every S+1 updates "
                                           "(default 0)", "parallelism")
     micro_batches: Optional[int] = flag(None, "pipeline and hybrid only: micro-batches per batch and "
@@ -163,6 +170,13 @@ class RunConfig:
                                                 "1/T shard of every split layer; the groups are data "
                                                 "parallel (default: every context, one group)",
                                           "parallelism")
+    context_parallel: Optional[int] = flag(None, "context only: contexts per context-parallel group, each "
+                                                 "holding a 1/C block of every sequence; the groups are data "
+                                                 "parallel (default: every context, one group)", "parallelism")
+    attention: Optional[str] = flag(None, "context only: how the blocks of a sequence attend to each other: ring "
+                                          "(key and value blocks passed round, online softmax) or ulysses "
+                                          "(all-to-all to head groups and back) (default ring)",
+                                    "parallelism", choices=ATTENTIONS)
     compress: str = flag("none", "sync only: what each replica sends instead of its float32 gradient, "
                                  "with error feedback: none, fp16, 2bit[:T] (MXNet's, T=0.5), 1bit, "
                                  "topk:K, powersgd:R (manual_dp/fast/compress.py)", "speed")
@@ -170,21 +184,22 @@ class RunConfig:
 
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
 MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "stages": STAGES, "schedule": "gpipe", "zero_stage": 1,
-                 "sync_every": 4, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.9}
+                 "sync_every": 4, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.9,
+                 "attention": "ring"}
 APPLIES = {
     "staleness": ("async",),
     "micro_batches": ("pipeline", "hybrid"),
-    "allreduce": ("sync", "hybrid", "local", "tensor"),
+    "allreduce": ("sync", "hybrid", "local", "tensor", "context"),
     "fuse_grads": ("sync",),
     "graph": ("sync",),
     "no_autotune": ("sync", "zero"),
     "deterministic": ("sync", "zero", "tensor"),
     "sync_batchnorm": ("sync",),
-    "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
+    "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context"),
     "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor"),
     "loss_scale": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
     "scale_window": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
-    "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor"),
+    "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor", "context"),
     "zero_stage": ("zero",),
     "sync_every": ("local",),
     "outer_optimizer": ("local",),
@@ -196,6 +211,8 @@ APPLIES = {
     "bucket_mb": ("sync",),
     "trace": ("sync",),
     "tensor_parallel": ("tensor",),
+    "context_parallel": ("context",),
+    "attention": ("context",),
     "compress": ("sync",),
 }
 # The model each size flag applies to (given for another: refused), and its default there.

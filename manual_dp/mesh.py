@@ -100,16 +100,44 @@ class Mesh:
     def __str__(self):
         return " x ".join(f"{d}={getattr(self, d)}" for d in self.used())
 
-    def describe(self, ctx):
+    def describe(self, ctx, processes=1):
         """Lines for a run's header: the mesh, the coordinates of each context, and, per
-        dimension used, its groups and the collective that runs over each."""
+        dimension used, its groups and the collective that runs over each (one line for a mesh of
+        one dimension). Across `processes`, data parallelism spans them: the mesh is each one's."""
         names = [str(c) for c in ctx]
         used = self.used()
+        across = f"; dp also spans the {processes} processes" if processes > 1 else ""
+        if len(used) == 1:
+            group = "[" + " ".join(names) + "]"
+            return [f"mesh {self} ({KINDS[used[0]]}): {group}, {COLLECTIVES[used[0]]}{across}"]
         lines = [f"mesh {self} over {len(ctx)} contexts (outermost first; "
-                 + ", ".join(f"{d}: {KINDS[d]}" for d in used) + ")"]
+                 + ", ".join(f"{d}: {KINDS[d]}" for d in used) + ")" + across]
         lines.append("  " + ", ".join(f"{names[r]} ({' '.join(f'{d}{self.coords(r)[d]}' for d in used)})"
                                       for r in range(self.size)))
         for d in used:
             groups = " ".join("[" + " ".join(names[r] for r in g) + "]" for g in self.groups(d))
             lines.append(f"  {d} groups {groups}: {COLLECTIVES[d]}")
         return lines
+
+
+DATA_MODES = ("sync", "async", "zero", "local")       # modes whose every context is a data replica
+MODE_OF = {"tp": ("tensor", "tensor_parallel"), "cp": ("context", "context_parallel"), "pp": ("hybrid", "stages")}
+
+
+def mode_of(mesh, mode="sync"):
+    """(mode, {flag: value}) that lay `mesh` out, `mode` being the --mode given with it (sync, the
+    default, or a data-parallel mode for a mesh of dp alone); ValueError (one line) otherwise."""
+    used = [d for d in mesh.used() if d != "dp"]
+    if not used:
+        if mode not in DATA_MODES:
+            raise ValueError(f"--mesh {mesh} is data parallel only: --mode {mode} lays out more")
+        return mode, {}
+    if len(used) > 1:
+        raise ValueError(f"--mesh {mesh}: {' x '.join(used)} in one run is not built yet "
+                         f"(tp, pp and cp each combine with dp)")
+    want, flag = MODE_OF[used[0]]
+    if used[0] == "pp" and mesh.dp == 1:
+        want = mode if mode in ("model", "pipeline") else "pipeline"
+    if mode not in ("sync", want):
+        raise ValueError(f"--mesh {mesh} is --mode {want}, not --mode {mode}")
+    return want, {flag: getattr(mesh, used[0])}

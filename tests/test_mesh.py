@@ -275,3 +275,58 @@ def test_bad_context_layouts_are_refused(n, C, attn, model, message):
 def test_more_contexts_than_tokens_are_refused():
     net = models.build("transformer", layers=1, d_model=8, heads=2, patch=14)     # 4 tokens
     assert "5 contexts cannot each take a block of the transformer's 4 tokens" in net.sequence_refusal(5, "ring")
+
+
+# The command line ------------------------------------------------------------------------------------
+
+SMALL = ["--train-size", "96", "--test-size", "40", "--batch-size", "32", "--epochs", "1", "--no-progress",
+         "--optimizer", "sgd"]
+TINY = ["--model", "transformer", "--layers", "1", "--d-model", "16", "--heads", "4", *SMALL]
+
+
+def logged(capsys, data_dir, tmp_path, name, *argv):
+    from conftest import run_main
+    import json
+    log = tmp_path / f"{name}.jsonl"
+    code, out, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--log-json", str(log), *argv])
+    assert code == 0, err
+    return out, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("argv,mode", [(["--cpus", "4", "--mesh", "dp=2,cp=2"], "context"),
+                                       (["--cpus", "2", "--mesh", "cp=2", "--attention", "ulysses"], "context"),
+                                       (["--cpus", "4", "--mesh", "tp=2,dp=2"], "tensor"),
+                                       (["--cpus", "2", "--mesh", "pp=2"], "pipeline"),
+                                       (["--cpus", "2", "--mesh", "dp=2", "--mode", "zero"], "zero")])
+def test_meshes_train_like_one_context(capsys, data_dir, tmp_path, argv, mode):
+    """First-epoch loss to 1e-4 relative of --cpus 1 (the issue's target), the header's mesh."""
+    _, one = logged(capsys, data_dir, tmp_path, "one", "--cpus", "1")
+    out, got = logged(capsys, data_dir, tmp_path, "mesh", *argv)
+    assert got[0]["mode"] == mode
+    assert abs(got[0]["train_loss"] - one[0]["train_loss"]) <= 1e-4 * abs(one[0]["train_loss"])
+    mesh = argv[argv.index("--mesh") + 1]
+    assert f"mesh {Mesh.parse(mesh, int(argv[1]))}" in out
+
+
+def test_every_run_prints_its_mesh(capsys, data_dir, tmp_path):
+    out, _ = logged(capsys, data_dir, tmp_path, "sync", "--cpus", "2")
+    assert "mesh dp=2 (data): [cpu(0) cpu(1)], gradient all-reduce" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cpus", "4", "--mesh", "dp=2,cp=3"], "multiplies to 6 contexts, not the 4"),
+    (["--cpus", "4", "--mesh", "tp=2,cp=2"], "cp x tp in one run is not built yet"),
+    (["--cpus", "2", "--mesh", "cp=2", "--model", "lenet"], "lenet has no sequence of tokens to cut"),
+    (["--cpus", "4", "--mesh", "cp=4", "--heads", "2", "--d-model", "16", "--attention", "ulysses"],
+     "Ulysses needs cp=4 to divide the transformer's 2 heads"),
+    (["--cpus", "4", "--mesh", "dp=2,tp=2", "--tensor-parallel", "4"], "--tensor-parallel 4 and --mesh dp=2,tp=2 disagree"),
+    (["--cpus", "2", "--mesh", "dp=2", "--mode", "tensor"], "data parallel only: --mode tensor"),
+    (["--cpus", "2", "--mesh", "cp=2", "--precision", "bf16"], "--precision applies only to --mode"),
+    (["--cpus", "2", "--attention", "ring"], "--attention applies only to --mode context"),
+    (["--cpus", "3", "--mode", "context", "--context-parallel", "2"], "does not divide the 3 contexts"),
+])
+def test_bad_meshes_end_in_one_line_and_exit_2(capsys, data_dir, argv, message):
+    from conftest import run_main
+    model = SMALL if "lenet" in argv else [*TINY, "--heads", "2"] if "--heads" in argv else TINY
+    code, _, err = run_main(capsys, ["--data-dir", str(data_dir), *model, *argv])
+    assert code == 2 and len(err) == 1 and message in err[0], err

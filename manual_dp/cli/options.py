@@ -1,11 +1,13 @@
 """The command line's flags, built from manual_dp.config.RunConfig: one flag per field, its default
 and help from the field. Parsing needs no MXNet (the thread settings must be chosen first)."""
 import argparse
+import dataclasses
 import typing
 
 from ..checks import check
-from ..config import RunConfig, fields, resolve
+from ..config import RunConfig, device_request, fields, resolve
 from ..errors import UsageError
+from ..mesh import Mesh, mode_of
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -60,4 +62,18 @@ def parse(argv=None):
     """A checked RunConfig from the command line `argv` (default sys.argv[1:]); UsageError if bad."""
     cfg = RunConfig(**vars(build_parser().parse_args(argv)))
     check(cfg)
-    return resolve(cfg)
+    return resolve(with_mesh(cfg))
+
+
+def with_mesh(cfg):
+    """`cfg` with --mesh turned into the mode and degree that lay it out (manual_dp.mesh.mode_of)."""
+    if cfg.mesh is None:
+        return cfg
+    try:
+        mode, settings = mode_of(Mesh.parse(cfg.mesh, device_request(cfg)[1]), cfg.mode)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    for name, value in settings.items():
+        if getattr(cfg, name) not in (None, value):
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} and --mesh {cfg.mesh} disagree")
+    return dataclasses.replace(cfg, mode=mode, **settings)

@@ -69,6 +69,8 @@ def describe(cfg):
                      + f" ({cfg.allreduce})",
             "tensor": f"tensor: layers split over {cfg.tensor_parallel or 'all'} context(s) per tensor "
                       f"group (Megatron's f and g, {cfg.allreduce}), groups data parallel",
+            "context": f"context: every sequence cut over {cfg.context_parallel or 'all'} context(s) per group, "
+                       f"{cfg.attention} attention between the blocks, groups data parallel ({cfg.allreduce})",
             }[cfg.mode]
     if cfg.deterministic:
         line = ("sync, deterministic: pieces of the batch added in one fixed tree, the same bits on any "

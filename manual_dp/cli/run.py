@@ -20,6 +20,7 @@ from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
 from ..fast.compress import make_reducer
 from ..fast.trace import TRACE_UPDATES
 from ..loop import fit
+from ..mesh import Mesh
 from ..models import build as build_network
 from ..models.precise import Precise
 from ..precision import Policy
@@ -32,6 +33,7 @@ from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.compressed import Compressed
+from ..strategies.context import ContextParallel
 from ..strategies.digested import Digested
 from ..strategies.local_sgd import LocalSGD
 from ..strategies.loss_scaled import LossScaled
@@ -105,6 +107,9 @@ def build_model(cfg, params, ctx, world, policy=None):
     refusal = net.tensor_refusal(cfg.tensor_parallel or len(ctx)) if cfg.mode == "tensor" else None
     if refusal:
         raise UsageError(f"--tensor-parallel {refusal}")
+    refusal = net.sequence_refusal(cfg.context_parallel or len(ctx), cfg.attention) if cfg.mode == "context" else None
+    if refusal:
+        raise UsageError(f"--mode context: {refusal}")
     if (cfg.stages or 1) > len(net.layers):
         raise UsageError(f"--stages {cfg.stages}: --model {cfg.model} has {len(net.layers)} layers to cut "
                          f"between ({', '.join(layer.name for layer in net.layers)})")
@@ -150,6 +155,9 @@ def build_model(cfg, params, ctx, world, policy=None):
             exchange=lambda table: world.allreduce(table, "tensortree" + "x".join(map(str, table.shape))))
     elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
         model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name), model=net)
+    elif cfg.mode == "context":  # attention's collectives inside a group; `grad_reduce` sums over all
+        model = ContextParallel(params, ctx, cfg.optimizer, cfg.context_parallel, cfg.attention, grad_reduce,
+                                make_allreduce(name), model=net)
     else:
         model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, grad_reduce,
                                  cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute, model=net)
@@ -157,6 +165,12 @@ def build_model(cfg, params, ctx, world, policy=None):
     model = GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
     model = LossScaled(model, policy.scaler) if policy.scaler else model
     return model.clip(cfg.clip_norm)          # None: the global gradient norm is only logged
+
+
+def degree(cfg):
+    """The mode's own dimension: tensor's T, hybrid's S, context's C (None: every context)."""
+    return {"tensor": cfg.tensor_parallel, "hybrid": cfg.stages or config.STAGES,
+            "context": cfg.context_parallel}.get(cfg.mode)
 
 
 def writable(directory, flag):
@@ -287,7 +301,9 @@ def train_in(cfg, world, ctx):
           f"{cfg.optimizer} lr {cfg.lr}")
     print(f"model {net.name} ({', '.join(f'{k} {v}' for k, v in net.config.items())}): "
           f"{net.n_params():,} parameters in {len(net.layers)} layers")
-    print(f"mode {describe(cfg)}; lr {lr}\nmemory per context: {memory.format_report(mem)}")
+    print(f"mode {describe(cfg)}; lr {lr}")
+    print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg)).describe(ctx, world.size)))
+    print(f"memory per context: {memory.format_report(mem)}")
     if policy.precision != "fp32":
         print(f"precision {policy.describe()}")
     show = sys.stderr.isatty() and not cfg.no_progress and world.is_root
