@@ -135,11 +135,12 @@ RUNS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 @pytest.mark.parametrize("net_name,name,V", [("lenet", n, v) for n, v in RUNS] +
                          [("transformer", n, v) for n, v in RUNS + [("interleaved", 3)]])
 def test_one_step_equals_the_one_device_step(net_name, name, V):
-    """4 contexts: 2 replicas x 2 devices; stage k of replica r on ctx[2 r + k % 2]."""
+    """4 contexts: 2 replicas x 2 devices; stage k of replica r on ctx[2 r + k % 2]. LeNet's
+    interleaved and ZB-H1 runs recompute their activations in the backward."""
     net = as_model(None) if net_name == "lenet" else transformer(4 if V == 3 else 2)
     ref = DataParallel(net.init_params(seed=5), [mx.cpu(0)], "sgd", graph=False, model=net)
     model = PipelineParallel(net.init_params(seed=5), cpus(4), "sgd", 4, stages=2, schedule=name, model=net,
-                             virtual_stages=V, recompute=name == "zb-h1" and net_name == "lenet")
+                             virtual_stages=V, recompute=net_name == "lenet" and name in ("interleaved", "zb-h1"))
     X, y = batch(14, seed=1)
     want, got = ref.step(X, y, 0.1)[0], model.step(X, y, 0.1)
     assert [l.context for l, _ in got] == [mx.cpu(1), mx.cpu(3)]
@@ -167,10 +168,17 @@ def test_zb_h1_is_1f1b_bit_for_bit_and_interleaved_state_round_trips():
     for a, b, c in zip(*runs.values()):
         np.testing.assert_array_equal(b, a)
         np.testing.assert_array_equal(c, a)
-    inter = PipelineParallel(init_lenet_params(seed=7), cpus(2), "adam", 2, schedule="interleaved", virtual_stages=2)
+    inter = PipelineParallel(init_lenet_params(seed=7), cpus(2), "adam", 4, schedule="interleaved", virtual_stages=2)
     inter.load_state_dict(DataParallel(init_lenet_params(seed=1), [mx.cpu(0)], "adam").state_dict())
-    assert all(np.array_equal(a, b) for a, b in zip(inter.state_dict()["params"], [p.asnumpy() for p in init_lenet_params(seed=1)]))
-    assert [len(g) for g in inter.reduced_grads()] == [len(p) for p in init_lenet_params(seed=1)]
+    want = [p.asnumpy() for p in init_lenet_params(seed=1)]
+    assert all(np.array_equal(a, b) for a, b in zip(inter.state_dict()["params"], want))
+    assert [g.shape for g in inter.reduced_grads()] == [w.shape for w in want]          # the model's order
+    f1b = PipelineParallel(init_lenet_params(seed=1), cpus(2), "adam", 4, schedule="1f1b")
+    for n in (12, 3):   # 3 examples: 3 micro-batches, rounded down to 2 for the interleaved order
+        inter.step(*batch(n, seed=n), 0.05), f1b.step(*batch(n, seed=n), 0.05)
+        assert inter.plan(n).n_micro == (4 if n == 12 else 2)
+    for a, b in zip(inter.state_dict()["params"], f1b.state_dict()["params"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_end_epoch_reports_the_measured_bubble_when_asked():

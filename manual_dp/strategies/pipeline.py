@@ -220,19 +220,23 @@ class PipelineParallel(Strategy):
         """Every replica pipelines its shard of the batch; gradients add up where each stage lives.
         Afterwards self.peaks[context] is the most activation bytes it held at once, so far."""
         firsts, lasts = [p[0] for p in self.places], [p[-1] for p in self.places]
-        metrics, Pass = [], SplitPass if self.schedule == "zb-h1" else ReplicaPass
-        for row, places, P, Xr, yr in zip(self.grid, self.places, self.params, split_and_load(X, firsts),
-                                          split_and_load(y, lasts)):
-            p = self.plan(Xr.shape[0])
-            Xs, ys = cut(Xr, p.n_micro), cut(yr, p.n_micro)
-            self.bubbles.append(bubbles(p, simulate(p))[0])
-            run = Pass(Xs, ys, P, places, self.stages, self.elems, self.recompute, self.S, self.measure)
-            metrics.append(run.run(run_order(p)))
-            if self.measure:
-                took = run.mean_durations()
-                self.measured.append(bubbles(p, simulate(p, took), took)[0])
-            for c, peak in zip(row, run.peak):
-                self.peaks[str(c)] = max(self.peaks.get(str(c), 0), peak)
+        return [self.run_replica(row, places, P, Xr, yr) for row, places, P, Xr, yr in zip(
+            self.grid, self.places, self.params, split_and_load(X, firsts), split_and_load(y, lasts))]
+
+    def run_replica(self, row, places, P, Xr, yr):
+        """One replica's pass over its shard (Xr, yr), on the devices `row`, stage k on places[k];
+        returns its (loss sum, number correct) and keeps its bubble and peaks."""
+        p = self.plan(Xr.shape[0])
+        Xs, ys = cut(Xr, p.n_micro), cut(yr, p.n_micro)
+        self.bubbles.append(bubbles(p, simulate(p))[0])
+        run = (SplitPass if p.split else ReplicaPass)(Xs, ys, P, places, self.stages, self.elems,
+                                                      self.recompute, self.S, self.measure)
+        metrics = run.run(run_order(p))
+        if self.measure:   # the schedule replayed with each (phase, stage)'s mean measured time
+            took = run.mean_durations()
+            self.measured.append(bubbles(p, simulate(p, took), took)[0])
+        for c, peak in zip(row, run.peak):
+            self.peaks[str(c)] = max(self.peaks.get(str(c), 0), peak)
         return metrics
 
     def update(self, lr, n_examples):

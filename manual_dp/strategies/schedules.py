@@ -6,17 +6,17 @@ GPipe runs every forward (F) first, then every backward (B): each stage holds al
 at most S - s held, the same bubble. Interleaved 1F1B (Narayanan et al. 2021, Megatron) cuts the
 model into S*V stages, stage k on device k % S: V chunks a device, a bubble V times smaller.
 ZB-H1 (Qi et al. 2024) splits the backward into B, the gradient the previous stage waits for, and
-W, the weight gradient nothing waits for; W fills the cool-down's gaps, at 1F1B's memory.
+W, the weight gradient nothing waits for; put-off W's fill 1F1B's gaps. Each stage keeps as many
+micro-batches as 1F1B until B (S - s), and S until W: the paper's "1F1B's peak" is stage 0's.
 
 An action needs: F of stage k the F of stage k - 1 (same micro-batch); B of stage k its own F and
 the B of stage k + 1; W its own B. `simulate` starts each action when its device is free and what
 it needs has finished (transfers take no time), and refuses an order that never finishes.
 """
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Tuple
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-SPLIT = ("zb-h1",)                 # schedules whose backward is B (input gradient) then W (weights)
 Action = Tuple[str, int, int]      # (phase "F" | "B" | "W", stage, micro-batch)
 
 
@@ -162,7 +162,8 @@ def check_actions(p):
     for d, order in enumerate(p.orders):
         for a in order:
             if a[0] not in phases or not (0 <= a[1] < p.n_stages and 0 <= a[2] < p.n_micro):
-                raise ValueError(f"schedule {p.name}: no such action as {a} ({p.n_stages} stages, {p.n_micro} micro-batches)")
+                raise ValueError(f"schedule {p.name}: no such action as {a} "
+                                 f"({p.n_stages} stages, {p.n_micro} micro-batches)")
             if a[1] % p.n_devices != d:
                 raise ValueError(f"schedule {p.name}: {label(a)} is on device {d}, not {a[1] % p.n_devices}")
             if a in seen:
@@ -296,28 +297,14 @@ def dry_run(name, n_devices, n_micro, virtual=1):
         f"idle share of device time {share:.3f}"])
 
 
-def ready(action, done, n_stages):
-    """True if what `action` needs ran in an earlier tick: F the previous stage's F, B the next's B."""
-    phase, s, m = action
-    if phase == "F":
-        return s == 0 or ("F", s - 1, m) in done
-    return s == n_stages - 1 or ("B", s + 1, m) in done
-
-
 def clock(orders):
-    """Per-stage (phase, micro-batch) `orders` as clock ticks: each tick every stage runs its next
-    action if ready (the unit-duration simulation of gpipe and 1f1b)."""
-    n, pos, done, ticks = len(orders), [0] * len(orders), set(), []
-    while any(p < len(o) for p, o in zip(pos, orders)):
-        tick = [(orders[s][pos[s]][0], s, orders[s][pos[s]][1]) for s in range(n) if pos[s] < len(orders[s])]
-        tick = [a for a in tick if ready(a, done, n)]
-        if not tick:
-            raise ValueError("the orders wait on each other: no stage can run")
-        for action in tick:
-            done.add(action)
-            pos[action[1]] += 1
-        ticks.append(tick)
-    return ticks
+    """Per-stage (phase, micro-batch) `orders` (one stage a device, F and B) as clock ticks: the
+    actions that the simulation with every action one tick long starts at the same time."""
+    n_micro = 1 + max(m for order in orders for _, m in order)
+    p = Plan("clock", len(orders), n_micro, 1, tuple(tuple((ph, s, m) for ph, m in o) for s, o in enumerate(orders)))
+    times = simulate(p, {"F": 1, "B": 1})
+    return [sorted((a for a in times if times[a][0] == t), key=lambda a: a[1]) for t in range(int(max(
+        end for _, end in times.values())))]
 
 
 def schedule(name, n_stages, n_micro):
