@@ -91,6 +91,8 @@ def check_model(cfg):
                          "(without --deterministic, in one process) carries so far")
     if cfg.sync_batchnorm and cfg.model != "resnet":
         raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet), not --model {cfg.model}")
+    if cfg.sequence_parallel and (cfg.precision != "fp32" or cfg.deterministic):
+        raise UsageError("--sequence-parallel: not yet with --precision bf16/fp16 or --deterministic")
     if cfg.mode == "context" and cfg.model != "transformer":
         raise UsageError(f"--mode context cuts a sequence of tokens over the contexts: --model transformer has "
                          f"one, --model {cfg.model} does not")

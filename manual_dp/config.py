@@ -170,6 +170,10 @@ class RunConfig:
                                                 "1/T shard of every split layer; the groups are data "
                                                 "parallel (default: every context, one group)",
                                           "parallelism")
+    sequence_parallel: bool = flag(False, "tensor only, --model transformer: Megatron's sequence parallelism: "
+                                          "between the split layers each context keeps 1/T of the tokens "
+                                          "(all-gather before a column-parallel layer, reduce-scatter after a "
+                                          "row-parallel one, instead of all-reduces)", "parallelism")
     context_parallel: Optional[int] = flag(None, "context only: contexts per context-parallel group, each "
                                                  "holding a 1/C block of every sequence; the groups are data "
                                                  "parallel (default: every context, one group)", "parallelism")
@@ -211,6 +215,7 @@ APPLIES = {
     "bucket_mb": ("sync",),
     "trace": ("sync",),
     "tensor_parallel": ("tensor",),
+    "sequence_parallel": ("tensor",),
     "context_parallel": ("context",),
     "attention": ("context",),
     "compress": ("sync",),

@@ -296,6 +296,7 @@ def logged(capsys, data_dir, tmp_path, name, *argv):
 @pytest.mark.parametrize("argv,mode", [(["--cpus", "4", "--mesh", "dp=2,cp=2"], "context"),
                                        (["--cpus", "2", "--mesh", "cp=2", "--attention", "ulysses"], "context"),
                                        (["--cpus", "4", "--mesh", "tp=2,dp=2"], "tensor"),
+                                       (["--cpus", "2", "--mesh", "tp=2", "--sequence-parallel"], "tensor"),
                                        (["--cpus", "2", "--mesh", "pp=2"], "pipeline"),
                                        (["--cpus", "2", "--mesh", "dp=2", "--mode", "zero"], "zero")])
 def test_meshes_train_like_one_context(capsys, data_dir, tmp_path, argv, mode):
@@ -316,7 +317,7 @@ def test_every_run_prints_its_mesh(capsys, data_dir, tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--cpus", "4", "--mesh", "dp=2,cp=3"], "multiplies to 6 contexts, not the 4"),
     (["--cpus", "4", "--mesh", "tp=2,cp=2"], "cp x tp in one run is not built yet"),
-    (["--cpus", "2", "--mesh", "cp=2", "--model", "lenet"], "lenet has no sequence of tokens to cut"),
+    (["--cpus", "2", "--mesh", "cp=2", "--model", "lenet"], "--model lenet does not"),
     (["--cpus", "4", "--mesh", "cp=4", "--heads", "2", "--d-model", "16", "--attention", "ulysses"],
      "Ulysses needs cp=4 to divide the transformer's 2 heads"),
     (["--cpus", "4", "--mesh", "dp=2,tp=2", "--tensor-parallel", "4"], "--tensor-parallel 4 and --mesh dp=2,tp=2 disagree"),
@@ -330,3 +331,37 @@ def test_bad_meshes_end_in_one_line_and_exit_2(capsys, data_dir, argv, message):
     model = SMALL if "lenet" in argv else [*TINY, "--heads", "2"] if "--heads" in argv else TINY
     code, _, err = run_main(capsys, ["--data-dir", str(data_dir), *model, *argv])
     assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+# Sequence parallelism (Megatron-SP) against one context --------------------------------------------
+
+@pytest.mark.parametrize("n,T,heads", [(2, 2, 4), (4, 2, 4), (3, 3, 6), (4, 4, 4)])
+def test_sequence_parallel_equals_one_context_and_tensor_parallel(n, T, heads):
+    from manual_dp.strategies.tensor import TensorParallel
+    net = models.build("transformer", layers=2, d_model=12, heads=heads)      # 28 tokens: 10, 9, 9 at T = 3
+    P = net.init_params(0)
+    want, _ = params_after(DataParallel(P, cpus(1), "momentum", lesson=True, model=net))
+    sp = TensorParallel(P, cpus(n), "momentum", T, model=net, sequence_parallel=True)
+    got, _ = params_after(sp)
+    scale = max(float(np.abs(w).max()) for w in want)
+    assert max(float(np.abs(g - w).max()) for g, w in zip(got, want)) <= TOL * scale
+    for row, shards in zip(sp.grid, sp.shards):
+        for c, P_ctx in zip(row, shards):
+            assert all(p.context == c and p.grad.context == c for p in P_ctx)
+
+
+def test_sequence_parallel_keeps_a_block_of_tokens_between_the_split_layers():
+    from manual_dp.strategies.tensor import SequenceJoin
+    join = SequenceJoin(make_allreduce("reduce_bcast"), 7, 3)
+    hs = [nd.array(np.arange(2 * 7 * 2).reshape(2, 7, 2), ctx=c) for c in cpus(3)]
+    blocks_ = join.shard(hs)
+    assert [b.shape[1] for b in blocks_] == [3, 2, 2] and [b.context for b in blocks_] == cpus(3)
+    for whole in join.unshard(blocks_):
+        np.testing.assert_array_equal(whole.asnumpy(), hs[0].asnumpy())
+
+
+def test_sequence_parallel_is_refused_without_a_sequence(capsys, data_dir):
+    from conftest import run_main
+    code, _, err = run_main(capsys, ["--data-dir", str(data_dir), *SMALL, "--cpus", "2", "--mode", "tensor",
+                                     "--sequence-parallel"])
+    assert code == 2 and len(err) == 1 and "--sequence-parallel: lenet has no sequence of tokens to cut" in err[0]

@@ -4,7 +4,7 @@ import argparse
 import dataclasses
 import typing
 
-from ..checks import check
+from ..checks import check, check_model
 from ..config import RunConfig, device_request, fields, resolve
 from ..errors import UsageError
 from ..mesh import Mesh, mode_of
@@ -62,7 +62,11 @@ def parse(argv=None):
     """A checked RunConfig from the command line `argv` (default sys.argv[1:]); UsageError if bad."""
     cfg = RunConfig(**vars(build_parser().parse_args(argv)))
     check(cfg)
-    return resolve(with_mesh(cfg))
+    if cfg.mesh is None:
+        return resolve(cfg)
+    cfg = with_mesh(cfg)
+    check_model(cfg)                     # again, in the mode the mesh chose
+    return resolve(cfg)
 
 
 def with_mesh(cfg):

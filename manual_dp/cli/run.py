@@ -107,6 +107,9 @@ def build_model(cfg, params, ctx, world, policy=None):
     refusal = net.tensor_refusal(cfg.tensor_parallel or len(ctx)) if cfg.mode == "tensor" else None
     if refusal:
         raise UsageError(f"--tensor-parallel {refusal}")
+    refusal = net.sequence_refusal(cfg.tensor_parallel or len(ctx), "ring") if cfg.sequence_parallel else None
+    if refusal:
+        raise UsageError(f"--sequence-parallel: {refusal}")
     refusal = net.sequence_refusal(cfg.context_parallel or len(ctx), cfg.attention) if cfg.mode == "context" else None
     if refusal:
         raise UsageError(f"--mode context: {refusal}")
@@ -154,7 +157,8 @@ def build_model(cfg, params, ctx, world, policy=None):
             params, ctx, cfg.optimizer, cfg.tensor_parallel, rank=world.rank, size=world.size,
             exchange=lambda table: world.allreduce(table, "tensortree" + "x".join(map(str, table.shape))))
     elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
-        model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name), model=net)
+        model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name), model=net,
+                               sequence_parallel=cfg.sequence_parallel)
     elif cfg.mode == "context":  # attention's collectives inside a group; `grad_reduce` sums over all
         model = ContextParallel(params, ctx, cfg.optimizer, cfg.context_parallel, cfg.attention, grad_reduce,
                                 make_allreduce(name), model=net)

@@ -173,13 +173,17 @@ class Model:
         images Xs, one per context, and shards[j], context j's pieces of the parameters (cut by
         Param.split); join.f and join.g are the conjugate operators (fast.tensor_ops); F: the
         operators' namespace (nd, or manual_dp.precision's). By default each layer's
-        split_forward, or the whole layer on every context."""
-        hs = Xs
+        split_forward, or the whole layer on every context; a run of split layers is entered
+        through join.shard and left through join.unshard (Megatron-SP cuts the sequence there;
+        plain tensor parallelism does nothing)."""
+        hs, inside = Xs, False
         for layer, s in zip(self.layers, self.slices()):
             own = [P[s] for P in shards]
+            if bool(layer.split_forward) != inside:
+                hs, inside = (join.unshard(hs) if inside else join.shard(hs)), not inside
             hs = layer.split_forward(hs, own, join, F) if layer.split_forward else \
                 [layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
-        return hs
+        return join.unshard(hs) if inside else hs
 
     def sequence_forward(self, Xs, params, seq, F=nd):
         """Class scores on every context of a context-parallel group (each the same) from copies of

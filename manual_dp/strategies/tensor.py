@@ -35,6 +35,7 @@ from ..config import FAST_STEP, RunConfig
 from ..errors import CheckpointError
 from ..fast.collectives import make_allreduce
 from ..fast.prefetch import host
+from ..fast.mesh_ops import all_gather, even_sizes, reduce_scatter
 from ..fast.tensor_ops import f, g
 from ..lesson import cross_entropy, n_correct, split_and_load
 from ..models import as_model, stateless
@@ -58,7 +59,8 @@ def unshard(pieces, axis):
 
 
 class Join:
-    """Megatron's f and g over one tensor group's contexts, with `allreduce` (fast.tensor_ops)."""
+    """Megatron's f and g over one tensor group's contexts, with `allreduce` (fast.tensor_ops);
+    shard and unshard (entering and leaving a run of split layers) do nothing."""
 
     def __init__(self, allreduce):
         self.allreduce = allreduce
@@ -69,11 +71,43 @@ class Join:
     def g(self, xs):
         return g(xs, self.allreduce)
 
+    def shard(self, hs):
+        return hs
 
-def group_forward(Xs, P, allreduce, net=None):
+    def unshard(self, hs):
+        return hs
+
+
+class SequenceJoin(Join):
+    """Megatron-SP (Korthikanti et al. 2022): between the split layers every context keeps only its
+    block of tokens (axis 1), so the layer norms, residual adds and biases there run on 1/T of
+    them. f becomes an all-gather of the blocks (backward: reduce-scatter), g a reduce-scatter of
+    the partial sums (backward: all-gather): the same bytes as f's and g's all-reduces, which
+    are a reduce-scatter and an all-gather each. shard cuts the sequence where the split layers
+    begin, unshard gathers it where they end."""
+
+    def __init__(self, allreduce, n_tokens, T):
+        super().__init__(allreduce)
+        self.sizes = even_sizes(n_tokens, T)
+
+    def f(self, xs):
+        return all_gather(xs, axis=1)
+
+    def g(self, xs):
+        return reduce_scatter(xs, axis=1, sizes=self.sizes)
+
+    def shard(self, hs):
+        ends = np.cumsum([0] + self.sizes)
+        return [nd.slice_axis(h, axis=1, begin=int(a), end=int(b)) for h, a, b in zip(hs, ends, ends[1:])]
+
+    def unshard(self, hs):
+        return all_gather(hs, axis=1)
+
+
+def group_forward(Xs, P, allreduce, net=None, join=None):
     """Class scores (B, 10) on every context of a tensor group from its copies of the images Xs
     (B, 1, 28, 28) and its shards P[j] (the model's parameters cut by their Param.split)."""
-    return as_model(net, P[0] if net is None else None).split_forward(Xs, P, Join(allreduce))
+    return as_model(net, P[0] if net is None else None).split_forward(Xs, P, join or Join(allreduce))
 
 
 def copies(batch, row):
@@ -86,10 +120,17 @@ class TensorParallel(Strategy):
 
     tp_allreduce joins the shards inside a group (f and g); allreduce_fn sums each shard's
     gradients over the groups (and, under a multi-process world, over the processes).
+
+    sequence_parallel (Megatron-SP, SequenceJoin): between the split layers each context keeps
+    only its block of tokens. A replicated parameter used there (layer norms, the biases added
+    after g, the embedding) then sees only its context's tokens, so its gradient is summed over
+    the group too; each context backpropagates 1/T of the loss, whose sum over the group (through
+    unshard's all-gather, whose backward adds every context's gradient) is the one-context loss,
+    so the replicated parameters after the gather (the head) also get 1/T each and sum to theirs.
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
-                 allreduce_fn=None, tp_allreduce=None, model=None):
+                 allreduce_fn=None, tp_allreduce=None, model=None, sequence_parallel=False):
         self.ctx, self.optimizer, self.net = list(ctx), optimizer, stateless(as_model(model, params), "--mode tensor")
         T = self.T = tensor_parallel or len(self.ctx)
         self.split, self.join = [p.split for p in self.net.param_table()], None
@@ -99,6 +140,12 @@ class TensorParallel(Strategy):
                              if len(self.ctx) % T else f"tensor degree {refusal}")
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.tp_allreduce = tp_allreduce or make_allreduce(FAST_STEP["allreduce"])
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            why = self.net.sequence_refusal(T, "ring")
+            if why:
+                raise ValueError(f"--sequence-parallel: {why}")
+            self.join = SequenceJoin(self.tp_allreduce, self.net.tokens, T)
         self.grid = [self.ctx[r:r + T] for r in range(0, len(self.ctx), T)]   # grid[group][shard]
         host_params = [p.asnumpy() for p in params]
         self.shards = [[self.place([shard(v, a, j, T) for v, a in zip(host_params, self.split)], c)
@@ -125,17 +172,20 @@ class TensorParallel(Strategy):
             for row, P, Xg, yg in zip(self.grid, self.shards, split_and_load(host(X), [r[0] for r in self.grid]),
                                       split_and_load(host(y), [r[0] for r in self.grid])):
                 ys = copies(yg, row)
-                scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net)
+                scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join)
                 losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
-                heads += losses
+                heads += [l * (1 / self.T) for l in losses] if self.sequence_parallel else losses
                 metrics.append((losses[0], n_correct(scores[0], ys[0])))
         autograd.backward(heads)
         return metrics
 
     def update(self, lr, n_examples):
         """Sum each shard's gradients over the groups, then one optimiser step on every context."""
-        for j in range(self.T):
-            for i in range(len(self.split)):
+        for i, axis in enumerate(self.split):
+            if self.sequence_parallel and axis is None:     # a block of tokens each: summed over the group too
+                self.allreduce_fn([P[j][i].grad for P in self.shards for j in range(self.T)])
+                continue
+            for j in range(self.T):
                 self.allreduce_fn([P[j][i].grad for P in self.shards])
         self.t += 1
         n_examples = self.counted(n_examples)
@@ -156,7 +206,7 @@ class TensorParallel(Strategy):
         counts = []
         for row, P, Xg, yg in zip(rows, self.shards, split_and_load(X, [r[0] for r in rows]),
                                   split_and_load(y, [r[0] for r in rows])):
-            scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net)
+            scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join)
             counts.append(n_correct(scores[0], yg).copyto(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
