@@ -11,7 +11,8 @@ from .errors import UsageError
 def check(cfg):
     """Raise UsageError for values no run can use (before any device, file or MXNet is touched)."""
     for name in ("batch_size", "gpus", "cpus", "width", "train_size", "test_size", "micro_batches",
-                 "grad_accum", "check_replicas", "tensor_parallel", "context_parallel", "layers", "d_model", "heads"):
+                 "grad_accum", "check_replicas", "tensor_parallel", "context_parallel", "virtual_stages",
+                 "layers", "d_model", "heads"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -91,6 +92,8 @@ def check_model(cfg):
                          "(without --deterministic, in one process) carries so far")
     if cfg.sync_batchnorm and cfg.model != "resnet":
         raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet), not --model {cfg.model}")
+    if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and cfg.mode in ("pipeline", "hybrid"):
+        raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
     if cfg.sequence_parallel and (cfg.precision != "fp32" or cfg.deterministic):
         raise UsageError("--sequence-parallel: not yet with --precision bf16/fp16 or --deterministic")
     if cfg.mode == "context" and cfg.model != "transformer":

@@ -16,6 +16,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 MODELS = ("lenet", "mlp", "transformer", "resnet")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
 TRANSFORMER = dict(layers=2, d_model=64, heads=4, patch=0)   # --model transformer's default sizes
 LOSS_SCALE = dict(loss_scale=2.0 ** 16, scale_window=200)     # --precision fp16's dynamic loss scale
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")          # --schedule (manual_dp/strategies/schedules.py)
 PRECISIONS = ("fp32", "bf16", "fp16")                          # --precision (manual_dp/precision.py)
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
@@ -153,10 +154,19 @@ class RunConfig:
     stages: Optional[int] = flag(None, "model, pipeline and hybrid: LeNet cut into S stages, one context "
                                        "each: 2 convs | dense, 3 conv1 | conv2 | dense, 4 conv1 | conv2 | "
                                        "dense1 | dense2 (default 2)", "parallelism")
-    schedule: Optional[str] = flag(None, "pipeline and hybrid: gpipe (every forward, then every backward) "
-                                         "or 1f1b (one forward, one backward: stage s holds at most S - s "
-                                         "micro-batches) (default gpipe)", "parallelism",
-                                   choices=("gpipe", "1f1b"))
+    schedule: Optional[str] = flag(None, "pipeline and hybrid: gpipe (every forward, then every backward), "
+                                         "1f1b (one forward, one backward: stage s holds at most S - s "
+                                         "micro-batches), interleaved (--virtual-stages chunks a context, "
+                                         "bubble / V) or zb-h1 (backward split into input and weight "
+                                         "gradients, W fills the bubble) (default gpipe; "
+                                         "manual_dp/strategies/schedules.py)", "parallelism",
+                                   choices=SCHEDULES)
+    virtual_stages: Optional[int] = flag(None, "pipeline and hybrid with --schedule interleaved: chunks of layers "
+                                               "each context holds, the model cut into S x V stages (default 2)",
+                                         "parallelism")
+    dry_run: bool = flag(False, "print the layout (the mesh and its groups; for a pipeline the schedule's "
+                                "timeline, the micro-batches each stage holds at its peak and the bubble) and "
+                                "stop before loading data or training", "parallelism")
     recompute: bool = flag(False, "model, pipeline and hybrid: keep only each stage's input per "
                                   "micro-batch, recompute its activations in the backward (less memory, "
                                   "more time)", "parallelism")
@@ -211,6 +221,7 @@ APPLIES = {
     "outer_momentum": ("local",),
     "stages": ("model", "pipeline", "hybrid"),
     "schedule": ("pipeline", "hybrid"),
+    "virtual_stages": ("pipeline", "hybrid"),
     "recompute": ("model", "pipeline", "hybrid"),
     "bucket_mb": ("sync",),
     "trace": ("sync",),

@@ -7,6 +7,8 @@ import tempfile
 from pathlib import Path
 
 from ..config import TENSOR_PIECES
+
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1"}
 from ..errors import UsageError
 from ..fast.runtime import environment_problem
 
@@ -56,8 +58,8 @@ def describe(cfg):
             "async": f"async: master on the first context, replicas up to {cfg.staleness} updates stale",
             "model": "model: convs on the first context, dense layers on the second" if (cfg.stages or 2) == 2
                      else "model: one stage per context",
-            "pipeline": f"pipeline: model split, {cfg.micro_batches} "
-                        f"{'1F1B' if cfg.schedule == '1f1b' else 'GPipe'} micro-batches",
+            "pipeline": f"pipeline: model split, {cfg.micro_batches} micro-batches on "
+                        f"{SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule",
             "hybrid": f"hybrid: data parallel over {cfg.stages or 2}-stage pipelines, {cfg.micro_batches} micro-batches "
                       f"each ({cfg.allreduce})",
             "zero": f"zero: ZeRO stage {cfg.zero_stage}, " + {
@@ -93,7 +95,8 @@ def describe(cfg):
 def pipeline_settings(cfg):
     """What --stages, --schedule and --recompute change, if given."""
     return ((f", {cfg.stages} stages" if (cfg.stages or 2) != 2 and cfg.mode != "hybrid" else "")
-            + (", 1F1B schedule" if cfg.schedule == "1f1b" and cfg.mode == "hybrid" else "")
+            + (f", {SCHEDULE_NAMES[cfg.schedule]} schedule" if cfg.schedule in SCHEDULE_NAMES and cfg.mode == "hybrid" else "")
+            + (f", {cfg.virtual_stages} chunks a context" if (cfg.virtual_stages or 1) > 1 else "")
             + (", activations recomputed in the backward" if cfg.recompute else ""))
 
 

@@ -31,6 +31,7 @@ from ..strategies.accum import GradAccum
 from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
+from ..strategies import schedules
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.compressed import Compressed
 from ..strategies.context import ContextParallel
@@ -113,8 +114,9 @@ def build_model(cfg, params, ctx, world, policy=None):
     refusal = net.sequence_refusal(cfg.context_parallel or len(ctx), cfg.attention) if cfg.mode == "context" else None
     if refusal:
         raise UsageError(f"--mode context: {refusal}")
-    if (cfg.stages or 1) > len(net.layers):
-        raise UsageError(f"--stages {cfg.stages}: --model {cfg.model} has {len(net.layers)} layers to cut "
+    if (cfg.stages or 1) * virtual_stages(cfg) > len(net.layers):
+        chunks = f" x --virtual-stages {virtual_stages(cfg)}" if virtual_stages(cfg) > 1 else ""
+        raise UsageError(f"--stages {cfg.stages}{chunks}: --model {cfg.model} has {len(net.layers)} layers to cut "
                          f"between ({', '.join(layer.name for layer in net.layers)})")
     name = cfg.allreduce or config.FAST_STEP["allreduce"]  # model, pipeline: one replica, nothing to sum here
     if name not in ALLREDUCE_ALGORITHMS:
@@ -163,12 +165,36 @@ def build_model(cfg, params, ctx, world, policy=None):
         model = ContextParallel(params, ctx, cfg.optimizer, cfg.context_parallel, cfg.attention, grad_reduce,
                                 make_allreduce(name), model=net)
     else:
-        model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, grad_reduce,
-                                 cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute, model=net)
+        try:
+            model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, grad_reduce,
+                                     cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute, model=net,
+                                     virtual_stages=virtual_stages(cfg))
+        except ValueError as e:
+            raise UsageError(f"--schedule {cfg.schedule}: {e}") from None
     model = world.wrap(model)
     model = GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
     model = LossScaled(model, policy.scaler) if policy.scaler else model
     return model.clip(cfg.clip_norm)          # None: the global gradient norm is only logged
+
+
+def virtual_stages(cfg):
+    """Chunks of layers per pipeline context: --virtual-stages, 2 under interleaved by default."""
+    return cfg.virtual_stages or (2 if cfg.schedule == "interleaved" else 1)
+
+
+def dry_run(cfg, ctx, world):
+    """--dry-run: the layout and, for a pipeline, its schedule, checked; nothing trained."""
+    net = network(cfg)
+    build_model(cfg, net.init_params(cfg.seed, cfg.init_scale), ctx, world)     # refuses what cannot run
+    print(f"model {net.name}: {net.n_params():,} parameters in {len(net.layers)} layers")
+    print(f"mode {describe(cfg)}")
+    print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg)).describe(ctx, world.size)))
+    if cfg.mode in ("model", "pipeline", "hybrid"):
+        S, replicas = cfg.stages or config.STAGES, len(ctx) // (cfg.stages or config.STAGES)
+        M = min(cfg.micro_batches or 1, cfg.batch_size // (replicas * world.size))
+        print(schedules.dry_run(cfg.schedule or "gpipe", S, M, virtual_stages(cfg)))
+    print("dry run: nothing trained")
+    return []
 
 
 def degree(cfg):
@@ -265,6 +291,8 @@ def run_in(cfg, world):
     ctx = contexts(cfg, world)
     agree(cfg, world)                    # every process of a job: the same settings, or one line each
     checks.check_layout(cfg, len(ctx), world.size)
+    if cfg.dry_run:
+        return dry_run(cfg, ctx, world)
     if world.is_root:
         check_outputs(cfg)
     with contextlib.ExitStack() as stack:
