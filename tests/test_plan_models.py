@@ -58,18 +58,23 @@ def test_transformer_tensor_traffic_is_four_per_block(layers, patch, tokens):
 
 
 def test_layouts_a_model_cannot_run_are_left_out_with_a_reason():
-    net = tiny_transformer()                          # 2 heads, 3 layers (embed, block, head)
+    net = tiny_transformer()                          # 2 heads, 3 layers (embed, block, head), 28 tokens
     names = [name(l) for l in enumerate_layouts(4, 16, model=net)]
-    assert "tensor T=2 x dp 2" in names and "tensor T=4" not in names
-    assert not [n for n in names if n.startswith("pipeline S=4")]
-    assert left_out(4, 16, model=net) == ("left out: tensor T=4 (4 does not divide the transformer's 2 heads); "
-                                          "pipeline S=4 (transformer has 3 layers to cut between)")
-    assert left_out(4, 16) is None                    # LeNet runs every layout of 4 devices
+    assert "dp=2 x tp=2" in names and "tp=4" not in names
+    assert not [n for n in names if n.startswith("pp=4")]
+    assert left_out(4, 16, model=net) == (
+        "left out: tp=4, tp=4 +sp (4 does not divide the transformer's 2 heads); cp=4 ulysses (Ulysses needs "
+        "cp=4 to divide the transformer's 2 heads); dp=2 x pp=2 interleaved (interleaved: 2 devices x 2 virtual "
+        "stages need 4 layers, transformer has 3); pp=4 (transformer has 3 layers to cut between)")
+    assert left_out(4, 16).startswith("left out: dp=2 x tp=2 +sp, tp=4 +sp (--sequence-parallel: lenet has no "
+                                      "sequence of tokens to cut); dp=2 x cp=2 ring, dp=2 x cp=2 ulysses, cp=4 ring, "
+                                      "cp=4 ulysses (lenet has no sequence of tokens to cut); pp=4 interleaved")
     resnet = build("resnet")
-    assert [name(l) for l in enumerate_layouts(4, 16, model=resnet)] == ["data"]
+    assert [name(l) for l in enumerate_layouts(4, 16, model=resnet)] == ["dp=4 data"]
     assert left_out(4, 16, model=resnet).startswith(
-        "left out: zero1, zero2, zero3, tensor T=2 x dp 2, tensor T=4, pipeline S=2 x dp 2, pipeline S=4 "
-        "(resnet keeps BatchNorm's running statistics")
+        "left out: dp=4 zero1, dp=4 zero2, dp=4 zero3, dp=2 x tp=2, dp=2 x tp=2 +sp, tp=4, tp=4 +sp, dp=2 x cp=2 "
+        "ring, dp=2 x cp=2 ulysses, cp=4 ring, cp=4 ulysses, dp=2 x pp=2, pp=4 (resnet keeps BatchNorm's running "
+        "statistics")
 
 
 def table_kinds(net):
@@ -84,16 +89,18 @@ def table_kinds(net):
 
 def test_transformer_table_lists_every_kind():
     kinds, rows = table_kinds(build("transformer"))
-    assert set(kinds) == {"data", "zero", "pipeline", "tensor"}
-    assert len(kinds["tensor"]) == 2 and len(kinds["pipeline"]) == 8
-    assert "tensor T=4" in format_table(rows)
+    assert set(kinds) == {"data", "zero", "pipeline", "tensor", "context"}
+    # tensor and +sp at T = 2, 4; ring and Ulysses at C = 2, 4; S = 2 (x dp 2) on every schedule,
+    # S = 4 on all but interleaved (8 layers needed), each with and without recompute
+    assert len(kinds["tensor"]) == 4 and len(kinds["context"]) == 4 and len(kinds["pipeline"]) == 14
+    assert "tp=4 +sp" in format_table(rows) and "cp=4 ulysses" in format_table(rows)
     assert recommend(rows, 2 ** 30, Setting(1, 64, "momentum", build("transformer"))).endswith(
         "--model transformer --layers 2 --d-model 64 --heads 4 --patch 0 --batch-size 64 --optimizer momentum")
 
 
 def test_user_block_table_lists_every_kind(user_block):
     kinds, rows = table_kinds(user_block)
-    assert set(kinds) == {"data", "zero", "pipeline", "tensor"}     # tensor: AutoTP's Dense pair
+    assert set(kinds) == {"data", "zero", "pipeline", "tensor"}     # tensor: AutoTP's Dense pair; no sequence
     assert min(kinds["tensor"]) < min(kinds["data"])                  # the pair's weights cut in 4
 
 
@@ -106,11 +113,17 @@ CHECKED = [layout("data", 2), layout("zero", 2, zero_stage=2), layout("zero", 2,
 @pytest.mark.parametrize("which", ["transformer", "user block"])
 def test_predicted_memory_equals_measured(l, which, user_block):
     """Exact, as for LeNet: the same arrays counted from the layers and from what a step held
-    (ZeRO's moments: autograd makes a transformer block's and a Gluon layer's gradient whole)."""
+    (ZeRO's moments: autograd makes a transformer block's and a Gluon layer's gradient whole). A
+    tensor group's measurement (TensorParallel.layout) is 1/T of its examples; the prediction adds,
+    for the other half of the 16, what runs whole on every rank: the transformer's embedding (784
+    pixels in, 2 x 28 x 16 out) and head (2 x 28 x 16 + 16 + 31) and what f and g join (4 x 28 x 16);
+    the Gluon pair's g output (16)."""
     from manual_dp.planner.verify import measure
     s = Setting(1, 16, "adam", tiny_transformer() if which == "transformer" else user_block)
     predicted, measured = memory(l, s), measure(l, s, steps=1)
-    assert (measured["state"], measured["activations"]) == (predicted["state"], predicted["activations"])
+    whole = {"transformer": 784 + 896 + 943 + 4 * 28 * 16, "user block": 16}[which] if l.kind == "tensor" else 0
+    assert (measured["state"], measured["activations"] + 4 * 8 * whole) == (predicted["state"],
+                                                                            predicted["activations"])
 
 
 def test_verify_a_tiny_transformer():

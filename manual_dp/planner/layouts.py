@@ -1,39 +1,53 @@
-"""The layouts of N devices the planner weighs: data, ZeRO 1/2/3, tensor, pipeline (each schedule,
-with and without recompute) and their products with data parallelism (hybrid; tensor groups).
+"""The layouts of N devices the planner weighs, each a device mesh (manual_dp.mesh): data, ZeRO 1/2/3,
+tensor (with and without sequence parallelism), context (ring and Ulysses attention), pipelines on
+every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1; with and without recompute), each of the last
+three times data parallelism.
 
 A Layout names how the N devices are used: dp data-parallel replicas, each of tp tensor ranks times
-pp pipeline stages (dp * tp * pp = N). KINDS is the registry: per kind, how to predict its memory
-and time (planner/predict.py) and the train flags that run it; a kind whose strategy exists also
-has a builder in planner/verify.py's BUILDERS.
+pp pipeline stages times cp context blocks (dp * pp * cp * tp = N). KINDS of planner/predict.py
+say how to predict each kind's memory and time; `train_flags` the flags that run it; a kind whose
+strategy exists also has a builder in planner/verify.py's BUILDERS.
 
 Which layouts a model can run, it says itself (models.contract): tensor groups of T that
-Model.tensor_refusal accepts, pipelines of at most as many stages as it has layers, and for a
-model with running statistics (BatchNorm) data parallelism alone, the one strategy that carries them.
+Model.tensor_refusal accepts, context groups of C that Model.sequence_refusal accepts for the
+attention (and sequence parallelism the same for T), pipelines of at most as many stages as it has
+layers (interleaved: V times as many), and for a model with running statistics (BatchNorm) data
+parallelism alone, the one strategy that carries them.
 """
 from collections import namedtuple
 
-from ..config import MODE_DEFAULTS
+from ..config import ATTENTIONS, MODE_DEFAULTS
+from ..mesh import Mesh
 
-Layout = namedtuple("Layout", "kind dp tp pp zero_stage schedule micro recompute")
+Layout = namedtuple("Layout", "kind dp tp pp zero_stage schedule micro recompute cp attention sp virtual")
 
 MICRO_BATCHES = MODE_DEFAULTS["micro_batches"]       # micro-batches per pipeline
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+VIRTUAL = 2                                          # interleaved: chunks (virtual stages) a device
 
 
-def layout(kind, dp, tp=1, pp=1, zero_stage=None, schedule=None, micro=1, recompute=False):
-    return Layout(kind, dp, tp, pp, zero_stage, schedule, micro, recompute)
+def layout(kind, dp, tp=1, pp=1, zero_stage=None, schedule=None, micro=1, recompute=False, cp=1, attention=None,
+           sp=False, virtual=1):
+    return Layout(kind, dp, tp, pp, zero_stage, schedule, micro, recompute, cp, attention, sp, virtual)
+
+
+def mesh(l):
+    """The manual_dp.mesh.Mesh that lays l out."""
+    return Mesh(dp=l.dp, pp=l.pp, cp=l.cp, tp=l.tp)
 
 
 def name(l):
-    """A short name: "zero2", "pipeline S=2 1f1b M=4 +recompute x dp 2", "tensor T=2 x dp 2"."""
-    if l.kind == "data":
-        return "data"
-    if l.kind == "zero":
-        return f"zero{l.zero_stage}"
+    """The mesh, then what runs on it: "dp=4 data", "dp=4 zero2", "dp=2 x tp=2 +sp", "dp=2 x cp=2 ring",
+    "dp=2 x pp=2 interleaved V=2 M=4 +recompute"."""
+    head = str(mesh(l))
+    if l.kind in ("data", "zero"):
+        return f"{head} {'data' if l.kind == 'data' else f'zero{l.zero_stage}'}"
     if l.kind == "tensor":
-        head = f"tensor T={l.tp}"
-    else:
-        head = f"pipeline S={l.pp} {l.schedule} M={l.micro}" + (" +recompute" if l.recompute else "")
-    return head + (f" x dp {l.dp}" if l.dp > 1 else "")
+        return head + (" +sp" if l.sp else "")
+    if l.kind == "context":
+        return f"{head} {l.attention}"
+    return (f"{head} {l.schedule}" + (f" V={l.virtual}" if l.virtual > 1 else "") + f" M={l.micro}"
+            + (" +recompute" if l.recompute else ""))
 
 
 def mode(l):
@@ -43,16 +57,25 @@ def mode(l):
     return {"data": "sync"}.get(l.kind, l.kind)
 
 
+def mesh_flag(l):
+    """--mesh with the dimensions l uses (dp first), e.g. "--mesh dp=2,cp=2"."""
+    m = mesh(l)
+    return "--mesh " + ",".join(f"{d}={getattr(m, d)}" for d in m.used())
+
+
 def train_flags(l):
-    """The python -m manual_dp.train flags that run layout l."""
+    """The python -m manual_dp.train flags that run layout l (--mesh where a mesh says it)."""
+    n = l.dp * l.tp * l.pp * l.cp
     if l.kind == "data":
-        return f"--mode sync --cpus {l.dp}"
+        return f"--mode sync --cpus {n}"
     if l.kind == "zero":
-        return f"--mode zero --zero-stage {l.zero_stage} --cpus {l.dp}"
+        return f"--mode zero --zero-stage {l.zero_stage} --cpus {n}"
     if l.kind == "tensor":
-        return f"--mode tensor --tensor-parallel {l.tp} --cpus {l.dp * l.tp}"
-    return (f"--mode {mode(l)} --stages {l.pp} --schedule {l.schedule} --micro-batches {l.micro}"
-            + (" --recompute" if l.recompute else "") + f" --cpus {l.dp * l.pp}")
+        return f"{mesh_flag(l)}" + (" --sequence-parallel" if l.sp else "") + f" --cpus {n}"
+    if l.kind == "context":
+        return f"{mesh_flag(l)} --attention {l.attention} --cpus {n}"
+    return (f"{mesh_flag(l)} --schedule {l.schedule}" + (f" --virtual-stages {l.virtual}" if l.virtual > 1 else "")
+            + f" --micro-batches {l.micro}" + (" --recompute" if l.recompute else "") + f" --cpus {n}")
 
 
 def divisors(n):
@@ -67,19 +90,44 @@ def model_of(width=1, model=None):
     return LeNet(width)
 
 
+def pipeline_refusal(net, S, schedule, micro):
+    """Why `net` cannot run an S-device pipeline on `schedule` with `micro` micro-batches, or None."""
+    L = len(net.layers)
+    if S > L:
+        return f"{net.name} has {L} layers to cut between"
+    if schedule == "interleaved" and VIRTUAL * S > L:
+        return f"interleaved: {S} devices x {VIRTUAL} virtual stages need {VIRTUAL * S} layers, {net.name} has {L}"
+    if schedule == "interleaved" and micro > S and micro % S:
+        return f"interleaved: {micro} micro-batches are not a multiple of {S} devices"
+    return None
+
+
+def pipelines(devices, batch_size, net, stats):
+    """[(layout, why not)] of every pipeline (times data parallelism) of `devices` devices."""
+    out = []
+    for s in divisors(devices)[1:]:
+        dp = devices // s
+        micro = min(MICRO_BATCHES, max(1, batch_size // dp))
+        for sched in SCHEDULES:
+            why = stats or pipeline_refusal(net, s, sched, micro)
+            out += [(layout("pipeline", dp, pp=s, schedule=sched, micro=micro, recompute=rc,
+                            virtual=VIRTUAL if sched == "interleaved" else 1), why) for rc in (False, True)]
+    return out
+
+
 def candidates(devices, batch_size, net):
     """[(layout, why net cannot run it, or None)] for every layout of `devices` devices whose
     replicas each get at least one example (and each micro-batch at least one), in a fixed order."""
     stats = (f"{net.name} keeps BatchNorm's running statistics, which only data parallelism "
              f"(--mode sync) carries") if net.stats() else None
     out = [(layout("data", devices), None)] + [(layout("zero", devices, zero_stage=s), stats) for s in (1, 2, 3)]
-    out += [(layout("tensor", devices // t, tp=t), stats or net.tensor_refusal(t)) for t in divisors(devices)[1:]]
-    for s in divisors(devices)[1:]:
-        dp = devices // s
-        micro = min(MICRO_BATCHES, max(1, batch_size // dp))
-        why = stats or (f"{net.name} has {len(net.layers)} layers to cut between" if s > len(net.layers) else None)
-        out += [(layout("pipeline", dp, pp=s, schedule=sched, micro=micro, recompute=rc), why)
-                for sched in ("gpipe", "1f1b") for rc in (False, True)]
+    for t in divisors(devices)[1:]:
+        why, sp = stats or net.tensor_refusal(t), net.sequence_refusal(t, "ring")
+        out += [(layout("tensor", devices // t, tp=t), why),
+                (layout("tensor", devices // t, tp=t, sp=True), why or (sp and f"--sequence-parallel: {sp}"))]
+    out += [(layout("context", devices // c, cp=c, attention=a), stats or net.sequence_refusal(c, a))
+            for c in divisors(devices)[1:] for a in ATTENTIONS]
+    out += pipelines(devices, batch_size, net, stats)
     return [(l, why) for l, why in out if batch_size >= l.dp]
 
 
@@ -89,20 +137,21 @@ def enumerate_layouts(devices, batch_size, width=1, model=None):
     return [l for l, why in candidates(devices, batch_size, model_of(width, model)) if not why]
 
 
-def family(l):
-    """A left-out layout's name without its schedule: "zero2", "tensor T=8", "pipeline S=8 x dp 2"."""
-    if l.kind == "pipeline":
-        return f"pipeline S={l.pp}" + (f" x dp {l.dp}" if l.dp > 1 else "")
-    return name(l)
+def family(l, why):
+    """A left-out layout's name without its schedule: "dp=4 zero2", "tp=8 +sp", "dp=2 x pp=2",
+    "cp=4 ulysses"; "pp=2 interleaved" if only the interleaved schedule is refused."""
+    if l.kind != "pipeline":
+        return name(l)
+    return str(mesh(l)) + (" interleaved" if why.startswith("interleaved") else "")
 
 
 def left_out(devices, batch_size, width=1, model=None):
-    """One line naming the layouts the model cannot run and why (pipelines by depth, every schedule
-    alike); None if it runs them all."""
+    """One line naming the layouts the model cannot run and why (pipelines by their mesh, every
+    schedule alike); None if it runs them all."""
     why_of = {}
     for l, why in candidates(devices, batch_size, model_of(width, model)):
-        if why and family(l) not in why_of.setdefault(why, []):
-            why_of[why].append(family(l))
+        if why and family(l, why) not in why_of.setdefault(why, []):
+            why_of[why].append(family(l, why))
     if not why_of:
         return None
     return "left out: " + "; ".join(f"{', '.join(names)} ({why})" for why, names in why_of.items())

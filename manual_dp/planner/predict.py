@@ -10,8 +10,9 @@ Memory, per device, in float32 bytes (4 a number), for a model of N parameters:
     zero 1     N + N + c n_i        (n_i: device i's shard of the flat vector, fast.collectives.chunk_bounds)
     zero 2     N + n_i + c n_i      plus the gradient pieces a layer's reduce-scatter holds
     zero 3     n_i + n_i + c n_i    plus the layer gathered (and its gradient, where autograd makes it)
-    tensor     (2 + c) x (split parameters / T + the unsplit ones)   (Param.split)
-    pipeline   P_s + P_s + c P_s    (P_s: the parameters of stage s's layers, Model.cuts)
+    tensor     (2 + c) x (split parameters / T + the unsplit ones)   (Param.split), with or without SP
+    context    N + N + cN on every context (whole parameters, 1/C of the tokens)
+    pipeline   P_d + P_d + c P_d    (P_d: the parameters of device d's stages, Model.cuts)
   ZeRO's transients are counted from strategies/zero_layers.py: the moments of a step (each
   layer's fetch; in the backward the layer fetched again, with its whole gradient unless a dense
   layer's is made by hand, a piece at a time; each reduce of a shard's piece) and what each device
@@ -19,26 +20,29 @@ Memory, per device, in float32 bytes (4 a number), for a model of N parameters:
   Peak picks it).
   Activations per example (memory.stage_activation_elems for a whole network on one device, each
   layer's output once; memory.part_activation_elems for a stage's layers and its received input),
-  times the examples held at the peak: data and ZeRO the device's shard of the batch; tensor 1/T
-  of the group's examples' (a floor, as TensorParallel.layout prices it: what g joins is whole on
-  every rank); pipelines the micro-batches the schedule holds on stage s: GPipe all of the
-  replica's shard, 1F1B the first min(S - s, M); with recompute those micro-batches' stage inputs
-  plus every activation of one micro-batch.
+  times the examples held at the peak: data and ZeRO the device's shard of the batch; tensor,
+  sequence parallel and context layouts planner/sequence.py (1/T or 1/C of the group's examples',
+  plus what runs whole on every rank); pipelines planner/pipelines.py (the micro-batches each
+  schedule holds per stage, schedules.held).
 Not counted: MXNet's workspace, the optimiser's and the collectives' temporaries, the batch itself.
 
 Time, per step, no overlap of compute and communication:
   compute = FLOPs (Layer.flops; backward twice forward but for the first layer's input gradient)
   of the busiest device / the device's rate (ZeRO 2 and 3 forward layers 0..L-2 once more,
-  recompute each stage once more); pipelines take (M + S - 1) ticks of the slowest stage, the
-  S - 1 extra ones being the bubble. Communication priced by costmodel's alpha-beta terms:
+  recompute each stage once more; context 1/C of the group's); pipelines planner/pipelines.py
+  (M ticks of the slowest device, the bubble from the schedule's simulation). Communication
+  priced by costmodel's alpha-beta terms:
   data one ring all-reduce of 4N bytes; ZeRO 1 a reduce-scatter and an all-gather (each half a
   ring all-reduce); ZeRO 2 one reduce-scatter per layer and an all-gather; ZeRO 3 an all-gather per
   layer in forward (but the last) and backward and a reduce-scatter per layer; tensor one ring
   all-reduce over the tensor group of n x elements x 4 bytes per entry of Model.tensor_traffic
   (Megatron's g on a row-parallel layer's partial output in forward, f on a column-parallel
   layer's input gradient in backward; LeNet: 4,050 + 800 + 10 values an example), then the
-  data-parallel all-reduce of 4N/T bytes; pipelines the boundary copies (activation forward,
-  gradient back, per micro-batch) and each stage's all-reduce over dp.
+  data-parallel all-reduce of 4N/T bytes (sequence parallelism sends the same bytes as an
+  all-gather and a reduce-scatter, priced the same); context planner/sequence.py (ring hops or
+  Ulysses' all-to-alls per attention layer, and the gradient all-reduce over dp x cp); pipelines
+  the boundary copies (activation forward, gradient back, per micro-batch) and each device's
+  all-reduce over dp.
 On CPU contexts (--verify) the devices share one machine: their work runs one after another
 (measured: 8 contexts took as long as 8 one-context steps on their shares), so compute is every
 device's FLOPs over the measured rate of one device's share, with no bubble.
@@ -48,9 +52,10 @@ from collections import namedtuple
 from .. import costmodel
 from ..fast.collectives import chunk_bounds
 from ..lesson import shard_sizes
-from ..memory import FLOAT_BYTES, part_activation_elems, piece_activation_elems, stage_activation_elems
+from ..memory import FLOAT_BYTES, stage_activation_elems
 from ..config import PRECISION_BYTES as BYTES
 from ..strategies.zero_layers import hand_made
+from . import pipelines, sequence
 from .layouts import model_of
 
 OPT_COPIES = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -110,11 +115,14 @@ def per_device_state(l, setting):
     n = sum(layers)
     if l.kind == "data":        # and the running statistics (BatchNorm's), on every replica
         return [((2 + c) * n + sum(p.size for p in net.stats()), 0)] * l.dp
+    if l.kind == "context":     # whole parameters on every context of a group
+        return [((2 + c) * n, 0)] * l.cp
     if l.kind == "tensor":      # split parameters 1/T each (Param.split), the others whole on every rank
         kept = sum(p.size // l.tp if p.split is not None else p.size for p in net.param_table())
         return [((2 + c) * kept, 0)] * l.tp
     if l.kind == "pipeline":
-        return [((2 + c) * sum(layers[p] for p in pieces), 0) for pieces in net.cuts(l.pp)]
+        return [((2 + c) * kept, 0) for kept in pipelines.devices_of(
+            l, [sum(layers[p] for p in pieces) for pieces in pipelines.stage_cuts(l, net)])]
     bounds = chunk_bounds(n, l.dp)
     shards = [b - a for a, b in zip(bounds, bounds[1:])]
     keep = {1: lambda s: 2 * n + c * s, 2: lambda s: n + (1 + c) * s, 3: lambda s: (2 + c) * s}[l.zero_stage]
@@ -122,29 +130,17 @@ def per_device_state(l, setting):
     return [(keep(s), m) for s, m in zip(shards, moment)]
 
 
-def held_examples(l, n, s):
-    """(examples whose stage-s activations are held at the peak, examples of its largest
-    micro-batch) on a replica of n examples, under l's schedule."""
-    sizes = shard_sizes(n, min(l.micro, n))
-    held = n if l.schedule == "gpipe" else sum(sizes[:min(l.pp - s, len(sizes))])
-    return held, sizes[0]
-
-
 def activation_elems(l, setting):
     """Activation elements held at the peak by each device of replica 0 (the largest shard)."""
     net, n = net_of(setting), shard_sizes(setting.batch, l.dp)[0]
-    whole = sum(stage_activation_elems(model=net))            # every layer's output once
     if l.kind in ("data", "zero"):
+        whole = sum(stage_activation_elems(model=net))            # every layer's output once
         return [whole * m for m in shard_sizes(setting.batch, l.dp)]
-    if l.kind == "tensor":      # TensorParallel.layout's floor: 1/T of the group's examples' activations
-        return [whole * k for k in shard_sizes(n, l.tp)] if n >= l.tp else [whole] * n + [0] * (l.tp - n)
-    out = []
-    for s, pieces in enumerate(net.cuts(l.pp)):
-        held, biggest = held_examples(l, n, s)
-        full = part_activation_elems(pieces, model=net)        # with the stage's received input
-        out.append(held * part_activation_elems(("input", pieces[0]), model=net) + biggest * full
-                   if l.recompute else held * full)
-    return out
+    if l.kind == "tensor":
+        return sequence.tensor_activations(l, net, n)
+    if l.kind == "context":
+        return sequence.context_activations(l, net, n)
+    return pipelines.activations(l, net, n)
 
 
 def memory(l, setting):
@@ -193,13 +189,9 @@ def communication(l, setting, dev):
         pairs = sum(costmodel.allreduce_time("ring", l.tp, n * elems * FLOAT_BYTES, dev.alpha, dev.beta)
                     for _, elems, _ in net.tensor_traffic())
         return pairs + costmodel.allreduce_time("ring", k, total / l.tp, dev.alpha, dev.beta)
-    inputs = piece_activation_elems(model=net)
-    cuts = net.cuts(l.pp)
-    boundary = sum(2 * l.micro * dev.alpha + 2 * n * inputs[pieces[0]][0] * FLOAT_BYTES * dev.beta
-                   for pieces in cuts[1:])
-    stages = max(costmodel.allreduce_time("ring", k, sum(layers[p] for p in pieces) * low, dev.alpha, dev.beta)
-                 for pieces in cuts)
-    return boundary + stages
+    if l.kind == "context":
+        return sequence.context_communication(l, net, n, sum(layer_sizes(net)), dev)
+    return pipelines.communication(l, net, n, layers, low, dev)
 
 
 def seconds(flops, rate):
@@ -212,18 +204,13 @@ def compute(l, setting, dev):
     net, n = net_of(setting), shard_sizes(setting.batch, l.dp)[0]
     L = len(net.layers)
     if l.kind == "pipeline":
-        per_stage = [stage_flops(net, pieces, l.recompute) for pieces in net.cuts(l.pp)]
-        if dev.shared:
-            return seconds(setting.batch * sum(per_stage), dev.rate), 0.0
-        micro = shard_sizes(n, min(l.micro, n))
-        tick = seconds(max(per_stage) * micro[0], dev.rate)
-        return len(micro) * tick, (l.pp - 1) * tick
+        return pipelines.compute(l, net, n, setting.batch, dev, seconds)
     flops = stage_flops(net, range(L), False)                     # per example
     if l.kind == "zero" and l.zero_stage > 1:                     # layers 0..L-2 forward again (zero_layers)
         flops += stage_flops(net, range(L - 1), True) - stage_flops(net, range(L - 1), False)
     if dev.shared:                                                # every device's work on one machine
         return seconds(setting.batch * flops, dev.rate), 0.0
-    return seconds(n * flops / l.tp, dev.rate), 0.0
+    return seconds(n * flops / (l.tp * l.cp), dev.rate), 0.0
 
 
 def step_time(l, setting, dev):

@@ -1,8 +1,8 @@
 """The planner's table: every layout of the model with its predictions, those that fit marked, one
 recommended, and the layouts the model cannot run named in one line; under --verify the top ones
 measured on CPU contexts beside their predictions."""
-from ..config import MODEL_APPLIES, MODELS, MODES, RunConfig
-from .layouts import enumerate_layouts, left_out, mode, name, train_flags
+from ..config import MODEL_APPLIES, MODELS, RunConfig
+from .layouts import enumerate_layouts, left_out, name, train_flags
 from .predict import Setting, gpu, memory, net_of, step_time
 
 MiB = 2 ** 20
@@ -25,10 +25,23 @@ def recommend(rows, budget, setting):
         return (f"no layout fits in {budget / MiB:.1f} MiB per device: the smallest, "
                 f"{name(least['layout'])}, needs {least['memory']['total'] / MiB:.1f} MiB")
     l = rows[0]["layout"]
-    missing = "" if mode(l) in MODES else f" (predicted only: this build has no --mode {mode(l)})"
-    return (f"recommended: {name(l)}: python -m manual_dp.train {train_flags(l)} {model_flags(net_of(setting))} "
-            f"--batch-size {setting.batch} --optimizer {setting.optimizer}"
-            f"{'' if setting.precision == 'fp32' else ' --precision ' + setting.precision}{missing}")
+    flags = (f"{train_flags(l)} {model_flags(net_of(setting))} --batch-size {setting.batch} --optimizer "
+             f"{setting.optimizer}{'' if setting.precision == 'fp32' else ' --precision ' + setting.precision}")
+    why = refused(flags)
+    return f"recommended: {name(l)}: python -m manual_dp.train {flags}" + (
+        f" (predicted only: this build's manual_dp.train refuses it: {why})" if why else "")
+
+
+def refused(flags):
+    """Why manual_dp.train's parser refuses `flags` (one line), or None: a layout whose flags are not
+    wired into this build is still ranked, and said to be predicted only."""
+    from ..cli.options import parse
+    from ..errors import UsageError
+    try:
+        parse(flags.split())
+    except UsageError as e:
+        return str(e)
+    return None
 
 
 def model_flags(net):
@@ -49,11 +62,11 @@ def describe(net):
 
 def format_table(rows):
     """The rows as text: MiB per device (state + activations), ms per step (compute, bubble, comm)."""
-    lines = [f"{'#':>2} {'layout':40} {'state':>8} {'activ.':>8} {'MiB/dev':>8} {'fits':>4} "
+    lines = [f"{'#':>2} {'layout':44} {'state':>8} {'activ.':>8} {'MiB/dev':>8} {'fits':>4} "
              f"{'compute':>8} {'bubble':>8} {'comm':>8} {'step ms':>8}"]
     for i, r in enumerate(rows, 1):
         m, t = r["memory"], r["time"]
-        lines.append(f"{i:>2} {name(r['layout']):40} {m['state'] / MiB:8.2f} {m['activations'] / MiB:8.2f} "
+        lines.append(f"{i:>2} {name(r['layout']):44} {m['state'] / MiB:8.2f} {m['activations'] / MiB:8.2f} "
                      f"{m['total'] / MiB:8.2f} {'yes' if r['fits'] else 'no':>4} {t['compute'] * 1e3:8.3f} "
                      f"{t['bubble'] * 1e3:8.3f} {t['comm'] * 1e3:8.3f} {t['total'] * 1e3:8.3f}")
     return "\n".join(lines)
@@ -74,10 +87,10 @@ def verify_rows(rows, setting, top, steps):
 def format_verify(checked):
     lines = ["verified on CPU contexts (predicted at the rate of a one-context step on one device's share "
              "of the batch, timed beside each layout; the contexts' work taken to run one after another):",
-             f"{'layout':40} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6} {'GFLOP/s':>8} {'pred ms':>9} "
+             f"{'layout':44} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6} {'GFLOP/s':>8} {'pred ms':>9} "
              f"{'meas ms':>9} {'ratio':>6}"]
     for l, m, t, got in checked:
-        lines.append(f"{name(l):40} {m['total'] / MiB:9.2f} {got['total'] / MiB:9.2f} "
+        lines.append(f"{name(l):44} {m['total'] / MiB:9.2f} {got['total'] / MiB:9.2f} "
                      f"{got['total'] / m['total']:6.3f} {got['rate'] / 1e9:8.1f} {t['total'] * 1e3:9.2f} "
                      f"{got['seconds'] * 1e3:9.2f} {got['seconds'] / t['total']:6.2f}")
     return "\n".join(lines)

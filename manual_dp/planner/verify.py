@@ -5,7 +5,10 @@ peak_arrays() (parameters, gradients, optimiser state, and ZeRO's transient gath
 gradient pieces) plus its activations: for pipelines the bytes PipelineParallel counted as its
 schedule ran (end_epoch's activation_peak_bytes), otherwise memory.per_context's count from the
 strategy's layout() and the layer shapes (MXNet has no per-context memory counter on CPU). The
-busiest context is reported. Measured time = the median of `steps` steps after one warm-up.
+busiest context is reported. Tensor, sequence parallel and context layouts' layout() price 1/T (1/C)
+of the group's examples on each context, a floor: the planner's prediction adds what runs whole on
+every context (planner/sequence.py), so there measured / predicted is below 1 by that much; for
+interleaved pipelines the prediction adds a device's stages' peaks, measured counts them at once. Measured time = the median of `steps` steps after one warm-up.
 
 BUILDERS is the registry of kinds that have a strategy: build(params, ctx, optimizer, layout, net)
 (net: the models.Model laid out) and activations(model, batch, shapes) -> bytes per context name. A
@@ -18,6 +21,7 @@ import mxnet as mx
 import numpy as np
 
 from .. import memory
+from ..strategies.context import ContextParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.tensor import TensorParallel
@@ -40,8 +44,12 @@ BUILDERS = {
     "zero": (lambda p, ctx, opt, l, net: ZeroRedundancy(p, ctx, opt, stage=l.zero_stage, model=net),
              shape_activations),
     "pipeline": (lambda p, ctx, opt, l, net: PipelineParallel(p, ctx, opt, l.micro, None, l.pp, l.schedule,
-                                                              l.recompute, model=net), counted_activations),
-    "tensor": (lambda p, ctx, opt, l, net: TensorParallel(p, ctx, opt, l.tp, model=net), shape_activations),
+                                                              l.recompute, model=net, virtual_stages=l.virtual),
+                 counted_activations),
+    "tensor": (lambda p, ctx, opt, l, net: TensorParallel(p, ctx, opt, l.tp, model=net, sequence_parallel=l.sp),
+               shape_activations),
+    "context": (lambda p, ctx, opt, l, net: ContextParallel(p, ctx, opt, l.cp, l.attention, model=net),
+                shape_activations),
 }
 
 
@@ -86,7 +94,7 @@ def measure(l, setting, steps=3):
     another (measured here: 8 contexts on a batch of 64 took as long as 8 one-context steps of 8)."""
     build, activations = BUILDERS[l.kind]
     net = net_of(setting)
-    ctx = [mx.cpu(i) for i in range(l.dp * l.tp * l.pp)]
+    ctx = [mx.cpu(i) for i in range(l.dp * l.tp * l.pp * l.cp)]
     params = net.init_params(0)
     model = build(params, ctx, setting.optimizer, l, net)
     one = DataParallel(params, [mx.cpu(0)], setting.optimizer, graph=False, model=net)
