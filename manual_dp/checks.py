@@ -4,7 +4,7 @@ one line; the defaults and tables they read are manual_dp.config's."""
 import math
 import re
 
-from .config import COMPRESSORS, GATHERED, MAX_STAGES, MODELS, STAGES, TENSOR_PIECES
+from .config import COMPRESSORS, GATHERED, MAX_STAGES, MESH_TP, MODELS, STAGES, TENSOR_PIECES
 from .errors import UsageError
 
 
@@ -92,10 +92,13 @@ def check_model(cfg):
                          "(without --deterministic, in one process) carries so far")
     if cfg.sync_batchnorm and cfg.model != "resnet":
         raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet), not --model {cfg.model}")
-    if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and cfg.mode in ("pipeline", "hybrid"):
+    if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and cfg.mode in ("pipeline", "hybrid", "mesh"):
         raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
     if cfg.sequence_parallel and (cfg.precision != "fp32" or cfg.deterministic):
         raise UsageError("--sequence-parallel: not yet with --precision bf16/fp16 or --deterministic")
+    if cfg.mode == "mesh" and cfg.model != "transformer":
+        raise UsageError(f"--mode mesh (tp x pp) needs layers that split on their own: --model transformer, not "
+                         f"--model {cfg.model}")
     if cfg.mode == "context" and cfg.model != "transformer":
         raise UsageError(f"--mode context cuts a sequence of tokens over the contexts: --model transformer has "
                          f"one, --model {cfg.model} does not")
@@ -122,10 +125,14 @@ def check_layout(cfg, n_contexts, n_processes=1):
     if cfg.mode in ("model", "pipeline") and n != S:
         raise UsageError(f"--mode {cfg.mode} needs exactly {S} contexts (one per stage of --stages {S}), "
                          f"got {n}: use --cpus {S} or --mode hybrid")
+    T = cfg.tensor_parallel or MESH_TP
+    if cfg.mode == "mesh" and n % (S * T):
+        raise UsageError(f"--mode mesh needs a multiple of --stages {S} x --tensor-parallel {T} contexts, got {n}")
     if cfg.mode == "hybrid" and n % S:
         raise UsageError(f"--mode hybrid needs a multiple of {S} contexts (replicas x {S} "
                          f"stages), got {n}")
-    replicas = (n // S if cfg.mode in ("model", "pipeline", "hybrid") else n) * n_processes
+    replicas = (n // S if cfg.mode in ("model", "pipeline", "hybrid") else n // (S * T) if cfg.mode == "mesh"
+                else n) * n_processes
     if cfg.batch_size < replicas:
         raise UsageError(f"--batch-size {cfg.batch_size} is smaller than the {replicas} devices it is "
                          f"split over")

@@ -10,7 +10,8 @@ from typing import Optional
 from .errors import UsageError
 from .fast.runtime import visible_gpus
 
-MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local", "tensor", "context")
+MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local", "tensor", "context", "mesh")
+MESH_TP = 2                   # --mode mesh: contexts per tensor group unless --tensor-parallel says
 ATTENTIONS = ("ring", "ulysses")                              # --attention (manual_dp/fast/attention.py)
 OPTIMIZERS = ("sgd", "momentum", "adam")
 MODELS = ("lenet", "mlp", "transformer", "resnet")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
@@ -92,7 +93,8 @@ class RunConfig:
                              "pipelines; zero: data parallel with ZeRO's sharding (--zero-stage); "
                              "local: local SGD / DiLoCo, replicas meet every --sync-every steps; "
                              "tensor: Megatron's split layers; context: the sequence cut over the "
-                             "contexts (--model transformer). --mesh lays these out as a grid",
+                             "contexts (--model transformer); mesh: data x pipeline x tensor at once "
+                             "(--stages x --tensor-parallel a pipeline). --mesh lays these out as a grid",
                 "parallelism", choices=MODES)
     mesh: Optional[str] = flag(None, "the contexts as a grid, dp=D,pp=P,cp=C,tp=T (any subset, the product the "
                                      "number of contexts): dp alone is sync (or --mode zero, async, local), "
@@ -202,31 +204,31 @@ MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "stages": STAGES, "schedule
                  "attention": "ring"}
 APPLIES = {
     "staleness": ("async",),
-    "micro_batches": ("pipeline", "hybrid"),
-    "allreduce": ("sync", "hybrid", "local", "tensor", "context"),
+    "micro_batches": ("pipeline", "hybrid", "mesh"),
+    "allreduce": ("sync", "hybrid", "local", "tensor", "context", "mesh"),
     "fuse_grads": ("sync",),
     "graph": ("sync",),
     "no_autotune": ("sync", "zero"),
     "deterministic": ("sync", "zero", "tensor"),
     "sync_batchnorm": ("sync",),
-    "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context"),
+    "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
     "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor"),
     "loss_scale": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
     "scale_window": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
-    "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor", "context"),
+    "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor", "context", "mesh"),
     "zero_stage": ("zero",),
     "sync_every": ("local",),
     "outer_optimizer": ("local",),
     "outer_lr": ("local",),
     "outer_momentum": ("local",),
-    "stages": ("model", "pipeline", "hybrid"),
-    "schedule": ("pipeline", "hybrid"),
-    "virtual_stages": ("pipeline", "hybrid"),
+    "stages": ("model", "pipeline", "hybrid", "mesh"),
+    "schedule": ("pipeline", "hybrid", "mesh"),
+    "virtual_stages": ("pipeline", "hybrid", "mesh"),
     "recompute": ("model", "pipeline", "hybrid"),
     "bucket_mb": ("sync",),
     "trace": ("sync",),
-    "tensor_parallel": ("tensor",),
-    "sequence_parallel": ("tensor",),
+    "tensor_parallel": ("tensor", "mesh"),
+    "sequence_parallel": ("tensor", "mesh"),
     "context_parallel": ("context",),
     "attention": ("context",),
     "compress": ("sync",),

@@ -71,6 +71,9 @@ def describe(cfg):
                      + f" ({cfg.allreduce})",
             "tensor": f"tensor: layers split over {cfg.tensor_parallel or 'all'} context(s) per tensor "
                       f"group (Megatron's f and g, {cfg.allreduce}), groups data parallel",
+            "mesh": f"mesh: {cfg.stages or 2}-stage pipelines of {cfg.tensor_parallel or 2}-context tensor groups, "
+                    f"{cfg.micro_batches} micro-batches on {SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule, "
+                    f"pipelines data parallel ({cfg.allreduce})",
             "context": f"context: every sequence cut over {cfg.context_parallel or 'all'} context(s) per group, "
                        f"{cfg.attention} attention between the blocks, groups data parallel ({cfg.allreduce})",
             }[cfg.mode]

@@ -37,6 +37,7 @@ from ..strategies.compressed import Compressed
 from ..strategies.context import ContextParallel
 from ..strategies.digested import Digested
 from ..strategies.local_sgd import LocalSGD
+from ..strategies.mesh_parallel import MeshParallel
 from ..strategies.loss_scaled import LossScaled
 from ..strategies.tensor import TensorParallel
 from ..strategies.tensor_deterministic import TensorDeterministic
@@ -108,7 +109,8 @@ def build_model(cfg, params, ctx, world, policy=None):
     refusal = net.tensor_refusal(cfg.tensor_parallel or len(ctx)) if cfg.mode == "tensor" else None
     if refusal:
         raise UsageError(f"--tensor-parallel {refusal}")
-    refusal = net.sequence_refusal(cfg.tensor_parallel or len(ctx), "ring") if cfg.sequence_parallel else None
+    T = cfg.tensor_parallel or (config.MESH_TP if cfg.mode == "mesh" else len(ctx))
+    refusal = net.sequence_refusal(T, "ring") if cfg.sequence_parallel else None
     if refusal:
         raise UsageError(f"--sequence-parallel: {refusal}")
     refusal = net.sequence_refusal(cfg.context_parallel or len(ctx), cfg.attention) if cfg.mode == "context" else None
@@ -161,6 +163,14 @@ def build_model(cfg, params, ctx, world, policy=None):
     elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
         model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name), model=net,
                                sequence_parallel=cfg.sequence_parallel)
+    elif cfg.mode == "mesh":     # tensor groups inside pipelines inside data parallelism
+        try:
+            model = MeshParallel(params, ctx, cfg.optimizer, cfg.stages or config.STAGES,
+                                 cfg.tensor_parallel or config.MESH_TP, cfg.micro_batches or 1, cfg.schedule or "gpipe",
+                                 virtual_stages(cfg), grad_reduce, make_allreduce(name), model=net,
+                                 sequence_parallel=cfg.sequence_parallel)
+        except ValueError as e:
+            raise UsageError(f"--mode mesh: {e}") from None
     elif cfg.mode == "context":  # attention's collectives inside a group; `grad_reduce` sums over all
         model = ContextParallel(params, ctx, cfg.optimizer, cfg.context_parallel, cfg.attention, grad_reduce,
                                 make_allreduce(name), model=net)
@@ -189,8 +199,9 @@ def dry_run(cfg, ctx, world):
     print(f"model {net.name}: {net.n_params():,} parameters in {len(net.layers)} layers")
     print(f"mode {describe(cfg)}")
     print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg)).describe(ctx, world.size)))
-    if cfg.mode in ("model", "pipeline", "hybrid"):
-        S, replicas = cfg.stages or config.STAGES, len(ctx) // (cfg.stages or config.STAGES)
+    if cfg.mode in ("model", "pipeline", "hybrid", "mesh"):
+        S = cfg.stages or config.STAGES
+        replicas = len(ctx) // (S * (cfg.tensor_parallel or config.MESH_TP if cfg.mode == "mesh" else 1))
         M = min(cfg.micro_batches or 1, cfg.batch_size // (replicas * world.size))
         print(schedules.dry_run(cfg.schedule or "gpipe", S, M, virtual_stages(cfg)))
     print("dry run: nothing trained")
@@ -199,8 +210,8 @@ def dry_run(cfg, ctx, world):
 
 def degree(cfg):
     """The mode's own dimension: tensor's T, hybrid's S, context's C (None: every context)."""
-    return {"tensor": cfg.tensor_parallel, "hybrid": cfg.stages or config.STAGES,
-            "context": cfg.context_parallel}.get(cfg.mode)
+    return {"tensor": cfg.tensor_parallel, "hybrid": cfg.stages or config.STAGES, "context": cfg.context_parallel,
+            "mesh": (cfg.stages or config.STAGES, cfg.tensor_parallel or config.MESH_TP)}.get(cfg.mode)
 
 
 def writable(directory, flag):

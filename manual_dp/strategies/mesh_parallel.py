@@ -1,0 +1,271 @@
+"""Data x pipeline x tensor parallelism at once (Megatron's "3-D parallelism"): the mesh dp x pp x tp
+(manual_dp.mesh), each pipeline stage a tensor group.
+
+Context (r, s, j) of the mesh holds tensor shard j of pipeline stage s of replica r. A stage is a
+run of the model's layers (Model.cuts) computed on its tensor group the way TensorParallel computes
+the whole model: each split layer's split_forward with Megatron's f and g (or, under
+sequence_parallel, the all-gather and reduce-scatter of SequenceJoin), the other layers whole on
+every context of the group. Between stages, context (r, s, j) sends its output to (r, s + 1, j),
+and the gradient comes back the same way: each rank of a tensor group holds a full copy of what
+is not split, so the copies pair up rank by rank. A stage's backward runs over its whole group in
+one autograd call (f's and g's backward cross the group), so cutting the graph between stages
+changes nothing: every rank receives the gradient the uncut graph gives it.
+
+The schedule is any of manual_dp.strategies.schedules with an unsplit backward (gpipe, 1f1b,
+interleaved: stage k on pipeline rank k % S). Gradients: each shard's summed over the replicas (and,
+under sequence parallelism, a replicated parameter's over its tensor group too, as TensorParallel).
+"""
+from mxnet import autograd, nd
+
+from ..config import FAST_STEP, RunConfig
+from ..errors import CheckpointError
+from ..fast.collectives import make_allreduce
+from ..lesson import cross_entropy, n_correct, shard_sizes, split_and_load
+from ..mesh import Mesh
+from ..models import Model, stateless
+from ..optim import apply_update_and_clear, init_states
+from ..replicas import fingerprint
+from .base import Strategy
+from .pipeline import cut
+from .schedules import bubbles, check_micro, check_name, held, plan, run_order, simulate
+from .stages import send
+from .tensor import Join, SequenceJoin, copies, even_split, shard
+
+
+def tensor_stage(net, ids, join):
+    """The function (hs, shards) -> hs of the model's layers `ids` on a tensor group: hs one array
+    per context, shards[j] context j's pieces of those layers' parameters (in order). A run of
+    split layers is entered through join.shard and left through join.unshard, as Model.split_forward
+    does for the whole model, so the stages compose to it."""
+    layers, slices = net.layers, net.slices()
+    first = slices[ids[0]].start
+
+    def run(hs, shards):
+        for i in ids:
+            own = [P[slices[i].start - first:slices[i].stop - first] for P in shards]
+            now, before = bool(layers[i].split_forward), bool(i and layers[i - 1].split_forward)
+            if now != before:
+                hs = join.shard(hs) if now else join.unshard(hs)
+            hs = layers[i].split_forward(hs, own, join) if now else \
+                [layers[i].forward(h, q, nd, [p.shape for p in q]) for h, q in zip(hs, own)]
+        return join.unshard(hs) if ids[-1] == len(layers) - 1 and layers[-1].split_forward else hs
+    return run
+
+
+class GroupPass:
+    """One pipeline replica's run of a schedule: stage k on the contexts groups[k] (a tensor group),
+    micro-batches Xs (on groups[0][0]) and ys (on groups[-1][0]); scale: what each context's loss
+    is multiplied by before its backward."""
+
+    def __init__(self, Xs, ys, params, groups, stages, scale):
+        self.Xs, self.ys, self.params, self.groups, self.stages, self.scale = Xs, ys, params, groups, stages, scale
+        self.last, M = len(stages) - 1, len(Xs)
+        self.received = [[None] * M for _ in stages]
+        self.produced = [[None] * M for _ in stages]
+        self.metrics = []
+
+    def forward(self, k, m):
+        group = self.groups[k]
+        self.received[k][m] = copies(self.Xs[m], group) if k == 0 else \
+            [send(h, c) for h, c in zip(self.produced[k - 1][m], group)]
+        with autograd.record():
+            out = self.stages[k](self.received[k][m], self.params[k])
+            if k == self.last:
+                ys = copies(self.ys[m], group)
+                losses = [cross_entropy(o, y).sum() for o, y in zip(out, ys)]
+                self.metrics.append((losses[0], n_correct(out[0], ys[0])))
+                out = [l * self.scale for l in losses] if self.scale != 1 else losses
+        self.produced[k][m] = out
+
+    def backward(self, k, m):
+        if k == self.last:
+            autograd.backward(self.produced[k][m])
+        else:
+            autograd.backward(self.produced[k][m], [x.grad.copyto(c) for x, c in
+                                                    zip(self.received[k + 1][m], self.groups[k])])
+            self.received[k + 1][m] = None
+        self.produced[k][m] = None
+
+    def run(self, actions):
+        for phase, k, m in actions:
+            (self.forward if phase == "F" else self.backward)(k, m)
+        return nd.add_n(*[l for l, _ in self.metrics]), nd.add_n(*[c for _, c in self.metrics])
+
+
+class MeshParallel(Strategy):
+    """dp x pp x tp on len(ctx) = D * P * T contexts, context ctx[mesh.rank(dp=r, pp=s, tp=j)].
+
+    stages P and tensor_parallel T; micro_batches, schedule and virtual_stages as PipelineParallel's;
+    sequence_parallel: Megatron-SP inside every tensor group. model: a network whose layers split
+    on their own (Layer.split_forward, the transformer); allreduce_fn sums over the replicas."""
+
+    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stages=2, tensor_parallel=2, micro_batches=1,
+                 schedule="1f1b", virtual_stages=1, allreduce_fn=None, tp_allreduce=None, model=None,
+                 sequence_parallel=False):
+        net = self.net = stateless(model, "--mesh with tp and pp")
+        S, T, V, n = stages, tensor_parallel, virtual_stages, len(ctx)
+        if n % (S * T):
+            raise ValueError(f"pp={S} x tp={T} does not divide the {n} contexts")
+        if type(net).split_forward is not Model.split_forward:
+            raise ValueError(f"{net.name} splits as a whole model; tp x pp needs layers that split on their own")
+        refusal = net.tensor_refusal(T) or (net.sequence_refusal(T, "ring") if sequence_parallel else None)
+        if refusal:
+            raise ValueError(f"tensor degree {refusal}")
+        check_name(schedule, S, max(micro_batches, 1), V)
+        check_micro(schedule, S, micro_batches)
+        if schedule == "zb-h1" or S * V > len(net.layers):
+            raise ValueError("zb-h1 with tp: not yet" if schedule == "zb-h1" else
+                             f"{S} stages x {V} virtual stages need {S * V} layers; {net.name} has {len(net.layers)}")
+        self.mesh = Mesh(dp=n // (S * T), pp=S, tp=T)
+        self.ctx, self.optimizer, self.S, self.T, self.V = list(ctx), optimizer, S, T, V
+        self.micro_batches, self.schedule, self.sequence_parallel = micro_batches, schedule, sequence_parallel
+        self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
+        tp_allreduce = tp_allreduce or make_allreduce(FAST_STEP["allreduce"])
+        self.join = SequenceJoin(tp_allreduce, net.tokens, T) if sequence_parallel else Join(tp_allreduce)
+        self.cuts = net.cuts(S * V)
+        self.stages = [tensor_stage(net, ids, self.join) for ids in self.cuts]
+        slices = net.slices()
+        self.own = [slice(slices[ids[0]].start, slices[ids[-1]].stop) for ids in self.cuts]   # params per stage
+        self.split = [p.split for p in net.param_table()]
+        # groups[r][k]: the tensor group of replica r's stage k
+        self.groups = [[[self.ctx[self.mesh.rank(dp=r, pp=k % S, tp=j)] for j in range(T)] for k in range(S * V)]
+                       for r in range(self.mesh.dp)]
+        values = [p.asnumpy() for p in params]
+        self.params = [[[self.place([shard(values[i], self.split[i], j, T) for i in range(sl.start, sl.stop)], c)
+                         for j, c in enumerate(group)] for sl, group in zip(self.own, row)] for row in self.groups]
+        self.states = [[[init_states(P, optimizer) for P in stage] for stage in row] for row in self.params]
+        self.t, self.bubbles = 0, []
+
+    @staticmethod
+    def place(values, ctx):
+        arrays = [nd.array(v, ctx=ctx, dtype=v.dtype) for v in values]
+        for a in arrays:
+            a.attach_grad(grad_req="add")
+        return arrays
+
+    @property
+    def min_batch(self):
+        return self.mesh.dp
+
+    def plan(self, n_examples):
+        m = min(self.micro_batches, n_examples)
+        if self.schedule == "interleaved" and m > self.S and m % self.S:
+            m -= m % self.S
+        return plan(self.schedule, self.S, m, self.V)
+
+    def backward(self, X, y):
+        """Every replica pipelines its shard of the batch over its stages' tensor groups."""
+        metrics = []
+        scale = 1 / self.T if self.sequence_parallel else 1
+        for row, P, Xr, yr in zip(self.groups, self.params, split_and_load(X, [g[0][0] for g in self.groups]),
+                                  split_and_load(y, [g[-1][0] for g in self.groups])):
+            p = self.plan(Xr.shape[0])
+            self.bubbles.append(bubbles(p, simulate(p))[0])
+            run = GroupPass(cut(Xr, p.n_micro), cut(yr, p.n_micro), P, row, self.stages, scale)
+            metrics.append(run.run(run_order(p)))
+        return metrics
+
+    def each_param(self):
+        """(stage k, rank j, position i within the stage, model index) of every shard of replica 0."""
+        for k, sl in enumerate(self.own):
+            for j in range(self.T):
+                for i, g in enumerate(range(sl.start, sl.stop)):
+                    yield k, j, i, g
+
+    def update(self, lr, n_examples):
+        """Each shard's gradient summed over the replicas (a replicated one's, under sequence
+        parallelism, over its tensor group too); one optimiser step on every context."""
+        for k, j, i, g in self.each_param():
+            if self.sequence_parallel and self.split[g] is None:
+                if j == 0:
+                    self.allreduce_fn([row[k][jj][i].grad for row in self.params for jj in range(self.T)])
+                continue
+            self.allreduce_fn([row[k][j][i].grad for row in self.params])
+        self.t += 1
+        n_examples = self.counted(n_examples)
+        for row, row_states in zip(self.params, self.states):
+            for stage, stage_states in zip(row, row_states):
+                for P, S in zip(stage, stage_states):
+                    apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
+
+    def whole(self, get):
+        """Replica 0's shards joined, in the model's order: get(k, j, i) is the NDArray of stage k's
+        parameter i on tensor rank j."""
+        out = []
+        for k, sl in enumerate(self.own):
+            for i, g in enumerate(range(sl.start, sl.stop)):
+                pieces = [get(k, j, i) for j in range(self.T)]
+                a = self.split[g]
+                home = pieces[0].context
+                out.append(nd.concat(*[x.as_in_context(home) for x in pieces], dim=a)
+                           if a is not None and self.T > 1 else pieces[0])
+        return out
+
+    def reduced_grads(self):
+        return self.whole(lambda k, j, i: self.params[0][k][j][i].grad)
+
+    def end_epoch(self, lr):
+        stats = {"bubble_fraction": sum(self.bubbles) / len(self.bubbles)} if self.bubbles else {}
+        self.bubbles = []
+        return stats
+
+    def correct(self, X, y):
+        rows = self.groups[:min(len(self.groups), X.shape[0])]
+        counts = []
+        for row, P, Xr, yr in zip(rows, self.params, split_and_load(X, [g[0][0] for g in rows]),
+                                  split_and_load(y, [g[-1][0] for g in rows])):
+            hs = copies(Xr, row[0])
+            for k, (stage, group) in enumerate(zip(self.stages, row)):
+                hs = stage(hs if k == 0 else [h.copyto(c) for h, c in zip(hs, group)], P[k])
+            counts.append(n_correct(hs[0], yr).copyto(self.ctx[0]))
+        return nd.add_n(*counts) if len(counts) > 1 else counts[0]
+
+    def fingerprints(self):
+        names = self.net.names()
+        return {f"stage {k} shard {j}": [fingerprint(row[k][j], P[k][j], names[sl])
+                                         for row, P in zip(self.groups, self.params)]
+                for k, sl in enumerate(self.own) for j in range(self.T)}
+
+    def layout(self, batch_size):
+        """Each context: its stage's activations for the micro-batches the schedule holds there,
+        priced as 1/T of them (TensorParallel's floor)."""
+        out = []
+        for row, n in zip(self.groups, shard_sizes(batch_size, len(self.groups))):
+            p = self.plan(n)
+            kept = held(p, shard_sizes(n, p.n_micro), per="stage")
+            for group, pieces, h in zip(row, self.cuts, kept):
+                out += [(c, pieces, e) for c, e in zip(group, even_split(h, self.T))]
+        return out
+
+    def arrays(self):
+        params = [p for row in self.params for stage in row for P in stage for p in P]
+        state = [s for row in self.states for stage in row for S in stage for st in S for s in st]
+        return {"param": params, "grad": [p.grad for p in params], "state": state}
+
+    def state_dict(self):
+        """Replica 0's shards joined: the whole parameters and optimiser state, in the model's order."""
+        params = [a.asnumpy() for a in self.whole(lambda k, j, i: self.params[0][k][j][i])]
+        slots = len(self.states[0][0][0][0])
+        opt = [[a.asnumpy() for a in self.whole(lambda k, j, i, s=s: self.states[0][k][j][i][s])]
+               for s in range(slots)]
+        return {"params": params, "opt_state": [[o[g] for o in opt] for g in range(len(params))],
+                "t": self.t, "extra": {}}
+
+    def load_state_dict(self, state):
+        want = len(self.split)
+        if len(state["params"]) != want:
+            raise CheckpointError(f"the checkpoint holds {len(state['params'])} parameters, this model {want}")
+        for row, row_states in zip(self.params, self.states):
+            for k, sl in enumerate(self.own):
+                for j in range(self.T):
+                    for i, g in enumerate(range(sl.start, sl.stop)):
+                        p = row[k][j][i]
+                        value = shard(state["params"][g], self.split[g], j, self.T)
+                        if tuple(value.shape) != p.shape:
+                            raise CheckpointError(f"the checkpoint's {self.net.names()[g]} does not fit this run")
+                        p[:] = nd.array(value, ctx=p.context)
+                        for s, v in zip(row_states[k][j][i], state["opt_state"][g]):
+                            s[:] = nd.array(shard(v, self.split[g], j, self.T), ctx=s.context)
+        self.t = state["t"]
+
+
