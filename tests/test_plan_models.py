@@ -64,8 +64,9 @@ def test_layouts_a_model_cannot_run_are_left_out_with_a_reason():
     assert not [n for n in names if n.startswith("pp=4")]
     assert left_out(4, 16, model=net) == (
         "left out: tp=4, tp=4 +sp (4 does not divide the transformer's 2 heads); cp=4 ulysses (Ulysses needs "
-        "cp=4 to divide the transformer's 2 heads); dp=2 x pp=2 interleaved (interleaved: 2 devices x 2 virtual "
-        "stages need 4 layers, transformer has 3); pp=4 (transformer has 3 layers to cut between)")
+        "cp=4 to divide the transformer's 2 heads); dp=2 x pp=2 interleaved, pp=2 x tp=2 interleaved (interleaved: "
+        "2 devices x 2 virtual stages need 4 layers, transformer has 3); pp=4 (transformer has 3 layers to cut "
+        "between)")
     assert left_out(4, 16).startswith("left out: dp=2 x tp=2 +sp, tp=4 +sp (--sequence-parallel: lenet has no "
                                       "sequence of tokens to cut); dp=2 x cp=2 ring, dp=2 x cp=2 ulysses, cp=4 ring, "
                                       "cp=4 ulysses (lenet has no sequence of tokens to cut); pp=4 interleaved")
@@ -73,8 +74,8 @@ def test_layouts_a_model_cannot_run_are_left_out_with_a_reason():
     assert [name(l) for l in enumerate_layouts(4, 16, model=resnet)] == ["dp=4 data"]
     assert left_out(4, 16, model=resnet).startswith(
         "left out: dp=4 zero1, dp=4 zero2, dp=4 zero3, dp=2 x tp=2, dp=2 x tp=2 +sp, tp=4, tp=4 +sp, dp=2 x cp=2 "
-        "ring, dp=2 x cp=2 ulysses, cp=4 ring, cp=4 ulysses, dp=2 x pp=2, pp=4 (resnet keeps BatchNorm's running "
-        "statistics")
+        "ring, dp=2 x cp=2 ulysses, cp=4 ring, cp=4 ulysses, dp=2 x pp=2, pp=4, pp=2 x tp=2 (resnet keeps "
+        "BatchNorm's running statistics")
 
 
 def table_kinds(net):
@@ -89,10 +90,12 @@ def table_kinds(net):
 
 def test_transformer_table_lists_every_kind():
     kinds, rows = table_kinds(build("transformer"))
-    assert set(kinds) == {"data", "zero", "pipeline", "tensor", "context"}
+    assert set(kinds) == {"data", "zero", "pipeline", "tensor", "context", "mesh"}
     # tensor and +sp at T = 2, 4; ring and Ulysses at C = 2, 4; S = 2 (x dp 2) on every schedule,
-    # S = 4 on all but interleaved (8 layers needed), each with and without recompute
+    # S = 4 on all but interleaved (8 layers needed), each with and without recompute; pp=2 x tp=2
+    # with and without +sp on GPipe, 1F1B and interleaved
     assert len(kinds["tensor"]) == 4 and len(kinds["context"]) == 4 and len(kinds["pipeline"]) == 14
+    assert len(kinds["mesh"]) == 6
     assert "tp=4 +sp" in format_table(rows) and "cp=4 ulysses" in format_table(rows)
     assert recommend(rows, 2 ** 30, Setting(1, 64, "momentum", build("transformer"))).endswith(
         "--model transformer --layers 2 --d-model 64 --heads 4 --patch 0 --batch-size 64 --optimizer momentum")
@@ -114,16 +117,18 @@ CHECKED = [layout("data", 2), layout("zero", 2, zero_stage=2), layout("zero", 2,
 def test_predicted_memory_equals_measured(l, which, user_block):
     """Exact, as for LeNet: the same arrays counted from the layers and from what a step held
     (ZeRO's moments: autograd makes a transformer block's and a Gluon layer's gradient whole). A
-    tensor group's measurement (TensorParallel.layout) is 1/T of its examples; the prediction adds,
-    for the other half of the 16, what runs whole on every rank: the transformer's embedding (784
-    pixels in, 2 x 28 x 16 out) and head (2 x 28 x 16 + 16 + 31) and what f and g join (4 x 28 x 16);
-    the Gluon pair's g output (16)."""
+    tensor group's both count 1/T of its examples and, for the other half of the 16, what runs
+    whole on every rank (TensorParallel.layout, strategies/tensor.held_whole): the transformer's
+    images (784), embedding (2 x 28 x 16) and head (2 x 28 x 16 + 16 + 31) and what f and g join
+    (4 x 28 x 16); the Gluon pair's images and g output (784 + 16)."""
     from manual_dp.planner.verify import measure
-    s = Setting(1, 16, "adam", tiny_transformer() if which == "transformer" else user_block)
+    from manual_dp.strategies.tensor import held_whole
+    net = tiny_transformer() if which == "transformer" else user_block
+    s = Setting(1, 16, "adam", net)
     predicted, measured = memory(l, s), measure(l, s, steps=1)
-    whole = {"transformer": 784 + 896 + 943 + 4 * 28 * 16, "user block": 16}[which] if l.kind == "tensor" else 0
-    assert (measured["state"], measured["activations"] + 4 * 8 * whole) == (predicted["state"],
-                                                                            predicted["activations"])
+    assert (measured["state"], measured["activations"]) == (predicted["state"], predicted["activations"])
+    want = {"transformer": 784 + 896 + 943 + 4 * 28 * 16, "user block": 784 + 16}[which]
+    assert held_whole(net, range(len(net.layers))) == want
 
 
 def test_verify_a_tiny_transformer():

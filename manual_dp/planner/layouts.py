@@ -1,7 +1,8 @@
 """The layouts of N devices the planner weighs, each a device mesh (manual_dp.mesh): data, ZeRO 1/2/3,
 tensor (with and without sequence parallelism), context (ring and Ulysses attention), pipelines on
 every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1; with and without recompute), each of the last
-three times data parallelism.
+three times data parallelism, and dp x pp x tp (mesh: each pipeline stage a tensor group, with and
+without sequence parallelism, on GPipe, 1F1B and interleaved 1F1B: MeshParallel's schedules).
 
 A Layout names how the N devices are used: dp data-parallel replicas, each of tp tensor ranks times
 pp pipeline stages times cp context blocks (dp * pp * cp * tp = N). KINDS of planner/predict.py
@@ -11,8 +12,9 @@ strategy exists also has a builder in planner/verify.py's BUILDERS.
 Which layouts a model can run, it says itself (models.contract): tensor groups of T that
 Model.tensor_refusal accepts, context groups of C that Model.sequence_refusal accepts for the
 attention (and sequence parallelism the same for T), pipelines of at most as many stages as it has
-layers (interleaved: V times as many), and for a model with running statistics (BatchNorm) data
-parallelism alone, the one strategy that carries them.
+layers (interleaved: V times as many), dp x pp x tp both of those and layers that split on their
+own (Layer.split_forward: not LeNet's whole-model split), and for a model with running statistics
+(BatchNorm) data parallelism alone, the one strategy that carries them.
 """
 from collections import namedtuple
 
@@ -23,6 +25,7 @@ Layout = namedtuple("Layout", "kind dp tp pp zero_stage schedule micro recompute
 
 MICRO_BATCHES = MODE_DEFAULTS["micro_batches"]       # micro-batches per pipeline
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+MESH_SCHEDULES = SCHEDULES[:3]                       # MeshParallel refuses zb-h1
 VIRTUAL = 2                                          # interleaved: chunks (virtual stages) a device
 
 
@@ -38,7 +41,7 @@ def mesh(l):
 
 def name(l):
     """The mesh, then what runs on it: "dp=4 data", "dp=4 zero2", "dp=2 x tp=2 +sp", "dp=2 x cp=2 ring",
-    "dp=2 x pp=2 interleaved V=2 M=4 +recompute"."""
+    "dp=2 x pp=2 interleaved V=2 M=4 +recompute", "dp=2 x pp=2 x tp=2 +sp 1f1b M=4"."""
     head = str(mesh(l))
     if l.kind in ("data", "zero"):
         return f"{head} {'data' if l.kind == 'data' else f'zero{l.zero_stage}'}"
@@ -46,6 +49,8 @@ def name(l):
         return head + (" +sp" if l.sp else "")
     if l.kind == "context":
         return f"{head} {l.attention}"
+    if l.kind == "mesh":
+        head += " +sp" if l.sp else ""
     return (f"{head} {l.schedule}" + (f" V={l.virtual}" if l.virtual > 1 else "") + f" M={l.micro}"
             + (" +recompute" if l.recompute else ""))
 
@@ -58,9 +63,10 @@ def mode(l):
 
 
 def mesh_flag(l):
-    """--mesh with the dimensions l uses (dp first), e.g. "--mesh dp=2,cp=2"."""
+    """--mesh with the dimensions l uses (dp first), e.g. "--mesh dp=2,cp=2"; dp x pp x tp all
+    three, "--mesh dp=1,pp=2,tp=2"."""
     m = mesh(l)
-    return "--mesh " + ",".join(f"{d}={getattr(m, d)}" for d in m.used())
+    return "--mesh " + ",".join(f"{d}={getattr(m, d)}" for d in (("dp", "pp", "tp") if l.kind == "mesh" else m.used()))
 
 
 def train_flags(l):
@@ -74,7 +80,7 @@ def train_flags(l):
         return f"{mesh_flag(l)}" + (" --sequence-parallel" if l.sp else "") + f" --cpus {n}"
     if l.kind == "context":
         return f"{mesh_flag(l)} --attention {l.attention} --cpus {n}"
-    return (f"{mesh_flag(l)} --schedule {l.schedule}" + (f" --virtual-stages {l.virtual}" if l.virtual > 1 else "")
+    return (f"{mesh_flag(l)}" + (" --sequence-parallel" if l.sp else "") + f" --schedule {l.schedule}" + (f" --virtual-stages {l.virtual}" if l.virtual > 1 else "")
             + f" --micro-batches {l.micro}" + (" --recompute" if l.recompute else "") + f" --cpus {n}")
 
 
@@ -115,6 +121,28 @@ def pipelines(devices, batch_size, net, stats):
     return out
 
 
+def mesh_refusal(net, S, T, schedule, micro, sp):
+    """Why `net` cannot run dp x pp=S x tp=T on `schedule` (+sp if sp), as MeshParallel refuses it, or None."""
+    from ..models import Model
+    if type(net).split_forward is not Model.split_forward:
+        return f"{net.name} splits as a whole model; tp x pp needs layers that split on their own"
+    why, seq = net.tensor_refusal(T) or pipeline_refusal(net, S, schedule, micro), sp and net.sequence_refusal(T, "ring")
+    return why or (f"--sequence-parallel: {seq}" if seq else None)
+
+
+def meshes(devices, batch_size, net, stats):
+    """[(layout, why not)] of every dp x pp x tp (pp, tp >= 2) of `devices` devices."""
+    out = []
+    for s in divisors(devices)[1:]:
+        for t in divisors(devices // s)[1:]:
+            dp = devices // (s * t)
+            micro = min(MICRO_BATCHES, max(1, batch_size // dp))
+            out += [(layout("mesh", dp, tp=t, pp=s, schedule=sched, micro=micro, sp=sp,
+                            virtual=VIRTUAL if sched == "interleaved" else 1),
+                     stats or mesh_refusal(net, s, t, sched, micro, sp)) for sched in MESH_SCHEDULES for sp in (False, True)]
+    return out
+
+
 def candidates(devices, batch_size, net):
     """[(layout, why net cannot run it, or None)] for every layout of `devices` devices whose
     replicas each get at least one example (and each micro-batch at least one), in a fixed order."""
@@ -127,7 +155,7 @@ def candidates(devices, batch_size, net):
                 (layout("tensor", devices // t, tp=t, sp=True), why or (sp and f"--sequence-parallel: {sp}"))]
     out += [(layout("context", devices // c, cp=c, attention=a), stats or net.sequence_refusal(c, a))
             for c in divisors(devices)[1:] for a in ATTENTIONS]
-    out += pipelines(devices, batch_size, net, stats)
+    out += pipelines(devices, batch_size, net, stats) + meshes(devices, batch_size, net, stats)
     return [(l, why) for l, why in out if batch_size >= l.dp]
 
 
@@ -140,9 +168,10 @@ def enumerate_layouts(devices, batch_size, width=1, model=None):
 def family(l, why):
     """A left-out layout's name without its schedule: "dp=4 zero2", "tp=8 +sp", "dp=2 x pp=2",
     "cp=4 ulysses"; "pp=2 interleaved" if only the interleaved schedule is refused."""
-    if l.kind != "pipeline":
+    if l.kind not in ("pipeline", "mesh"):
         return name(l)
-    return str(mesh(l)) + (" interleaved" if why.startswith("interleaved") else "")
+    return str(mesh(l)) + (" +sp" if why.startswith("--sequence-parallel") else "") + (
+        " interleaved" if why.startswith("interleaved") else "")
 
 
 def left_out(devices, batch_size, width=1, model=None):

@@ -22,6 +22,32 @@ charged, an upper bound for the other schedules. On CPU contexts (shared) no bub
 backward costs 1.5 backwards there (SplitPass runs the chain twice).
 Communication: per boundary between consecutive stages, per micro-batch, the activation forward and
 its gradient back (S V - 1 boundaries); then each device's gradients all-reduced over dp.
+
+dp x pp x tp (strategies/mesh_parallel.py, Megatron's "3-D parallelism"; the mesh_ functions): the
+same stages, each a tensor group of T contexts split as tensor parallelism splits the whole model
+(planner/sequence.py), with or without +sp.
+Memory per context (rank 0 of a group: the largest share), exactly as MeshParallel.layout and
+its arrays price it:
+  state        its stages' parameters, the split ones 1/T (Param.split), the rest whole:
+               (2 + c) x that (c: the optimiser's copies)
+  activations  per stage on it: the h examples the schedule holds there (schedules.held), 1/T of
+               them at the stage's whole activations (memory.part_activation_elems, its received
+               input included), the other h - h/T at what every rank holds whole
+               (strategies/tensor.held_whole of the stage's layers: what f and g join, not under
+               +sp; the layers outside the split runs; the stage's input unless +sp hands on a
+               block of tokens between split layers); an interleaved device's stages added.
+Time:
+  compute      a pipeline's, each stage's FLOPs over T (on CPU contexts, sharing one machine,
+               every context's work one after another: no bubble, nothing saved)
+  comm         the tensor collectives of the busiest device's stages (one ring all-reduce over T
+               per micro-batch and entry of its layers' Model.tensor_traffic; +sp sends the same
+               bytes as an all-gather and a reduce-scatter), the boundary copies (per micro-batch
+               the activation forward and its gradient back, the T ranks sending in parallel, a
+               1/T block of tokens under +sp between split layers), and the busiest context's
+               gradient all-reduce over dp (under +sp a replicated parameter's over dp x T),
+               float32 (MeshParallel takes no --precision).
+Not counted: as for tensor layouts and pipelines (the collectives' temporaries, the residual sums
+whole on every rank; the tensor collectives stretched by the bubble).
 """
 from functools import lru_cache
 
@@ -29,6 +55,7 @@ from .. import costmodel
 from ..lesson import shard_sizes
 from ..memory import FLOAT_BYTES, part_activation_elems, piece_activation_elems
 from ..strategies.schedules import held, plan, simulate
+from ..strategies.tensor import even_split, held_whole
 
 SIMULATED = 256          # devices up to which a pipeline's schedule is simulated (quadratic in S)
 
@@ -113,3 +140,68 @@ def communication(l, net, n, layers, low, dev):
                    for pieces in cuts[1:])
     held_bytes = devices_of(l, [sum(layers[p] for p in pieces) for pieces in cuts])
     return boundary + max(costmodel.allreduce_time("ring", l.dp, b * low, dev.alpha, dev.beta) for b in held_bytes)
+
+
+def rank_kept(p, T):
+    """Elements a tensor rank keeps of Param p: 1/T if split, else whole."""
+    return p.size // T if p.split is not None else p.size
+
+
+def mesh_state(l, net, c):
+    """Parameter + gradient + optimiser state elements of each pipeline rank's contexts."""
+    stages = [sum(rank_kept(p, l.tp) for i in pieces for p in net.layers[i].params) for pieces in stage_cuts(l, net)]
+    return [(2 + c) * k for k in devices_of(l, stages)]
+
+
+def mesh_activations(l, net, n):
+    """Activation elements at the peak of rank 0 of each pipeline rank's groups, for a replica of n examples."""
+    p = replica_plan(l, n)
+    per_stage = []
+    for pieces, h in zip(stage_cuts(l, net), held(p, shard_sizes(n, p.n_micro), per="stage")):
+        share = even_split(h, l.tp)[0]
+        per_stage.append(part_activation_elems(pieces, model=net) * share + held_whole(net, pieces, l.sp) * (h - share))
+    return devices_of(l, per_stage)
+
+
+def mesh_compute(l, net, n, batch, dev, seconds):
+    """(compute seconds, bubble seconds) of a step (see the module's docstring, dp x pp x tp)."""
+    if dev.shared:
+        return compute(l, net, n, batch, dev, seconds)
+    return compute(l, net, n, batch, dev, lambda flops, rate: seconds(flops, rate) / l.tp)
+
+
+def mesh_tensor_comm(l, net, sizes, dev):
+    """Seconds of the tensor collectives of the busiest pipeline rank's stages, micro-batches of `sizes`."""
+    def stage(pieces):
+        return sum(costmodel.allreduce_time("ring", l.tp, m * e * FLOAT_BYTES, dev.alpha, dev.beta)
+                   for i in pieces for _, e, _ in net.layers[i].extra.get("traffic", ()) for m in sizes)
+    return max(devices_of(l, [stage(pieces) for pieces in stage_cuts(l, net)]))
+
+
+def mesh_boundary_comm(l, net, n, n_micro, dev):
+    """Seconds of the copies between consecutive stages: activation forward, gradient back."""
+    split = [bool(layer.split_forward) for layer in net.layers]
+    total = 0.0
+    for pieces in stage_cuts(l, net)[1:]:
+        first = pieces[0]
+        elems = net.layers[first].inputs / (l.tp if l.sp and split[first] and split[first - 1] else 1)
+        total += 2 * n_micro * dev.alpha + 2 * n * elems * FLOAT_BYTES * dev.beta
+    return total
+
+
+def mesh_grad_comm(l, net, dev):
+    """Seconds of the busiest pipeline rank's gradient all-reduces over dp (+sp: the replicated over dp x T)."""
+    params = [[p for i in pieces for p in net.layers[i].params] for pieces in stage_cuts(l, net)]
+    shards = devices_of(l, [sum(p.size // l.tp for p in ps if p.split is not None) for ps in params])
+    whole = devices_of(l, [sum(p.size for p in ps if p.split is None) for ps in params])
+
+    def ring(k, elems):
+        return costmodel.allreduce_time("ring", k, elems * FLOAT_BYTES, dev.alpha, dev.beta)
+    return max(ring(l.dp, s) + ring(l.dp * (l.tp if l.sp else 1), w) for s, w in zip(shards, whole))
+
+
+def mesh_communication(l, net, n, dev):
+    """Seconds of a step's collectives for a replica of n examples (see the module's docstring, dp x pp x tp)."""
+    p = replica_plan(l, n)
+    return (mesh_tensor_comm(l, net, shard_sizes(n, p.n_micro), dev) + mesh_boundary_comm(l, net, n, p.n_micro, dev)
+            + mesh_grad_comm(l, net, dev))

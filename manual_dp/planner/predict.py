@@ -13,6 +13,7 @@ Memory, per device, in float32 bytes (4 a number), for a model of N parameters:
     tensor     (2 + c) x (split parameters / T + the unsplit ones)   (Param.split), with or without SP
     context    N + N + cN on every context (whole parameters, 1/C of the tokens)
     pipeline   P_d + P_d + c P_d    (P_d: the parameters of device d's stages, Model.cuts)
+    mesh       (2 + c) x (device d's stages' split parameters / T + their unsplit ones)
   ZeRO's transients are counted from strategies/zero_layers.py: the moments of a step (each
   layer's fetch; in the backward the layer fetched again, with its whole gradient unless a dense
   layer's is made by hand, a piece at a time; each reduce of a shard's piece) and what each device
@@ -22,8 +23,9 @@ Memory, per device, in float32 bytes (4 a number), for a model of N parameters:
   layer's output once; memory.part_activation_elems for a stage's layers and its received input),
   times the examples held at the peak: data and ZeRO the device's shard of the batch; tensor,
   sequence parallel and context layouts planner/sequence.py (1/T or 1/C of the group's examples',
-  plus what runs whole on every rank); pipelines planner/pipelines.py (the micro-batches each
-  schedule holds per stage, schedules.held).
+  plus what runs whole on every rank: the strategies' layout() counts the same); pipelines
+  planner/pipelines.py (the micro-batches each schedule holds per stage, schedules.held); dp x pp x
+  tp planner/pipelines.py (those micro-batches, tensor-split as tensor layouts price them).
 Not counted: MXNet's workspace, the optimiser's and the collectives' temporaries, the batch itself.
 
 Time, per step, no overlap of compute and communication:
@@ -42,7 +44,8 @@ Time, per step, no overlap of compute and communication:
   all-gather and a reduce-scatter, priced the same); context planner/sequence.py (ring hops or
   Ulysses' all-to-alls per attention layer, and the gradient all-reduce over dp x cp); pipelines
   the boundary copies (activation forward, gradient back, per micro-batch) and each device's
-  all-reduce over dp.
+  all-reduce over dp; dp x pp x tp planner/pipelines.py (compute per stage / T and the schedule's
+  bubble, the tensor collectives inside each stage group, the boundary copies, the all-reduce over dp).
 On CPU contexts (--verify) the devices share one machine: their work runs one after another
 (measured: 8 contexts took as long as 8 one-context steps on their shares), so compute is every
 device's FLOPs over the measured rate of one device's share, with no bubble.
@@ -120,6 +123,8 @@ def per_device_state(l, setting):
     if l.kind == "tensor":      # split parameters 1/T each (Param.split), the others whole on every rank
         kept = sum(p.size // l.tp if p.split is not None else p.size for p in net.param_table())
         return [((2 + c) * kept, 0)] * l.tp
+    if l.kind == "mesh":
+        return [(kept, 0) for kept in pipelines.mesh_state(l, net, c)]
     if l.kind == "pipeline":
         return [((2 + c) * kept, 0) for kept in pipelines.devices_of(
             l, [sum(layers[p] for p in pieces) for pieces in pipelines.stage_cuts(l, net)])]
@@ -140,6 +145,8 @@ def activation_elems(l, setting):
         return sequence.tensor_activations(l, net, n)
     if l.kind == "context":
         return sequence.context_activations(l, net, n)
+    if l.kind == "mesh":
+        return pipelines.mesh_activations(l, net, n)
     return pipelines.activations(l, net, n)
 
 
@@ -191,6 +198,8 @@ def communication(l, setting, dev):
         return pairs + costmodel.allreduce_time("ring", k, total / l.tp, dev.alpha, dev.beta)
     if l.kind == "context":
         return sequence.context_communication(l, net, n, sum(layer_sizes(net)), dev)
+    if l.kind == "mesh":
+        return pipelines.mesh_communication(l, net, n, dev)
     return pipelines.communication(l, net, n, layers, low, dev)
 
 
@@ -203,8 +212,9 @@ def compute(l, setting, dev):
     """(compute seconds, bubble seconds) of a step of l on device type dev."""
     net, n = net_of(setting), shard_sizes(setting.batch, l.dp)[0]
     L = len(net.layers)
-    if l.kind == "pipeline":
-        return pipelines.compute(l, net, n, setting.batch, dev, seconds)
+    if l.kind in ("pipeline", "mesh"):
+        run = pipelines.mesh_compute if l.kind == "mesh" else pipelines.compute
+        return run(l, net, n, setting.batch, dev, seconds)
     flops = stage_flops(net, range(L), False)                     # per example
     if l.kind == "zero" and l.zero_stage > 1:                     # layers 0..L-2 forward again (zero_layers)
         flops += stage_flops(net, range(L - 1), True) - stage_flops(net, range(L - 1), False)

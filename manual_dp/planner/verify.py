@@ -5,10 +5,11 @@ peak_arrays() (parameters, gradients, optimiser state, and ZeRO's transient gath
 gradient pieces) plus its activations: for pipelines the bytes PipelineParallel counted as its
 schedule ran (end_epoch's activation_peak_bytes), otherwise memory.per_context's count from the
 strategy's layout() and the layer shapes (MXNet has no per-context memory counter on CPU). The
-busiest context is reported. Tensor, sequence parallel and context layouts' layout() price 1/T (1/C)
-of the group's examples on each context, a floor: the planner's prediction adds what runs whole on
-every context (planner/sequence.py), so there measured / predicted is below 1 by that much; for
-interleaved pipelines the prediction adds a device's stages' peaks, measured counts them at once. Measured time = the median of `steps` steps after one warm-up.
+busiest context is reported. Tensor, sequence parallel, context and dp x pp x tp layouts' layout()
+price 1/T (1/C) of the group's examples on each context and what every context holds whole for the
+rest, as the planner predicts (planner/sequence.py, pipelines.py): measured / predicted is 1; for
+interleaved pipelines the prediction adds a device's stages' peaks, measured counts them at once.
+Measured time = the median of `steps` steps after one warm-up.
 
 BUILDERS is the registry of kinds that have a strategy: build(params, ctx, optimizer, layout, net)
 (net: the models.Model laid out) and activations(model, batch, shapes) -> bytes per context name. A
@@ -23,6 +24,7 @@ import numpy as np
 from .. import memory
 from ..strategies.context import ContextParallel
 from ..strategies.data_parallel import DataParallel
+from ..strategies.mesh_parallel import MeshParallel
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.tensor import TensorParallel
 from ..strategies.zero import ZeroRedundancy
@@ -50,6 +52,8 @@ BUILDERS = {
                shape_activations),
     "context": (lambda p, ctx, opt, l, net: ContextParallel(p, ctx, opt, l.cp, l.attention, model=net),
                 shape_activations),
+    "mesh": (lambda p, ctx, opt, l, net: MeshParallel(p, ctx, opt, l.pp, l.tp, l.micro, l.schedule, l.virtual,
+                                                      model=net, sequence_parallel=l.sp), shape_activations),
 }
 
 

@@ -132,10 +132,14 @@ class ContextParallel(Strategy):
 
     def layout(self, batch_size):
         """Each context of a group holds the group's examples but 1/C of their tokens: priced as
-        1/C of the group's examples each (manual_dp.memory counts per example)."""
-        out = []
+        1/C of the group's examples each (manual_dp.memory counts per example), and what it holds
+        whole: the images of the group's other examples (copied to every context) and, for every
+        example, what attention keeps beyond one block's share (attention_held)."""
+        out, every = [], tuple(range(len(self.net.layers)))
+        images, extra = self.net.layers[0].inputs, attention_held(self.net, self.C, self.attention)
         for row, n in zip(self.grid, even_split(batch_size, len(self.grid))):
-            out += [(c, tuple(range(len(self.net.layers))), k) for c, k in zip(row, even_split(n, self.C))]
+            for c, k in zip(row, even_split(n, self.C)):
+                out += [(c, every, k)] + [(c, ("whole", e), m) for e, m in ((images, n - k), (extra, n)) if e and m]
         return out
 
     def arrays(self):
@@ -150,3 +154,21 @@ class ContextParallel(Strategy):
         for P, S in zip(self.copies, [S for row in self.states for S in row]):
             load_into(P, S, state)
         self.t = state["t"]
+
+
+def attention_layers(net):
+    """[(tokens T, width d)] of each attention layer (a layer with a head_dim)."""
+    T = getattr(net, "tokens", 0)
+    return [(T, layer.inputs // T) for layer in net.layers if T and "head_dim" in layer.extra]
+
+
+def attention_held(net, C, attention):
+    """Per example elements a context of C keeps for attention's backward beyond 1/C of the whole,
+    per attention layer: ring, the C - 1 foreign key and value blocks and the running output each
+    further step makes (2 T_j d each); Ulysses, the all-to-all's q, k, v of all T tokens on H/C
+    heads and the output sent back (3 T d/C + T_j d). T_j: the largest block, ceil(T/C)."""
+    out = 0
+    for T, d in attention_layers(net):
+        Tj = -(-T // C)
+        out += 2 * (T - Tj) * d + 2 * (C - 1) * Tj * d if attention == "ring" else 3 * T * d // C + Tj * d
+    return out

@@ -29,7 +29,7 @@ from .base import Strategy
 from .pipeline import cut
 from .schedules import bubbles, check_micro, check_name, held, plan, run_order, simulate
 from .stages import send
-from .tensor import Join, SequenceJoin, copies, even_split, shard
+from .tensor import Join, SequenceJoin, copies, even_split, held_whole, shard, whole_layout
 
 
 def tensor_stage(net, ids, join):
@@ -227,14 +227,17 @@ class MeshParallel(Strategy):
                 for k, sl in enumerate(self.own) for j in range(self.T)}
 
     def layout(self, batch_size):
-        """Each context: its stage's activations for the micro-batches the schedule holds there,
-        priced as 1/T of them (TensorParallel's floor)."""
+        """Each context: its stage's activations for the examples the schedule holds there
+        (schedules.held), priced as TensorParallel prices a group's: 1/T of them each, and for
+        the others what every rank of the stage's group holds whole (tensor.held_whole of the
+        stage's layers)."""
         out = []
         for row, n in zip(self.groups, shard_sizes(batch_size, len(self.groups))):
             p = self.plan(n)
             kept = held(p, shard_sizes(n, p.n_micro), per="stage")
             for group, pieces, h in zip(row, self.cuts, kept):
                 out += [(c, pieces, e) for c, e in zip(group, even_split(h, self.T))]
+                out += whole_layout(group, h, held_whole(self.net, pieces, self.sequence_parallel))
         return out
 
     def arrays(self):

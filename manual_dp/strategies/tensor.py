@@ -223,9 +223,14 @@ class TensorParallel(Strategy):
 
     def layout(self, batch_size):
         """Each context of a group holds activations for the group's examples, but only its own
-        channels and units of the split layers: priced as 1/T of the group's examples each (a floor:
-        the pooled conv2 output and the scores are whole on every context)."""
-        return group_layout(self.grid, self.T, batch_size)
+        channels and units of the split layers: priced as 1/T of the group's examples each, and
+        for the group's other examples what every context holds whole (held_whole: the images,
+        what f and g join, the layers outside the split)."""
+        whole = held_whole(self.net, range(len(self.net.layers)), self.sequence_parallel)
+        out = group_layout(self.grid, self.T, batch_size)
+        for row, n in zip(self.grid, even_split(batch_size, len(self.grid))):
+            out += whole_layout(row, n, whole)
+        return out
 
     def arrays(self):
         params = [p for P_row in self.shards for P in P_row for p in P]
@@ -267,3 +272,26 @@ def group_layout(grid, T, batch_size):
 def even_split(n, k):
     """k counts that add up to n and differ by at most one (zeros when n < k)."""
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
+def whole_layout(row, n, whole):
+    """[(context, ("whole", whole), examples)]: each context of `row` holds `whole` elements whole
+    for the examples of the group's n beyond its share (even_split); none where that is zero."""
+    return [(c, ("whole", whole), n - k) for c, k in zip(row, even_split(n, len(row))) if whole and n > k]
+
+
+def held_whole(net, ids, sp=False):
+    """Per example elements every context of a tensor group running layers `ids` holds whole (for
+    every example, not 1/T of them): its input (the images are copies; a stage's received input,
+    unless sequence parallelism hands on a block of tokens between split layers), what f takes in
+    and g gives out (Model.tensor_traffic; none under sp, which cuts them along the sequence), and
+    the outputs of the layers that run whole outside the split runs (a model that splits itself,
+    as LeNet, has none: its whole parts are its traffic)."""
+    layers, ids = net.layers, list(ids)
+    split = [bool(layer.split_forward) for layer in layers]
+    if not any(split):
+        return layers[0].inputs + (0 if sp else sum(e for _, e, _ in net.tensor_traffic()))
+    first = ids[0]
+    cut = sp and first > 0 and split[first] and split[first - 1]
+    traffic = 0 if sp else sum(e for i in ids for _, e, _ in layers[i].extra.get("traffic", ()))
+    return (0 if cut else layers[first].inputs) + sum(layers[i].acts for i in ids if not split[i]) + traffic
