@@ -140,6 +140,12 @@ class RunConfig:
                         choices=BACKENDS)
     timeout: float = flag(120.0, "seconds without progress after which a process of a multi-process "
                                  "job gives up", "more than one process (see docs/multi-machine.md)")
+    flight_record: Optional[str] = flag(None, "every process writes its flight record (its last collectives) "
+                                              "to DIR/flight-RANK.json at the end of the run and when it fails; "
+                                              "python -m manual_dp.flight DIR names where the ranks part. Without "
+                                              "it a failing job (watchdog, signal, failed collective) writes them "
+                                              "to TMPDIR/manual_dp-flight-JOB, named in its error line",
+                                        "more than one process (see docs/multi-machine.md)")
     memory_per_device: Optional[str] = flag(None, "emulate devices of this many bytes (300MiB, 2G: K, M, "
                                                   "G of 1000, KiB, MiB, GiB of 1024): refuse, before training, a layout whose "
                                                   "measured peak on a context exceeds it, and name the modes "

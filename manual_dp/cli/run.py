@@ -382,7 +382,7 @@ def give_up(message):
 
 def run(cfg):
     """Train as `cfg` says, printing one line per epoch; returns the history. Errors are raised."""
-    with connect(cfg.backend, cfg.timeout, give_up) as world:
+    with connect(cfg.backend, cfg.timeout, give_up, cfg.flight_record) as world:
         return run_in(cfg, world)
 
 

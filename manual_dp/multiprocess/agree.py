@@ -13,7 +13,7 @@ from ..config import fields
 from ..errors import UsageError
 
 # Settings each process may hold its own of: paths on its machine, what only rank 0 writes, its terminal.
-PER_PROCESS = ("data_dir", "log_json", "checkpoint_dir", "trace", "no_progress")
+PER_PROCESS = ("data_dir", "log_json", "checkpoint_dir", "trace", "no_progress", "flight_record")
 
 
 def settings(cfg):

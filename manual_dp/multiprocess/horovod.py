@@ -30,9 +30,9 @@ class HorovodWorld(Cluster):
     how = ("gradients summed by hand over each process's contexts, then by Horovod across "
            "processes (one call per all-reduce of the strategy: one a step when fused)")
 
-    def __init__(self, timeout, on_timeout):
+    def __init__(self, timeout, on_timeout, flight_dir=None):
         self.hvd = import_horovod()
-        super().__init__(timeout, on_timeout)
+        super().__init__(timeout, on_timeout, flight_dir)
         try:
             self.hvd.init()                           # waits for every process of the job
         except Exception:
@@ -44,6 +44,7 @@ class HorovodWorld(Cluster):
         # several counts in flight at once and Horovod refuses two live tensors of one name.
         self.calls = itertools.count()
         self.open_board()
+        self.open_flight()
         self.progress()
 
     def open_board(self):
@@ -58,12 +59,13 @@ class HorovodWorld(Cluster):
         return f"manual_dp.{what}.{next(self.calls)}"
 
     def allreduce(self, array, key):
-        self.enter(f"allreduce {key}")
-        self.hvd.allreduce_(array, op=self.hvd.Sum, name=self.name(key))
+        self.collective("allreduce", key, lambda: self.hvd.allreduce_(array, op=self.hvd.Sum, name=self.name(key)),
+                        result=array)
 
     def broadcast_object(self, obj):
-        self.enter("broadcast")
-        return self.hvd.broadcast_object(obj, root_rank=0, name=self.name("object"))
+        """(The payload's size is rank 0's to know: the flight record leaves it out.)"""
+        return self.collective("broadcast", "", lambda: self.hvd.broadcast_object(
+            obj, root_rank=0, name=self.name("object")), fallback=obj)
 
     def close(self, failed=False):
         try:

@@ -55,11 +55,14 @@ class PushPull(Wrapper):
             self.key = self.world.new_key("params")
             self.world.kv.init(self.key, flatten(self.model.replicas[0]))
         before = flatten(self.model.replicas[0])
-        self.world.enter("push-pull params")
         self.model.update(lr, self.rows_seen)
         self.rows_seen = 0
-        self.world.kv.push(self.key, flatten(self.model.replicas[0]) - before)
-        self.world.kv.pull(self.key, out=before)
+        change = flatten(self.model.replicas[0]) - before
+
+        def push_pull():
+            self.world.kv.push(self.key, change)
+            self.world.kv.pull(self.key, out=before)
+        self.world.collective("push-pull", "params", push_pull, result=before)
         for replica in self.model.replicas:
             unflatten(before, replica)
 
@@ -84,10 +87,10 @@ def require_launcher(backend):
 
 
 class KVStoreWorld(Cluster):
-    def __init__(self, backend, timeout, on_timeout):
+    def __init__(self, backend, timeout, on_timeout, flight_dir=None):
         require_launcher(backend)
         self.backend = backend
-        super().__init__(timeout, on_timeout)
+        super().__init__(timeout, on_timeout, flight_dir)
         try:
             self.kv = mx.kv.create(backend)           # waits until every node has registered
         except Exception:
@@ -104,6 +107,7 @@ class KVStoreWorld(Cluster):
             self.how = (f"gradients summed by hand over each process's contexts, then by "
                         f"{servers} parameter server(s) across processes (push, pull)")
         self.pulled, self.counter = {}, itertools.count()
+        self.open_flight()
         self.progress()
 
     def new_key(self, what):
@@ -123,7 +127,9 @@ class KVStoreWorld(Cluster):
         previous pull of that key has arrived (for gradients it long has)."""
         if self.backend == "dist_async":
             raise RuntimeError("dist_async servers add pushes into parameters; no allreduce")
-        self.enter(f"allreduce {key}")
+        self.collective("allreduce", key, lambda: self.push_pull(array, key), result=array)
+
+    def push_pull(self, array, key):
         if key in self.pulled:
             self.pulled[key].wait_to_read()
         else:
@@ -138,7 +144,10 @@ class KVStoreWorld(Cluster):
         self.kv.pull(key, out=array)
 
     def broadcast_object(self, obj):
-        self.enter("broadcast")
+        """(The payload's size is rank 0's to know: the flight record leaves it out.)"""
+        return self.collective("broadcast", "", lambda: self.send_object(obj), fallback=obj)
+
+    def send_object(self, obj):
         data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if self.is_root else None
         size = nd.array(divmod(len(data), 1 << 20) if self.is_root else (0, 0))
         self.broadcast(size)                          # float32 is exact below 2**24: split it
@@ -156,6 +165,12 @@ class KVStoreWorld(Cluster):
                 # Asynchronous workers finish at their own pace: the last barrier may wait long.
                 self.watchdog.timeout *= 10
             self.progress()
-            del self.kv                               # finalises ps-lite (a barrier on success)
+            if failed:
+                del self.kv
+            else:                                     # finalises ps-lite: a barrier of every worker
+                self.collective("barrier", "exit", self.finalise)
         finally:
             super().close(failed)
+
+    def finalise(self):
+        del self.kv

@@ -6,12 +6,23 @@ launcher it is a Cluster whose collectives come from that engine (manual_dp.mult
 
     world.reducer(allreduce_fn)   the strategy's all-reduce, summing across processes as well
     world.wrap(model)             the strategy fed this process's rows of every global batch
+
+Every collective of a Cluster goes through `collective()`, which gives it its sequence number,
+reports it to the progress board and records it in the flight recorder (manual_dp.multiprocess.flight).
 """
+import os
+import socket
+import tempfile
 import threading
 import time
+from pathlib import Path
 
+from mxnet import nd
+
+from ..errors import UsageError
 from .board import Reporter, fingerprint, verdict
 from .distributed import CrossProcessAllreduce, MultiProcess
+from .flight import Recorder, SignalDumps, nbytes, skipped_seq
 
 
 class Watchdog:
@@ -24,9 +35,9 @@ class Watchdog:
     """
 
     def __init__(self, timeout, who, on_timeout, situation=lambda: "another process died or hangs",
-                 beat=lambda: None):
+                 beat=lambda: None, record=lambda reason: ""):
         self.timeout, self.who, self.on_timeout = timeout, who, on_timeout
-        self.situation, self.beat = situation, beat
+        self.situation, self.beat, self.record = situation, beat, record
         self.last, self.stopped = time.monotonic(), threading.Event()
         threading.Thread(target=self._watch, name="manual_dp-watchdog", daemon=True).start()
 
@@ -44,8 +55,11 @@ class Watchdog:
         while not self.stopped.wait(self.tick):
             self.beat()
             if time.monotonic() - self.last > self.timeout:
-                self.on_timeout(f"{self.who()}: no progress for {self.timeout:g} s; {self.situation()}; "
-                                f"giving up; rank 0's last checkpoint resumes with --resume")
+                where = self.situation()
+                record = self.record(f"watchdog: no progress for {self.timeout:g} s")
+                self.on_timeout(f"{self.who()}: no progress for {self.timeout:g} s; {where}; giving up; "
+                                + (f"{record}; " if record else "")
+                                + "rank 0's last checkpoint resumes with --resume")
                 return
 
 
@@ -83,18 +97,78 @@ class World:
         """Where this process is in the job's collectives, and who holds the job up."""
         return "one process"
 
+    def record_flight(self, reason):
+        """This process's flight record written, and a clause saying where ("": none here)."""
+        return ""
+
     def close(self, failed=False):
         pass
 
 
-class Cluster(World):
-    """A process of a multi-process job: collectives from the engine, a watchdog on every one."""
+def job_name():
+    """A name for a new job: rank 0's clock and process id."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
 
-    def __init__(self, timeout, on_timeout):
+
+class Cluster(World):
+    """A process of a multi-process job: collectives from the engine, a watchdog on every one, and
+    a flight recorder of the last ones. `flight_dir`: where every rank writes its flight record
+    (--flight-record; dumped at the end of the run too), None: TMPDIR/manual_dp-flight-JOB, written
+    only when the job fails."""
+
+    def __init__(self, timeout, on_timeout, flight_dir=None):
         self.seq, self.step, self.op, self.reporter = 0, 0, "start-up", Reporter()
         self.joined = False                               # True once the engine gave rank and size
         self.unanswered = "the board did not answer"      # what a silent board means here
-        self.watchdog = Watchdog(timeout, self.describe, on_timeout, self.situation, self.beat)
+        self.recorder, self.asked_dir, self.flight_dir = Recorder(), flight_dir, None
+        self.job, self.skip, self.signals = None, None, None
+        self.watchdog = Watchdog(timeout, self.describe, on_timeout, self.situation, self.beat,
+                                 self.record_flight)
+
+    def open_flight(self):
+        """Once the engine has joined the job: rank 0 names the job, and so the default directory of
+        the flight records; signals dump them from now on. UsageError if --flight-record's
+        directory cannot be made."""
+        self.job = self.share(job_name)
+        self.flight_dir = Path(self.asked_dir or Path(tempfile.gettempdir()) / f"manual_dp-flight-{self.job}")
+        if self.asked_dir:
+            try:
+                self.flight_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UsageError(f"--flight-record {self.asked_dir}: cannot create it ({e.strerror})") from None
+        try:
+            self.skip = skipped_seq(self.rank)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        self.signals = SignalDumps(self.record_flight)
+
+    def collective(self, op, key, run, result=None, size=None, fallback=None):
+        """run() as this rank's next collective: numbered, reported to the board, recorded in the
+        flight recorder and completed there when `result` (the NDArray the engine fills, if any) is
+        there, else when run() returns. Returns run()'s value (`fallback` if the test-only fault
+        makes this rank skip the call)."""
+        if self.skip == self.seq + 1:                     # manual_dp.multiprocess.flight.SKIP
+            self.skip = None
+            return fallback
+        self.enter(f"{op} {key}".strip())
+        entry = self.recorder.start(self.seq, op, key, self.step,
+                                    size if size is not None or result is None else nbytes(result))
+        value = run()
+        if result is None:
+            self.recorder.complete(entry)
+        else:
+            self.recorder.complete_when_ready(entry, result)
+        return value
+
+    def record_flight(self, reason):
+        if self.job is None:
+            return ""
+        try:
+            path = self.recorder.dump(self.flight_dir, rank=self.rank, size=self.size, backend=self.backend,
+                                      job=self.job, reason=reason, host=socket.gethostname())
+        except OSError as e:
+            return f"the flight record could not be written in {self.flight_dir} ({e.strerror})"
+        return f"flight record in {path}: python -m manual_dp.flight {self.flight_dir} compares every rank's"
 
     def enter(self, op):
         """Afterwards this process's fingerprint is its next collective: `op`, the step, the
@@ -139,7 +213,17 @@ class Cluster(World):
         self.watchdog.progress()
 
     def close(self, failed=False):
-        self.watchdog.stop()
+        """The watchdog stopped; with --flight-record, this rank's flight record written (every
+        engine callback run first, on success)."""
+        try:
+            if self.asked_dir and self.job is not None:
+                if not failed:
+                    nd.waitall()
+                self.record_flight("run failed" if failed else "end of run")
+        finally:
+            if self.signals is not None:
+                self.signals.close()
+            self.watchdog.stop()
 
     # Collectives each engine provides.
     def allreduce(self, array, key):
