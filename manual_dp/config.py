@@ -235,8 +235,8 @@ APPLIES = {
     "trace": ("sync",),
     "tensor_parallel": ("tensor", "mesh"),
     "sequence_parallel": ("tensor", "mesh"),
-    "context_parallel": ("context",),
-    "attention": ("context",),
+    "context_parallel": ("context", "mesh"),
+    "attention": ("context", "mesh"),
     "compress": ("sync",),
 }
 # The model each size flag applies to (given for another: refused), and its default there.

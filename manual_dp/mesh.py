@@ -12,7 +12,8 @@ Megatron's order, tp-cp-pp-dp from the inside out). A group of dimension `dim` i
 agree on every other coordinate: each collective of that kind of parallelism runs over one group.
 
 The modes of the command line are meshes: sync dp=N, tensor dp=N/T x tp=T, hybrid dp=N/S x pp=S,
-model and pipeline pp=N, context dp=N/C x cp=C (`for_mode`), mesh dp x pp x tp (Megatron's 3-D).
+model and pipeline pp=N, context dp=N/C x cp=C (`for_mode`), mesh dp x pp x tp (Megatron's 3-D)
+or dp x pp x cp.
 """
 import math
 from dataclasses import dataclass
@@ -56,10 +57,10 @@ class Mesh:
     @classmethod
     def for_mode(cls, mode, n_contexts, degree=None):
         """The mesh a --mode lays out: `degree` is its T (tensor), S (hybrid) or C (context); for
-        mode "mesh", (S, T)."""
+        mode "mesh", (S, T, C) with T or C 1."""
         if mode == "mesh":
-            S, T = degree
-            return cls(dp=n_contexts // (S * T), pp=S, tp=T)
+            S, T, C = degree
+            return cls(dp=n_contexts // (S * T * C), pp=S, cp=C, tp=T)
         if mode in ("tensor", "hybrid", "context"):
             d = degree or n_contexts
             return cls(**{"dp": n_contexts // d, {"tensor": "tp", "hybrid": "pp", "context": "cp"}[mode]: d})
@@ -138,9 +139,11 @@ def mode_of(mesh, mode="sync"):
         return mode, {}
     if used == ["pp", "tp"]:
         return "mesh", {"stages": mesh.pp, "tensor_parallel": mesh.tp}
+    if used == ["pp", "cp"]:
+        return "mesh", {"stages": mesh.pp, "context_parallel": mesh.cp}
     if len(used) > 1:
-        raise ValueError(f"--mesh {mesh}: cp with tp or pp in one run is not built yet "
-                         f"(dp x pp x tp and dp x cp are)")
+        raise ValueError(f"--mesh {mesh}: cp with tp in one run is not built yet "
+                         f"(dp x pp x tp, dp x pp x cp and dp x cp are)")
     want, flag = MODE_OF[used[0]]
     if used[0] == "pp" and mesh.dp == 1:
         want = mode if mode in ("model", "pipeline") else "pipeline"

@@ -104,7 +104,8 @@ def test_cli_8_contexts_dp_pp_tp_equal_one(capsys, data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--cpus", "8", "--mesh", "dp=2,cp=2,tp=2"], "cp with tp or pp in one run is not built yet"),
+    (["--cpus", "8", "--mesh", "dp=2,cp=2,tp=2"], "cp with tp in one run is not built yet"),
+    (["--cpus", "4", "--mode", "mesh", "--context-parallel", "2", "--tensor-parallel", "2"], "inside a pipeline is not built yet"),
     (["--cpus", "4", "--mesh", "pp=2,tp=2", "--model", "mlp"], "--mode mesh (tp x pp) needs layers that split"),
     (["--cpus", "4", "--mesh", "pp=2,tp=2", "--schedule", "zb-h1"], "zb-h1 with tp: not yet"),
     (["--cpus", "6", "--mode", "mesh"], "needs a multiple of --stages 2 x --tensor-parallel 2 contexts, got 6"),
@@ -113,3 +114,35 @@ def test_bad_3d_meshes_end_in_one_line(capsys, data_dir, argv, message):
     base = DATA if "mlp" in argv else SMALL
     code, _, err = run_main(capsys, [*base, "--data-dir", str(data_dir), *argv])
     assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+# dp x pp x cp: each pipeline stage a context-parallel group ----------------------------------------
+
+@pytest.mark.parametrize("n,S,C,schedule,V,attention", [
+    (4, 2, 2, "1f1b", 1, "ring"), (4, 2, 2, "gpipe", 1, "ulysses"), (8, 2, 2, "interleaved", 2, "ring"),
+    (6, 2, 3, "1f1b", 1, "ring"), (8, 2, 4, "1f1b", 1, "ulysses")])
+def test_pipelines_of_context_groups_equal_one_context(reference, n, S, C, schedule, V, attention):
+    net, P, (want, _) = reference
+    strategy = MeshParallel(P, cpus(n), "momentum", S, 1, 4, schedule, V, model=net, context_parallel=C,
+                            attention=attention)
+    got, _ = steps(strategy)
+    scale = max(float(np.abs(w).max()) for w in want["params"])
+    assert max(float(np.abs(g - w).max()) for g, w in zip(got["params"], want["params"])) <= TOL * scale
+    for r, row in enumerate(strategy.params):
+        for k, stage in enumerate(row):
+            for j, copy in enumerate(stage):
+                c = cpus(n)[strategy.mesh.rank(dp=r, pp=k % S, cp=j)]
+                assert all(p.context == c and p.grad.context == c for p in copy)
+
+
+def test_cli_dp_pp_cp_equals_one(capsys, data_dir, tmp_path):
+    logs = {}
+    for name, argv in (("one", ["--cpus", "1"]),
+                       ("mesh", ["--cpus", "8", "--mesh", "dp=2,pp=2,cp=2", "--micro-batches", "2",
+                                 "--attention", "ulysses"])):
+        log = tmp_path / f"{name}.jsonl"
+        code, out, err = run_main(capsys, [*SMALL, "--data-dir", str(data_dir), "--log-json", str(log), *argv])
+        assert code == 0, err
+        logs[name] = json.loads(log.read_text().splitlines()[0])
+    assert logs["mesh"]["mode"] == "mesh"
+    assert abs(logs["mesh"]["train_loss"] - logs["one"]["train_loss"]) <= 1e-4 * logs["one"]["train_loss"]

@@ -109,7 +109,7 @@ def build_model(cfg, params, ctx, world, policy=None):
     refusal = net.tensor_refusal(cfg.tensor_parallel or len(ctx)) if cfg.mode == "tensor" else None
     if refusal:
         raise UsageError(f"--tensor-parallel {refusal}")
-    T = cfg.tensor_parallel or (config.MESH_TP if cfg.mode == "mesh" else len(ctx))
+    T = mesh_tp(cfg) if cfg.mode == "mesh" else cfg.tensor_parallel or len(ctx)
     refusal = net.sequence_refusal(T, "ring") if cfg.sequence_parallel else None
     if refusal:
         raise UsageError(f"--sequence-parallel: {refusal}")
@@ -165,10 +165,10 @@ def build_model(cfg, params, ctx, world, policy=None):
                                sequence_parallel=cfg.sequence_parallel)
     elif cfg.mode == "mesh":     # tensor groups inside pipelines inside data parallelism
         try:
-            model = MeshParallel(params, ctx, cfg.optimizer, cfg.stages or config.STAGES,
-                                 cfg.tensor_parallel or config.MESH_TP, cfg.micro_batches or 1, cfg.schedule or "gpipe",
-                                 virtual_stages(cfg), grad_reduce, make_allreduce(name), model=net,
-                                 sequence_parallel=cfg.sequence_parallel)
+            model = MeshParallel(params, ctx, cfg.optimizer, cfg.stages or config.STAGES, mesh_tp(cfg),
+                                 cfg.micro_batches or 1, cfg.schedule or "gpipe", virtual_stages(cfg), grad_reduce,
+                                 make_allreduce(name), model=net, sequence_parallel=cfg.sequence_parallel,
+                                 context_parallel=cfg.context_parallel or 1, attention=cfg.attention or "ring")
         except ValueError as e:
             raise UsageError(f"--mode mesh: {e}") from None
     elif cfg.mode == "context":  # attention's collectives inside a group; `grad_reduce` sums over all
@@ -201,7 +201,7 @@ def dry_run(cfg, ctx, world):
     print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg)).describe(ctx, world.size)))
     if cfg.mode in ("model", "pipeline", "hybrid", "mesh"):
         S = cfg.stages or config.STAGES
-        replicas = len(ctx) // (S * (cfg.tensor_parallel or config.MESH_TP if cfg.mode == "mesh" else 1))
+        replicas = len(ctx) // (S * (mesh_tp(cfg) * (cfg.context_parallel or 1) if cfg.mode == "mesh" else 1))
         M = min(cfg.micro_batches or 1, cfg.batch_size // (replicas * world.size))
         print(schedules.dry_run(cfg.schedule or "gpipe", S, M, virtual_stages(cfg)))
     print("dry run: nothing trained")
@@ -211,7 +211,12 @@ def dry_run(cfg, ctx, world):
 def degree(cfg):
     """The mode's own dimension: tensor's T, hybrid's S, context's C (None: every context)."""
     return {"tensor": cfg.tensor_parallel, "hybrid": cfg.stages or config.STAGES, "context": cfg.context_parallel,
-            "mesh": (cfg.stages or config.STAGES, cfg.tensor_parallel or config.MESH_TP)}.get(cfg.mode)
+            "mesh": (cfg.stages or config.STAGES, mesh_tp(cfg), cfg.context_parallel or 1)}.get(cfg.mode)
+
+
+def mesh_tp(cfg):
+    """--mode mesh's tensor degree: --tensor-parallel, else 1 beside --context-parallel, else MESH_TP."""
+    return cfg.tensor_parallel or (1 if (cfg.context_parallel or 1) > 1 else config.MESH_TP)
 
 
 def writable(directory, flag):

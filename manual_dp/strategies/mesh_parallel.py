@@ -1,5 +1,7 @@
 """Data x pipeline x tensor parallelism at once (Megatron's "3-D parallelism"): the mesh dp x pp x tp
-(manual_dp.mesh), each pipeline stage a tensor group.
+(manual_dp.mesh), each pipeline stage a tensor group; or dp x pp x cp, each stage a context-parallel
+group (sequence_stage: the stage's layers' sequence_forward, ring or Ulysses attention between the
+blocks, every parameter whole on each context and its gradient summed over the group too).
 
 Context (r, s, j) of the mesh holds tensor shard j of pipeline stage s of replica r. A stage is a
 run of the model's layers (Model.cuts) computed on its tensor group the way TensorParallel computes
@@ -28,8 +30,25 @@ from ..replicas import fingerprint
 from .base import Strategy
 from .pipeline import cut
 from .schedules import bubbles, check_micro, check_name, held, plan, run_order, simulate
+from .context import Sequence
 from .stages import send
 from .tensor import Join, SequenceJoin, copies, even_split, held_whole, shard, whole_layout
+
+
+def sequence_stage(net, ids, seq):
+    """The function (hs, params) -> hs of the model's layers `ids` on a context-parallel group: hs
+    one block of tokens per context, params[j] context j's copy of those layers' parameters; each
+    layer's sequence_forward, or a token-wise layer on each block (Model.sequence_forward's loop)."""
+    layers, slices = net.layers, net.slices()
+    first = slices[ids[0]].start
+
+    def run(hs, params):
+        for i in ids:
+            own = [P[slices[i].start - first:slices[i].stop - first] for P in params]
+            hs = layers[i].sequence_forward(hs, own, seq) if layers[i].sequence_forward else \
+                [layers[i].forward(h, q, nd, [p.shape for p in q]) for h, q in zip(hs, own)]
+        return hs
+    return run
 
 
 def tensor_stage(net, ids, join):
@@ -93,42 +112,56 @@ class GroupPass:
 
 
 class MeshParallel(Strategy):
-    """dp x pp x tp on len(ctx) = D * P * T contexts, context ctx[mesh.rank(dp=r, pp=s, tp=j)].
+    """dp x pp x tp on len(ctx) = D * P * T contexts, context ctx[mesh.rank(dp=r, pp=s, tp=j)];
+    with context_parallel C > 1 instead of T, dp x pp x cp (ctx[mesh.rank(dp=r, pp=s, cp=j)]).
 
     stages P and tensor_parallel T; micro_batches, schedule and virtual_stages as PipelineParallel's;
-    sequence_parallel: Megatron-SP inside every tensor group. model: a network whose layers split
-    on their own (Layer.split_forward, the transformer); allreduce_fn sums over the replicas."""
+    sequence_parallel: Megatron-SP inside every tensor group; attention: "ring" or "ulysses" between
+    a context-parallel group's blocks. model: a network whose layers split on their own
+    (Layer.split_forward) or cut the sequence (Layer.sequence_forward): the transformer;
+    allreduce_fn sums over the replicas (and the groups, where every context holds a whole copy).
+    self.T is the size of a stage's group, T or C."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stages=2, tensor_parallel=2, micro_batches=1,
                  schedule="1f1b", virtual_stages=1, allreduce_fn=None, tp_allreduce=None, model=None,
-                 sequence_parallel=False):
-        net = self.net = stateless(model, "--mesh with tp and pp")
-        S, T, V, n = stages, tensor_parallel, virtual_stages, len(ctx)
+                 sequence_parallel=False, context_parallel=1, attention="ring"):
+        net = self.net = stateless(model, "--mesh with pp and tp or cp")
+        C = self.C = context_parallel
+        if C > 1 and (tensor_parallel > 1 or sequence_parallel):
+            raise ValueError("cp with tp inside a pipeline: not yet")
+        S, T, V, n = stages, tensor_parallel if C == 1 else C, virtual_stages, len(ctx)
         if n % (S * T):
-            raise ValueError(f"pp={S} x tp={T} does not divide the {n} contexts")
-        if type(net).split_forward is not Model.split_forward:
+            raise ValueError(f"pp={S} x {'tp' if C == 1 else 'cp'}={T} does not divide the {n} contexts")
+        if C == 1 and type(net).split_forward is not Model.split_forward:
             raise ValueError(f"{net.name} splits as a whole model; tp x pp needs layers that split on their own")
-        refusal = net.tensor_refusal(T) or (net.sequence_refusal(T, "ring") if sequence_parallel else None)
+        refusal = (net.tensor_refusal(T) or (net.sequence_refusal(T, "ring") if sequence_parallel else None)
+                   if C == 1 else net.sequence_refusal(C, attention))
         if refusal:
-            raise ValueError(f"tensor degree {refusal}")
+            raise ValueError(f"tensor degree {refusal}" if C == 1 else f"cp={C}: {refusal}")
         check_name(schedule, S, max(micro_batches, 1), V)
         check_micro(schedule, S, micro_batches)
         if schedule == "zb-h1" or S * V > len(net.layers):
             raise ValueError("zb-h1 with tp: not yet" if schedule == "zb-h1" else
                              f"{S} stages x {V} virtual stages need {S * V} layers; {net.name} has {len(net.layers)}")
-        self.mesh = Mesh(dp=n // (S * T), pp=S, tp=T)
+        self.mesh = Mesh(dp=n // (S * T), pp=S, tp=T) if C == 1 else Mesh(dp=n // (S * C), pp=S, cp=C)
+        self.summed_in_group = sequence_parallel or C > 1     # whole parameters that see a block of tokens
         self.ctx, self.optimizer, self.S, self.T, self.V = list(ctx), optimizer, S, T, V
         self.micro_batches, self.schedule, self.sequence_parallel = micro_batches, schedule, sequence_parallel
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         tp_allreduce = tp_allreduce or make_allreduce(FAST_STEP["allreduce"])
-        self.join = SequenceJoin(tp_allreduce, net.tokens, T) if sequence_parallel else Join(tp_allreduce)
         self.cuts = net.cuts(S * V)
-        self.stages = [tensor_stage(net, ids, self.join) for ids in self.cuts]
+        if C > 1:
+            self.join = Sequence(net.tokens, C, attention, tp_allreduce)
+            self.stages = [sequence_stage(net, ids, self.join) for ids in self.cuts]
+        else:
+            self.join = SequenceJoin(tp_allreduce, net.tokens, T) if sequence_parallel else Join(tp_allreduce)
+            self.stages = [tensor_stage(net, ids, self.join) for ids in self.cuts]
         slices = net.slices()
         self.own = [slice(slices[ids[0]].start, slices[ids[-1]].stop) for ids in self.cuts]   # params per stage
-        self.split = [p.split for p in net.param_table()]
+        self.split = [p.split if C == 1 else None for p in net.param_table()]
         # groups[r][k]: the tensor group of replica r's stage k
-        self.groups = [[[self.ctx[self.mesh.rank(dp=r, pp=k % S, tp=j)] for j in range(T)] for k in range(S * V)]
+        dim = "tp" if C == 1 else "cp"
+        self.groups = [[[self.ctx[self.mesh.rank(dp=r, pp=k % S, **{dim: j})] for j in range(T)] for k in range(S * V)]
                        for r in range(self.mesh.dp)]
         values = [p.asnumpy() for p in params]
         self.params = [[[self.place([shard(values[i], self.split[i], j, T) for i in range(sl.start, sl.stop)], c)
@@ -156,7 +189,7 @@ class MeshParallel(Strategy):
     def backward(self, X, y):
         """Every replica pipelines its shard of the batch over its stages' tensor groups."""
         metrics = []
-        scale = 1 / self.T if self.sequence_parallel else 1
+        scale = 1 / self.T if self.summed_in_group else 1
         for row, P, Xr, yr in zip(self.groups, self.params, split_and_load(X, [g[0][0] for g in self.groups]),
                                   split_and_load(y, [g[-1][0] for g in self.groups])):
             p = self.plan(Xr.shape[0])
@@ -173,10 +206,10 @@ class MeshParallel(Strategy):
                     yield k, j, i, g
 
     def update(self, lr, n_examples):
-        """Each shard's gradient summed over the replicas (a replicated one's, under sequence
-        parallelism, over its tensor group too); one optimiser step on every context."""
+        """Each shard's gradient summed over the replicas (a replicated one's, under sequence or
+        context parallelism, over its group too); one optimiser step on every context."""
         for k, j, i, g in self.each_param():
-            if self.sequence_parallel and self.split[g] is None:
+            if self.summed_in_group and self.split[g] is None:
                 if j == 0:
                     self.allreduce_fn([row[k][jj][i].grad for row in self.params for jj in range(self.T)])
                 continue
@@ -237,7 +270,10 @@ class MeshParallel(Strategy):
             kept = held(p, shard_sizes(n, p.n_micro), per="stage")
             for group, pieces, h in zip(row, self.cuts, kept):
                 out += [(c, pieces, e) for c, e in zip(group, even_split(h, self.T))]
-                out += whole_layout(group, h, held_whole(self.net, pieces, self.sequence_parallel))
+                if self.C == 1:
+                    out += whole_layout(group, h, held_whole(self.net, pieces, self.sequence_parallel))
+                elif pieces[0] == 0:                   # the images, copied whole to every context
+                    out += whole_layout(group, h, self.net.layers[0].inputs)
         return out
 
     def arrays(self):
