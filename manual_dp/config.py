@@ -145,7 +145,7 @@ class RunConfig:
                                               "python -m manual_dp.flight DIR names where the ranks part. Without "
                                               "it a failing job (watchdog, signal, failed collective) writes them "
                                               "to TMPDIR/manual_dp-flight-JOB, named in its error line",
-                                        "more than one process (see docs/multi-machine.md)")
+                                        "more than one process (see docs/multi-machine.md)", metavar="DIR")
     memory_per_device: Optional[str] = flag(None, "emulate devices of this many bytes (300MiB, 2G: K, M, "
                                                   "G of 1000, KiB, MiB, GiB of 1024): refuse, before training, a layout whose "
                                                   "measured peak on a context exceeds it, and name the modes "

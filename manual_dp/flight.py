@@ -51,32 +51,33 @@ def read_record(path):
 
 
 def read_dumps(directory):
-    """{rank: record} of every flight-RANK.json in `directory`, of one job; FlightError if any
-    is missing or does not belong."""
+    """({rank: record}, notes) of the newest job's flight-RANK.json files in `directory` (a job
+    restarted on fewer ranks leaves the earlier job's records of the other ranks: noted, ignored);
+    FlightError if none is there, one is not a record, or one of the job's ranks left none."""
     d = Path(directory)
     if not d.is_dir():
         raise FlightError(f"{d}: {'not a directory' if d.exists() else 'no such directory'}")
     files = sorted(d.glob("flight-*.json"))
     if not files:
         raise FlightError(f"{d} holds no flight record (flight-RANK.json): the job wrote none there")
-    records = {}
+    found = {}
     for path in files:
         record = read_record(path)
         if path.name != f"flight-{record['rank']}.json":
             raise FlightError(f"{path}: holds rank {record['rank']}'s record")
-        records[record["rank"]] = record
-    first = records[min(records)]
-    for rank, record in records.items():
-        if (record.get("job"), record["size"]) != (first.get("job"), first["size"]):
-            raise FlightError(f"{d}: flight-{rank}.json is of another job ({record.get('job')}, {record['size']} "
-                              f"ranks) than flight-{min(records)}.json ({first.get('job')}, {first['size']} ranks)")
-    missing = [r for r in range(first["size"]) if r not in records]
-    if missing or max(records) >= first["size"]:
+        found[record["rank"]] = record
+    newest = max(found.values(), key=lambda r: r.get("dumped_at", 0) if isinstance(r.get("dumped_at"), (int, float)) else 0)
+    job = (newest.get("job"), newest["size"])
+    records = {r: rec for r, rec in found.items() if (rec.get("job"), rec["size"]) == job}
+    notes = [f"flight-{r}.json ignored: an earlier job's ({rec.get('job')}, {rec['size']} ranks)"
+             for r, rec in sorted(found.items()) if r not in records]
+    missing = [r for r in range(newest["size"]) if r not in records]
+    if missing or max(records) >= newest["size"]:
         names = ", ".join(f"flight-{r}.json" for r in missing[:4]) + (" ..." if len(missing) > 4 else "")
-        raise FlightError(f"{d}: {len(missing)} of the job's {first['size']} ranks left no record ({names}); "
-                          f"a rank on another machine wrote it there: copy it here" if missing else
-                          f"{d}: rank {max(records)} is beyond the job's {first['size']} ranks")
-    return records
+        raise FlightError(f"{d}: {len(missing)} of job {job[0]}'s {job[1]} ranks left no record ({names}); a rank "
+                          f"on another machine wrote it there: copy it here" if missing else
+                          f"{d}: rank {max(records)} is beyond the job's {job[1]} ranks")
+    return records, notes
 
 
 def signature(entry):
@@ -150,7 +151,7 @@ def compare(records):
         if any(seq not in entries[r] for r in ranks) or len(groups({r: entries[r][seq] for r in ranks})) > 1:
             return 1, lines + [verdict(seq, entries, ranks)]
     older = f" (older ones left the ring buffer before #{first})" if first > 1 else ""
-    return 0, lines + [f"the ranks agree: {len(ranks)} ranks entered the same collectives #{first} to #{last}{older}"]
+    return 0, lines + [f"the ranks agree: {len(ranks)} rank(s) entered the same collectives #{first} to #{last}{older}"]
 
 
 def main(argv=None):
@@ -158,14 +159,15 @@ def main(argv=None):
     parser.add_argument("dir", help="the directory of the flight records (--flight-record DIR, or the one "
                                     "a failed job's error line names)")
     try:
-        status, lines = compare(read_dumps(parser.parse_args(argv).dir))
+        records, notes = read_dumps(parser.parse_args(argv).dir)
+        status, lines = compare(records)
     except FlightError as e:
         sys.stderr.write(f"manual_dp.flight: error: {e}\n")
         sys.exit(2)
     except KeyboardInterrupt:
         sys.stderr.write("manual_dp.flight: error: interrupted\n")
         sys.exit(130)
-    print("\n".join(lines))
+    print("\n".join(notes + lines))
     sys.exit(status)
 
 

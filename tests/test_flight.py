@@ -9,12 +9,14 @@ $MANUAL_DP_TEST_SKIP_COLLECTIVE) and hangs the others until the watchdog gives u
 import importlib.util
 import json
 import re
+import signal
+import time
 
 import mxnet as mx
 import pytest
 
 from conftest import run_main, write_dataset
-from jobs import horovod_cmd, launch_cmd, run_job
+from jobs import Job, horovod_cmd, launch_cmd, run_job, wait_for
 from manual_dp.flight import main
 from manual_dp.multiprocess.flight import FORMAT, SKIP, Recorder, skipped_seq
 
@@ -32,10 +34,10 @@ def steps(n, first=1):
     return [entry(s, step=s) for s in range(first, first + n)]
 
 
-def write(directory, rank, entries, size=2, job="job-1"):
+def write(directory, rank, entries, size=2, job="job-1", dumped_at=200.0):
     directory.mkdir(parents=True, exist_ok=True)
     record = dict(format=FORMAT, rank=rank, size=size, backend="dist_sync", job=job, reason="watchdog",
-                  host="here", dumped_at=200.0, pid=1, capacity=512, entries=entries)
+                  host="here", dumped_at=dumped_at, pid=1, capacity=512, entries=entries)
     (directory / f"flight-{rank}.json").write_text(json.dumps(record))
 
 
@@ -54,7 +56,7 @@ def test_identical_records_agree(tmp_path, capsys):
         write(tmp_path, rank, steps(5))
     code, out, err = read(capsys, tmp_path)
     assert code == 0 and not err
-    assert out[-1] == "the ranks agree: 2 ranks entered the same collectives #1 to #5", out
+    assert out[-1] == "the ranks agree: 2 rank(s) entered the same collectives #1 to #5", out
     assert out[0].startswith("rank 0 (watchdog): last started #5 allreduce sum10 (step 5, 40 bytes)")
 
 
@@ -93,6 +95,15 @@ def test_ranks_whose_ring_buffers_start_apart_are_compared_where_both_reach(tmp_
     assert code == 0 and "#10 to #13 (older ones left the ring buffer before #10)" in out[-1], out
 
 
+def test_an_earlier_jobs_records_are_noted_and_ignored(tmp_path, capsys):
+    """A job restarted on one worker (--max-restarts) over the records of the job of two."""
+    write(tmp_path, 0, steps(3), size=1, job="job-2", dumped_at=300.0)
+    write(tmp_path, 1, steps(5))
+    code, out, _ = read(capsys, tmp_path)
+    assert code == 0 and out[0] == "flight-1.json ignored: an earlier job's (job-1, 2 ranks)", out
+    assert out[-1] == "the ranks agree: 1 rank(s) entered the same collectives #1 to #3", out
+
+
 @pytest.mark.parametrize("make,message", [
     (lambda d: None, "no such directory"),
     (lambda d: d.mkdir(), "holds no flight record"),
@@ -100,8 +111,9 @@ def test_ranks_whose_ring_buffers_start_apart_are_compared_where_both_reach(tmp_
      "flight-1.json: not a readable flight record (JSONDecodeError"),
     (lambda d: (write(d, 0, steps(3)), (d / "flight-1.json").write_text("[1, 2]")), "not a flight record"),
     (lambda d: (write(d, 0, steps(3)), write(d, 1, [{"seq": "x"}])), "its entries are malformed"),
-    (lambda d: write(d, 0, steps(3)), "1 of the job's 2 ranks left no record (flight-1.json)"),
-    (lambda d: (write(d, 0, steps(3)), write(d, 1, steps(3), job="job-2")), "flight-1.json is of another job"),
+    (lambda d: write(d, 0, steps(3)), "1 of job job-1's 2 ranks left no record (flight-1.json)"),
+    (lambda d: (write(d, 0, steps(3), job="job-2", dumped_at=300.0), write(d, 1, steps(3))),
+     "1 of job job-2's 2 ranks left no record (flight-1.json)"),
     (lambda d: (d.parent.mkdir(exist_ok=True), d.write_text("x")), "not a directory"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make, message):
@@ -163,7 +175,7 @@ def test_a_job_that_ends_well_writes_records_that_agree(data, tmp_path, capsys):
                         tmp_path / "out.txt", timeout=120)
     assert code == 0, out
     status, lines, _ = read(capsys, tmp_path / "fr")
-    assert status == 0 and re.fullmatch(r"the ranks agree: 2 ranks entered the same collectives #1 to #\d+", lines[-1])
+    assert status == 0 and re.fullmatch(r"the ranks agree: 2 rank\(s\) entered the same collectives #1 to #\d+", lines[-1])
     assert all(e["state"] == "completed" for r in (0, 1)
                for e in json.loads((tmp_path / "fr" / f"flight-{r}.json").read_text())["entries"])
 
@@ -202,6 +214,23 @@ def test_a_skipped_collective_is_named_with_the_late_rank_dist_sync(data, tmp_pa
             2, "dist_sync", *ARGS, "--data-dir", data, "--timeout", 3, *extra), {"TMPDIR": str(tmp_path)})
         assert directory.startswith(str(tmp_path / "manual_dp-flight-") if run == 0 else str(where / "fr")), directory
         assert_names_the_skip(capsys, directory)
+
+
+def test_a_hung_job_stopped_by_sigterm_leaves_every_ranks_record(data, tmp_path, capsys):
+    """The launcher's SIGTERM reaches workers that wait inside MXNet, where Python's handler cannot
+    run: each still writes its record (the signal wakes the recorder's thread)."""
+    job = Job(launch_cmd(2, "dist_sync", *ARGS, "--data-dir", data, "--timeout", 60, "--flight-record",
+                         tmp_path / "fr"), tmp_path / "out.txt", env={SKIP: f"1:{SKIPPED}"})
+    try:
+        wait_for(lambda: "epoch 1/2" in job.output(), 120, "the first epoch")
+        time.sleep(3)                                          # epoch 2 hangs at its last sum
+        job.proc.send_signal(signal.SIGTERM)
+        assert job.wait(60) != 0
+    finally:
+        job.close()
+    reasons = {json.loads((tmp_path / "fr" / f"flight-{r}.json").read_text())["reason"] for r in (0, 1)}
+    assert reasons == {"stopped by SIGTERM"}, reasons
+    assert_names_the_skip(capsys, tmp_path / "fr")
 
 
 @pytest.mark.skipif(not HAVE_HOROVOD, reason="horovod.mxnet is not importable (bash setup.sh --test installs it)")

@@ -101,7 +101,7 @@ class Recorder:
             self.waiting[key] = entry
         ctx = EngineContext(array.context.device_typeid, array.context.device_id)
         handles = (ctypes.c_void_p * 1)(array.handle.value)
-        from mxnet.base import _LIB, check_call
+        from mxnet.base import _LIB, check_call   # here: the reader (manual_dp.flight) never loads MXNet
         check_call(_LIB.MXEnginePushSyncND(self.callback, ctypes.c_void_p(key), None, ctypes.byref(ctx),
                                            handles, 1, None, 0, None, 0, None))
 
