@@ -104,8 +104,10 @@ class RunConfig:
                                           "(default 0)", "parallelism")
     micro_batches: Optional[int] = flag(None, "pipeline and hybrid only: micro-batches per batch and "
                                               "pipeline (default 4)", "parallelism")
-    zero_stage: Optional[int] = flag(None, "zero only: ZeRO shards over the contexts 1: the optimiser state, "
-                                           "2: also the gradients, 3: also the parameters (default 1)",
+    zero_stage: Optional[int] = flag(None, "zero: ZeRO shards over the contexts 1: the optimiser state, "
+                                           "2: also the gradients, 3: also the parameters (default 1); tensor, "
+                                           "context, mesh: 1 shards the optimiser state over the data dimension "
+                                           "(default off)",
                                      "parallelism", choices=(1, 2, 3))
     grad_accum: int = flag(1, "batches per update", "parallelism")
     clip_norm: Optional[float] = flag(None, "scale the gradient by min(1, C / its global L2 norm) before every "
@@ -222,7 +224,7 @@ APPLIES = {
     "loss_scale": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
     "scale_window": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
     "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor", "context", "mesh"),
-    "zero_stage": ("zero",),
+    "zero_stage": ("zero", "tensor", "context", "mesh"),
     "sync_every": ("local",),
     "outer_optimizer": ("local",),
     "outer_lr": ("local",),
@@ -239,6 +241,8 @@ APPLIES = {
     "attention": ("context", "mesh"),
     "compress": ("sync",),
 }
+# Flags whose default holds only in some of the modes they apply to (elsewhere: off unless given).
+DEFAULT_ONLY_IN = {"zero_stage": ("zero",)}      # tensor, context and mesh: ZeRO over the data dimension if asked
 # The model each size flag applies to (given for another: refused), and its default there.
 MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer",), "d_model": ("transformer",),
                  "heads": ("transformer",), "patch": ("transformer",)}
@@ -264,7 +268,8 @@ def resolve(cfg):
             raise UsageError(f"--{name.replace('_', '-')} applies only to --mode "
                              f"{' or '.join(modes)}, not --mode {cfg.mode}")
         default = MODE_DEFAULTS.get(name, FAST_STEP.get(name, defaults[name]))
-        values[name] = given if given is not None else (default if cfg.mode in modes else None)
+        default = default if cfg.mode in DEFAULT_ONLY_IN.get(name, modes) else None
+        values[name] = given if given is not None else default
     for name, default in LOSS_SCALE.items():                 # fp16's loss scale, and only fp16's
         given = getattr(cfg, name)
         if given is not None and cfg.precision != "fp16":

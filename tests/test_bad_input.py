@@ -117,7 +117,7 @@ FLAGS = [
     ("memory-per-device too small", ["--cpus", "1", "--memory-per-device", "100KiB"], 2,
      r"--memory-per-device 100KiB: --mode sync needs .*iB on cpu\(0\) \(measured\), .*iB more than 100.0 KiB; "
      "no mode fits"),
-    ("zero-stage in sync", ["--zero-stage", "2"], 2, "--zero-stage applies only to --mode zero, not --mode sync"),
+    ("zero-stage in sync", ["--zero-stage", "2"], 2, "--zero-stage applies only to --mode zero or tensor or context or mesh, not --mode sync"),
     ("zero-stage in pipeline", ["--cpus", "2", "--mode", "pipeline", "--zero-stage", "3"], 2, "--zero-stage applies only to --mode zero"),
     ("zero-stage 4", ["--mode", "zero", "--zero-stage", "4"], 2, r"--zero-stage: invalid choice: 4 \(choose from 1, 2, 3\)"),
     ("zero-stage 0", ["--mode", "zero", "--zero-stage", "0"], 2, "--zero-stage: invalid choice: 0"),

@@ -120,6 +120,9 @@ def build_model(cfg, params, ctx, world, policy=None):
         chunks = f" x --virtual-stages {virtual_stages(cfg)}" if virtual_stages(cfg) > 1 else ""
         raise UsageError(f"--stages {cfg.stages}{chunks}: --model {cfg.model} has {len(net.layers)} layers to cut "
                          f"between ({', '.join(layer.name for layer in net.layers)})")
+    if cfg.zero_stage and cfg.mode != "zero" and world.size > 1:
+        raise UsageError(f"--zero-stage with --mode {cfg.mode} shards over this process's contexts only: not yet "
+                         f"across {world.size} processes")
     name = cfg.allreduce or config.FAST_STEP["allreduce"]  # model, pipeline: one replica, nothing to sum here
     if name not in ALLREDUCE_ALGORITHMS:
         raise UsageError(f"--allreduce {name}: choose from {', '.join(ALLREDUCE_ALGORITHMS)}")
@@ -162,18 +165,19 @@ def build_model(cfg, params, ctx, world, policy=None):
             exchange=lambda table: world.allreduce(table, "tensortree" + "x".join(map(str, table.shape))))
     elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
         model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name), model=net,
-                               sequence_parallel=cfg.sequence_parallel)
+                               sequence_parallel=cfg.sequence_parallel, zero_stage=cfg.zero_stage or 0)
     elif cfg.mode == "mesh":     # tensor groups inside pipelines inside data parallelism
         try:
             model = MeshParallel(params, ctx, cfg.optimizer, cfg.stages or config.STAGES, mesh_tp(cfg),
                                  cfg.micro_batches or 1, cfg.schedule or "gpipe", virtual_stages(cfg), grad_reduce,
                                  make_allreduce(name), model=net, sequence_parallel=cfg.sequence_parallel,
-                                 context_parallel=cfg.context_parallel or 1, attention=cfg.attention or "ring")
+                                 context_parallel=cfg.context_parallel or 1, attention=cfg.attention or "ring",
+                                 zero_stage=cfg.zero_stage or 0)
         except ValueError as e:
             raise UsageError(f"--mode mesh: {e}") from None
     elif cfg.mode == "context":  # attention's collectives inside a group; `grad_reduce` sums over all
         model = ContextParallel(params, ctx, cfg.optimizer, cfg.context_parallel, cfg.attention, grad_reduce,
-                                make_allreduce(name), model=net)
+                                make_allreduce(name), model=net, zero_stage=cfg.zero_stage or 0)
     else:
         try:
             model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, grad_reduce,

@@ -27,7 +27,9 @@ from ..lesson import cross_entropy, n_correct, split_and_load
 from ..models import stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
+from ..errors import CheckpointError
 from .base import Strategy
+from .dp_zero import DataShardedOptimizer
 from .data_parallel import host_state, load_into
 from .tensor import copies, even_split
 
@@ -48,10 +50,11 @@ class Sequence:
 class ContextParallel(Strategy):
     """len(ctx) // C data-parallel groups of C contexts; group r's block j on ctx[r * C + j].
     attention: "ring" or "ulysses"; allreduce_fn sums the gradients over every context (and, under
-    a multi-process world, the processes); cp_allreduce is seq.sum's, inside a group."""
+    a multi-process world, the processes); cp_allreduce is seq.sum's, inside a group. zero_stage 1:
+    each context keeps the optimiser state of 1/N of every parameter (strategies/dp_zero.py)."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, context_parallel=None, attention="ring",
-                 allreduce_fn=None, cp_allreduce=None, model=None):
+                 allreduce_fn=None, cp_allreduce=None, model=None, zero_stage=0):
         self.ctx, self.optimizer = list(ctx), optimizer
         self.net = stateless(model, "--mesh cp") if model is not None else None
         C = self.C = context_parallel or len(self.ctx)
@@ -67,7 +70,9 @@ class ContextParallel(Strategy):
         self.grid = [self.ctx[r:r + C] for r in range(0, len(self.ctx), C)]      # grid[group][block]
         values = [p.asnumpy() for p in params]
         self.params = [[self.place(values, c) for c in row] for row in self.grid]
-        self.states = [[init_states(P, optimizer) for P in row] for row in self.params]
+        groups = [[P[i] for P in self.copies] for i in range(len(values))]
+        self.zero = DataShardedOptimizer(groups, optimizer) if zero_stage else None
+        self.states = None if self.zero else [[init_states(P, optimizer) for P in row] for row in self.params]
         self.t = 0
 
     @staticmethod
@@ -104,7 +109,12 @@ class ContextParallel(Strategy):
         return metrics
 
     def update(self, lr, n_examples):
-        """Sum every parameter's gradient over all contexts, then one optimiser step on each."""
+        """Sum every parameter's gradient over all contexts, then one optimiser step on each (under
+        ZeRO: a chunk on each, then gathered)."""
+        if self.zero:
+            self.t += 1
+            self.zero.step(lr, self.t, self.counted(n_examples))
+            return
         copies_ = self.copies
         for i in range(len(copies_[0])):
             self.allreduce_fn([P[i].grad for P in copies_])
@@ -114,6 +124,11 @@ class ContextParallel(Strategy):
             apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
 
     def reduced_grads(self):
+        """The summed gradient, on the first context (under ZeRO summed here: the update
+        reduce-scatters it instead)."""
+        if self.zero:
+            home = self.ctx[0]
+            return [nd.add_n(*[P[i].grad.as_in_context(home) for P in self.copies]) for i in range(len(self.copies[0]))]
         return [p.grad for p in self.params[0][0]]
 
     def correct(self, X, y):
@@ -144,15 +159,27 @@ class ContextParallel(Strategy):
 
     def arrays(self):
         params = [p for P in self.copies for p in P]
-        state = [s for row in self.states for S in row for st in S for s in st]
+        state = self.zero.state_arrays() if self.zero else [s for row in self.states for S in row for st in S for s in st]
         return {"param": params, "grad": [p.grad for p in params], "state": state}
 
     def state_dict(self):
+        if self.zero:
+            whole = [[nd.array(v) for v in self.zero.whole_state(i)] for i in range(len(self.copies[0]))]
+            return host_state(self.params[0][0], whole, self.t)
         return host_state(self.params[0][0], self.states[0][0], self.t)
 
     def load_state_dict(self, state):
-        for P, S in zip(self.copies, [S for row in self.states for S in row]):
-            load_into(P, S, state)
+        if not self.zero:
+            for P, S in zip(self.copies, [S for row in self.states for S in row]):
+                load_into(P, S, state)
+            self.t = state["t"]
+            return
+        if [len(s) for s in state["opt_state"]] != [len(s) for s in self.state_dict()["opt_state"]]:
+            raise CheckpointError("the checkpoint's parameters or optimiser state do not fit this run")
+        for P in self.copies:                                  # the parameters; the state goes to its chunks
+            load_into(P, [[] for _ in P], dict(state, opt_state=[[] for _ in P]))
+        for i, values in enumerate(state["opt_state"]):
+            self.zero.load_state(i, values)
         self.t = state["t"]
 
 

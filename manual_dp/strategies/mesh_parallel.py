@@ -28,6 +28,7 @@ from ..models import Model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
+from .dp_zero import DataShardedOptimizer
 from .pipeline import cut
 from .schedules import bubbles, check_micro, check_name, held, plan, run_order, simulate
 from .context import Sequence
@@ -124,7 +125,7 @@ class MeshParallel(Strategy):
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stages=2, tensor_parallel=2, micro_batches=1,
                  schedule="1f1b", virtual_stages=1, allreduce_fn=None, tp_allreduce=None, model=None,
-                 sequence_parallel=False, context_parallel=1, attention="ring"):
+                 sequence_parallel=False, context_parallel=1, attention="ring", zero_stage=0):
         net = self.net = stateless(model, "--mesh with pp and tp or cp")
         C = self.C = context_parallel
         if C > 1 and (tensor_parallel > 1 or sequence_parallel):
@@ -166,8 +167,23 @@ class MeshParallel(Strategy):
         values = [p.asnumpy() for p in params]
         self.params = [[[self.place([shard(values[i], self.split[i], j, T) for i in range(sl.start, sl.stop)], c)
                          for j, c in enumerate(group)] for sl, group in zip(self.own, row)] for row in self.groups]
-        self.states = [[[init_states(P, optimizer) for P in stage] for stage in row] for row in self.params]
+        self.zero = DataShardedOptimizer([g for _, g in self.copy_groups()], optimizer) if zero_stage else None
+        self.states = None if self.zero else \
+            [[[init_states(P, optimizer) for P in stage] for stage in row] for row in self.params]
         self.t, self.bubbles = 0, []
+
+    def copy_groups(self):
+        """[((k, j, i), arrays)]: the copies whose gradients are summed: shard j of stage k's parameter
+        i over the replicas; a whole parameter under sequence or context parallelism over the replicas
+        and the group (keyed j = None)."""
+        out = []
+        for k, j, i, g in self.each_param():
+            if self.summed_in_group and self.split[g] is None:
+                if j == 0:
+                    out.append(((k, None, i), [row[k][jj][i] for row in self.params for jj in range(self.T)]))
+            else:
+                out.append(((k, j, i), [row[k][j][i] for row in self.params]))
+        return out
 
     @staticmethod
     def place(values, ctx):
@@ -207,7 +223,12 @@ class MeshParallel(Strategy):
 
     def update(self, lr, n_examples):
         """Each shard's gradient summed over the replicas (a replicated one's, under sequence or
-        context parallelism, over its group too); one optimiser step on every context."""
+        context parallelism, over its group too); one optimiser step on every context (under ZeRO,
+        over the data dimension: each copy steps its chunk, then the chunks are gathered)."""
+        if self.zero:
+            self.t += 1
+            self.zero.step(lr, self.t, self.counted(n_examples))
+            return
         for k, j, i, g in self.each_param():
             if self.summed_in_group and self.split[g] is None:
                 if j == 0:
@@ -235,7 +256,14 @@ class MeshParallel(Strategy):
         return out
 
     def reduced_grads(self):
-        return self.whole(lambda k, j, i: self.params[0][k][j][i].grad)
+        """The whole summed gradient in the model's order (under ZeRO summed here: the update
+        reduce-scatters it instead)."""
+        if not self.zero:
+            return self.whole(lambda k, j, i: self.params[0][k][j][i].grad)
+        home, total = self.ctx[0], {}
+        for (k, j, i), arrays in self.copy_groups():
+            total[(k, j, i)] = nd.add_n(*[a.grad.as_in_context(home) for a in arrays])
+        return self.whole(lambda k, j, i: total.get((k, j, i), total.get((k, None, i))))
 
     def end_epoch(self, lr):
         stats = {"bubble_fraction": sum(self.bubbles) / len(self.bubbles)} if self.bubbles else {}
@@ -278,15 +306,28 @@ class MeshParallel(Strategy):
 
     def arrays(self):
         params = [p for row in self.params for stage in row for P in stage for p in P]
-        state = [s for row in self.states for stage in row for S in stage for st in S for s in st]
+        state = self.zero.state_arrays() if self.zero else \
+            [s for row in self.states for stage in row for S in stage for st in S for s in st]
         return {"param": params, "grad": [p.grad for p in params], "state": state}
+
+    def first_state(self):
+        """get(k, j, i, slot): replica 0's optimiser state of stage k's parameter i on rank j (under
+        ZeRO gathered whole from the chunks, on the host), and the number of slots."""
+        if not self.zero:
+            return (lambda k, j, i, s: self.states[0][k][j][i][s]), len(self.states[0][0][0][0])
+        whole = {key: self.zero.whole_state(n) for n, (key, _) in enumerate(self.copy_groups())}
+
+        def get(k, j, i, s):
+            if (k, j, i) in whole:
+                return nd.array(whole[(k, j, i)][s])
+            return nd.array(shard(whole[(k, None, i)][s], self.split[self.own[k].start + i], j, self.T))
+        return get, len(next(iter(whole.values()))) if whole else 0
 
     def state_dict(self):
         """Replica 0's shards joined: the whole parameters and optimiser state, in the model's order."""
         params = [a.asnumpy() for a in self.whole(lambda k, j, i: self.params[0][k][j][i])]
-        slots = len(self.states[0][0][0][0])
-        opt = [[a.asnumpy() for a in self.whole(lambda k, j, i, s=s: self.states[0][k][j][i][s])]
-               for s in range(slots)]
+        get, slots = self.first_state()
+        opt = [[a.asnumpy() for a in self.whole(lambda k, j, i, s=s: get(k, j, i, s))] for s in range(slots)]
         return {"params": params, "opt_state": [[o[g] for o in opt] for g in range(len(params))],
                 "t": self.t, "extra": {}}
 
@@ -294,7 +335,7 @@ class MeshParallel(Strategy):
         want = len(self.split)
         if len(state["params"]) != want:
             raise CheckpointError(f"the checkpoint holds {len(state['params'])} parameters, this model {want}")
-        for row, row_states in zip(self.params, self.states):
+        for row, row_states in zip(self.params, self.states or [None] * len(self.params)):
             for k, sl in enumerate(self.own):
                 for j in range(self.T):
                     for i, g in enumerate(range(sl.start, sl.stop)):
@@ -303,8 +344,13 @@ class MeshParallel(Strategy):
                         if tuple(value.shape) != p.shape:
                             raise CheckpointError(f"the checkpoint's {self.net.names()[g]} does not fit this run")
                         p[:] = nd.array(value, ctx=p.context)
-                        for s, v in zip(row_states[k][j][i], state["opt_state"][g]):
+                        for s, v in zip(row_states[k][j][i] if row_states else (), state["opt_state"][g]):
                             s[:] = nd.array(shard(v, self.split[g], j, self.T), ctx=s.context)
+        if self.zero:
+            for n, ((k, j, i), _) in enumerate(self.copy_groups()):
+                g = self.own[k].start + i
+                self.zero.load_state(n, [v if j is None else shard(v, self.split[g], j, self.T)
+                                         for v in state["opt_state"][g]])
         self.t = state["t"]
 
 

@@ -42,6 +42,7 @@ from ..models import as_model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
+from .dp_zero import DataShardedOptimizer
 
 # The axis along which each of LeNet's 8 parameters is split; None: whole on every context.
 SPLIT = [p.split for p in as_model(None).param_table()]    # W1, b1 | W2, b2 | W3, b3 | W4, b4: 0, 0, 1, None, 1, 0, 0, None
@@ -127,10 +128,13 @@ class TensorParallel(Strategy):
     the group too; each context backpropagates 1/T of the loss, whose sum over the group (through
     unshard's all-gather, whose backward adds every context's gradient) is the one-context loss,
     so the replicated parameters after the gather (the head) also get 1/T each and sum to theirs.
+
+    zero_stage 1: ZeRO over the data dimension (strategies/dp_zero.py): each group's copy of a
+    shard keeps the optimiser state of 1/D of it, in this process's contexts.
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
-                 allreduce_fn=None, tp_allreduce=None, model=None, sequence_parallel=False):
+                 allreduce_fn=None, tp_allreduce=None, model=None, sequence_parallel=False, zero_stage=0):
         self.ctx, self.optimizer, self.net = list(ctx), optimizer, stateless(as_model(model, params), "--mode tensor")
         T = self.T = tensor_parallel or len(self.ctx)
         self.split, self.join = [p.split for p in self.net.param_table()], None
@@ -150,8 +154,21 @@ class TensorParallel(Strategy):
         host_params = [p.asnumpy() for p in params]
         self.shards = [[self.place([shard(v, a, j, T) for v, a in zip(host_params, self.split)], c)
                         for j, c in enumerate(row)] for row in self.grid]
-        self.states = [[init_states(P, optimizer) for P in row] for row in self.shards]
+        self.zero = DataShardedOptimizer([g for _, g in self.copy_groups()], optimizer) if zero_stage else None
+        self.states = None if self.zero else [[init_states(P, optimizer) for P in row] for row in self.shards]
         self.t = 0
+
+    def copy_groups(self):
+        """[((j, i), arrays)]: the copies of shard j of parameter i whose gradients are summed, over
+        the groups; under sequence parallelism a replicated parameter's over the groups and shards,
+        keyed (None, i)."""
+        out = []
+        for i, axis in enumerate(self.split):
+            if self.sequence_parallel and axis is None:
+                out.append(((None, i), [P[j][i] for P in self.shards for j in range(self.T)]))
+            else:
+                out += [((j, i), [P[j][i] for P in self.shards]) for j in range(self.T)]
+        return out
 
     @staticmethod
     def place(values, ctx):
@@ -180,7 +197,12 @@ class TensorParallel(Strategy):
         return metrics
 
     def update(self, lr, n_examples):
-        """Sum each shard's gradients over the groups, then one optimiser step on every context."""
+        """Sum each shard's gradients over the groups, then one optimiser step on every context (under
+        ZeRO: each copy steps its chunk, then the chunks are gathered)."""
+        if self.zero:
+            self.t += 1
+            self.zero.step(lr, self.t, self.counted(n_examples))
+            return
         for i, axis in enumerate(self.split):
             if self.sequence_parallel and axis is None:     # a block of tokens each: summed over the group too
                 self.allreduce_fn([P[j][i].grad for P in self.shards for j in range(self.T)])
@@ -195,8 +217,14 @@ class TensorParallel(Strategy):
 
     def reduced_grads(self):
         """The first group's gradients, a split parameter's shards joined on the first context, a
-        replicated one's once: the whole model's gradient in its order."""
+        replicated one's once: the whole model's gradient in its order (under ZeRO, summed here:
+        the update reduce-scatters them instead)."""
         row, home = self.shards[0], self.grid[0][0]
+        if self.zero:
+            total = {key: nd.add_n(*[a.grad.as_in_context(home) for a in arrays]) for key, arrays in self.copy_groups()}
+            return [total[(None, i)] if (None, i) in total else
+                    nd.concat(*[total[(j, i)] for j in range(self.T)], dim=a) if a is not None and self.T > 1
+                    else total[(0, i)] for i, a in enumerate(self.split)]
         return [nd.concat(*[P[i].grad.as_in_context(home) for P in row], dim=a) if a is not None and self.T > 1
                 else row[0][i].grad for i, a in enumerate(self.split)]
 
@@ -234,12 +262,21 @@ class TensorParallel(Strategy):
 
     def arrays(self):
         params = [p for P_row in self.shards for P in P_row for p in P]
-        states = [s for S_row in self.states for S in S_row for st in S for s in st]
+        states = self.zero.state_arrays() if self.zero else [s for S_row in self.states for S in S_row for st in S for s in st]
         return {"param": params, "state": [p.grad for p in params] + states}
+
+    def first_states(self):
+        """Group 0's optimiser state, S_row[j][i] a list per slot (under ZeRO, gathered whole)."""
+        if not self.zero:
+            return self.states[0]
+        whole = {key: self.zero.whole_state(g) for g, (key, _) in enumerate(self.copy_groups())}
+        return [[[nd.array(v) for v in (whole[(None, i)] if (None, i) in whole and j == 0 else
+                                        shard_of_whole(whole, j, i, a, self.T))] for i, a in enumerate(self.split)]
+                for j in range(self.T)]
 
     def state_dict(self):
         """Group 0's shards joined: the whole parameters and optimiser state, in the model's order."""
-        P_row, S_row = self.shards[0], self.states[0]
+        P_row, S_row = self.shards[0], self.first_states()
         params = [unshard([P[i].asnumpy() for P in P_row], a) for i, a in enumerate(self.split)]
         opt_state = [[unshard([S[i][k].asnumpy() for S in S_row], a) for k in range(len(S_row[0][i]))]
                      for i, a in enumerate(self.split)]
@@ -249,16 +286,28 @@ class TensorParallel(Strategy):
         want = [tuple(s if a != k else s * self.T for k, s in enumerate(p.shape))
                 for p, a in zip(self.shards[0][0], self.split)]
         got = [tuple(np.shape(v)) for v in state["params"]]
-        if got != want or [len(s) for s in state["opt_state"]] != [len(s) for s in self.states[0][0]]:
+        if got != want or [len(s) for s in state["opt_state"]] != [len(s) for s in self.first_states()[0]]:
             raise CheckpointError(f"the checkpoint's parameters {got} or optimiser state do not fit "
                                   f"this run's {want}")
-        for P_row, S_row in zip(self.shards, self.states):
-            for j, (P, S) in enumerate(zip(P_row, S_row)):
+        for r, P_row in enumerate(self.shards):
+            for j, P in enumerate(P_row):
                 for i, a in enumerate(self.split):
                     P[i][:] = nd.array(shard(state["params"][i], a, j, self.T), ctx=P[i].context)
-                    for s, v in zip(S[i], state["opt_state"][i]):
+                    for s, v in zip(self.states[r][j][i] if not self.zero else (), state["opt_state"][i]):
                         s[:] = nd.array(shard(v, a, j, self.T), ctx=s.context)
+        if self.zero:
+            for g, ((j, i), _) in enumerate(self.copy_groups()):
+                self.zero.load_state(g, [v if j is None else shard(v, self.split[i], j, self.T)
+                                         for v in state["opt_state"][i]])
         self.t = state["t"]
+
+
+def shard_of_whole(whole, j, i, axis, T):
+    """Shard j's state of parameter i from the whole states of the copy groups: its own group's, or
+    (a replicated parameter under sequence parallelism) shard j's piece of the one group's."""
+    if (j, i) in whole:
+        return whole[(j, i)]
+    return [shard(v, axis, j, T) for v in whole[(None, i)]]
 
 
 def group_layout(grid, T, batch_size):
