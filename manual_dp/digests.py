@@ -2,8 +2,11 @@
 tensor, by name, written as the run goes; `python -m manual_dp.diverge` reads two such files and
 names where the runs part (issue 24).
 
-One JSON line per update:
+A header line first, how the run was made (the RunConfig fields that change the numbers, the
+layout's flags and the processes; `diverge --replay` rebuilds the run from it), then one JSON
+line per update:
 
+    {"run": {"model": "lenet", "seed": 0, "mode": "sync", "cpus": 2, ..., "processes": 1}}
     {"update": t, "tensors": [[kind, name, digest, sum, norm], ...]}
 
 kind is "grad" (the reduced gradient, as the optimiser receives it: summed over the batch, every
@@ -17,7 +20,10 @@ parameters and state only.
 Each line is one os.write of the whole line, so a process killed with SIGKILL leaves whole lines
 (at most a torn last one, which the reader drops and says so). A resumed run first keeps only the
 updates its checkpoint has (`DigestFile.resume`), so its file equals an uninterrupted run's.
+Files written before the header existed have none: they compare as before (`read_lines`), only
+`--replay` needs one (`read_header`).
 """
+import dataclasses
 import hashlib
 import json
 import math
@@ -26,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import config
 from .errors import OutputError
 
 
@@ -55,16 +62,39 @@ def record(t, names, shapes, grads, state):
     return {"update": int(t), "tensors": tensors}
 
 
-class DigestFile:
-    """The --digests file of a run, appended to a line per update."""
+# RunConfig fields that neither change a run's numbers nor say where its state is: left out of the header.
+NOT_IN_HEADER = ("log_json", "digests", "resume", "no_progress", "dry_run", "trace", "flight_record", "timeout",
+                 "memory_per_device", "check_replicas")
 
-    def __init__(self, path):
-        self.path, self.fd = Path(path), None
+
+def header(cfg, processes=1):
+    """The header line of a run of the (resolved) RunConfig `cfg` over `processes` processes: every
+    field but NOT_IN_HEADER's, so config.RUN_KEYS, the layout's flags (mode, cpus/gpus, stages,
+    micro_batches, schedule, tensor/context parallel, mesh, deterministic, allreduce, graph,
+    precision...), the data directory and the checkpoint directory."""
+    run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_HEADER}
+    return {"run": dict(run, processes=int(processes))}
+
+
+def config_of(run):
+    """The RunConfig a header's `run` describes (fields it does not hold: their defaults)."""
+    names = {f.name for f in config.fields()}
+    return config.RunConfig(**{k: v for k, v in run.items() if k in names})
+
+
+class DigestFile:
+    """The --digests file of a run, appended to a line per update, after its `head` line (the
+    `header` of the run; None: none, as files were before headers)."""
+
+    def __init__(self, path, head=None):
+        self.path, self.head, self.fd = Path(path), head, None
 
     def resume(self, t):
         """Keep the whole lines of updates 1..t (a resumed run's checkpoint holds t updates; none
-        for a fresh start), replacing the file atomically, then open it for appending."""
+        for a fresh start) after this run's header, replacing the file atomically, then open it for
+        appending."""
         kept = [line for line in read_lines(self.path) if line["update"] <= t] if t and self.path.exists() else []
+        kept = ([self.head] if self.head else []) + kept
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
             tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
@@ -89,16 +119,30 @@ class DigestError(Exception):
     """A file that is not a digest file, or one that cannot be read."""
 
 
-def read_lines(path, torn=None):
-    """The records of a digest file, in order. A torn last line (a run killed mid-write) is dropped
-    and, if `torn` is a list, noted in it; anything else malformed raises DigestError."""
+def read_text(path):
     try:
-        text = Path(path).read_text()
+        return Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise DigestError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-    lines, out = text.split("\n"), []
+
+
+def read_header(path):
+    """The `run` dict of a digest file's header line; None for a file written before headers."""
+    first = read_text(path).split("\n", 1)[0]
+    try:
+        head = json.loads(first)
+    except ValueError:
+        return None
+    return head["run"] if isinstance(head, dict) and isinstance(head.get("run"), dict) else None
+
+
+def read_lines(path, torn=None):
+    """The records of a digest file, in order, its header skipped. A torn last line (a run killed
+    mid-write) is dropped and, if `torn` is a list, noted in it; anything else malformed raises
+    DigestError."""
+    lines, out = read_text(path).split("\n"), []
     for i, line in enumerate(lines):
-        if not line.strip():
+        if not line.strip() or (i == 0 and line.startswith('{"run"')):
             continue
         try:
             r = json.loads(line)

@@ -5,6 +5,11 @@ them (gradients from the last layer back, then parameters and optimiser state), 
 tensor whose digest differs: the update, the tensor, and how large the difference is (its sum and
 norm in both runs). Exit status 0: identical wherever both files have updates; 1: they part; 2: bad
 input (a missing or malformed file, no update in common, runs of different tensors).
+
+With --replay (manual_dp.replay), both runs are rebuilt in this process from the files' header
+lines and that update is run again in each layout from one state: the answer names the first
+layer whose output, or the gradient of whose output, differs, with the same exit codes (2 also
+for files without a header, runs of different models or data, an update too far to retrain).
 """
 import argparse
 import sys
@@ -44,7 +49,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m manual_dp.diverge", description=__doc__.split("\n")[0])
     parser.add_argument("a", help="the first run's --digests file")
     parser.add_argument("b", help="the second run's --digests file")
+    parser.add_argument("--replay", action="store_true",
+                        help="rerun the update where the runs part in both layouts, from A's state before it, "
+                             "and name the first layer whose output or output gradient differs")
+    parser.add_argument("--update", type=int, help="--replay this update (default: the first that differs, "
+                                                   "else 1)")
     args = parser.parse_args(argv)
+    if args.replay or args.update is not None:
+        sys.exit(replay(args))
     try:
         notes = {}
         runs = []
@@ -61,6 +73,20 @@ def main(argv=None):
         print(note)
     print(message)
     sys.exit(status)
+
+
+def replay(args):
+    """--replay's exit status, after its lines (manual_dp.replay; MXNet loads only in its workers)."""
+    from .replay import ReplayError, replay as run_replay
+    try:
+        if args.update is not None and args.update < 1:
+            raise ReplayError(f"--update {args.update}: updates count from 1")
+        status, message = run_replay(args.a, args.b, args.update, say=lambda line: print(line, flush=True))
+    except (DigestError, ReplayError) as e:
+        sys.stderr.write(f"manual_dp.diverge: error: {e}\n")
+        return 2
+    print(message)
+    return status
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import checkpoint, checks, config, memory
 from ..data import load_fashion_mnist, locate_data
-from ..digests import DigestFile
+from ..digests import DigestFile, header as digest_header
 from ..errors import (CheckpointError, DataError, DistributedError, DivergedError, OutputError,
                       ReplicaMismatchError, Terminated, UsageError)
 from ..fast import autotune
@@ -341,7 +341,7 @@ def train_in(cfg, world, ctx):
     run_config = {k: getattr(cfg, k) for k in config.RUN_KEYS}
     start_epoch, history, rng_state = resume_from(cfg, world, model, run_config)
     if cfg.digests:                      # after the resume: the file keeps the checkpoint's updates
-        digests = DigestFile(cfg.digests).resume(model.t) if world.is_root else None
+        digests = DigestFile(cfg.digests, digest_header(cfg, world.size)).resume(model.t) if world.is_root else None
         model = Digested(model, digests)
     if history and cfg.log_json and world.is_root:
         save_log(cfg, history)           # the log matches the checkpoint again, however the last run ended
