@@ -94,8 +94,8 @@ def check_model(cfg):
         raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet), not --model {cfg.model}")
     if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and cfg.mode in ("pipeline", "hybrid", "mesh"):
         raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
-    if cfg.sequence_parallel and (cfg.precision != "fp32" or cfg.deterministic):
-        raise UsageError("--sequence-parallel: not yet with --precision bf16/fp16 or --deterministic")
+    if cfg.sequence_parallel and cfg.deterministic:
+        raise UsageError("--sequence-parallel: not yet with --deterministic")
     if cfg.mode in ("tensor", "context", "mesh") and (cfg.zero_stage or 1) > 1:
         raise UsageError(f"--zero-stage {cfg.zero_stage} with --mode {cfg.mode}: only stage 1 (the optimiser state) "
                          f"over the data dimension so far")

@@ -204,6 +204,11 @@ class Model:
             return f"{self.name} has no sequence of tokens to cut"
         return None
 
+    def splits_by_layer(self):
+        """True if tensor parallelism splits the model layer by layer (each Layer.split_forward, so
+        a pipeline may cut between them); False for a model that splits as a whole (LeNet's pairs)."""
+        return type(self).split_forward is Model.split_forward
+
     def tensor_traffic(self):
         """[(what, elements per example, "forward" | "backward")]: what Megatron's f and g of
         split_forward all-reduce per example and step (g sums partial outputs in the forward, f

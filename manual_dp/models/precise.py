@@ -27,9 +27,12 @@ class Precise(Model):
         self.inner, self.policy = model, policy
         self.name, self.config = model.name, model.config
         last = len(model.layers) - 1
-        self.layers = tuple(dataclasses.replace(layer, forward=self.lowered(layer.forward, i == last),
-                                                kind="block" if layer.kind == "dense" else layer.kind)
-                            for i, layer in enumerate(model.layers))
+        self.tokens = getattr(model, "tokens", None)
+        self.layers = tuple(dataclasses.replace(
+            layer, forward=self.lowered(layer.forward, i == last), kind="block" if layer.kind == "dense" else layer.kind,
+            split_forward=layer.split_forward and self.lowered_group(layer.split_forward, i == last),
+            sequence_forward=layer.sequence_forward and self.lowered_group(layer.sequence_forward, i == last))
+            for i, layer in enumerate(model.layers))
 
     def lowered(self, forward, last):
         policy = self.policy
@@ -38,6 +41,22 @@ class Precise(Model):
             out = forward(h, params, policy.low(F), shapes)
             return scaled(out, policy.scaler, F) if last else out
         return forward_low
+
+    def lowered_group(self, forward, last):
+        """A layer's split_forward or sequence_forward (one array per context of a group) in the
+        precision: what meshes run layer by layer (strategies/mesh_parallel.py, context.py)."""
+        policy = self.policy
+
+        def forward_low(hs, params, join, F=nd):
+            outs = forward(hs, params, join, policy.low(F))
+            return [scaled(o, policy.scaler, F) for o in outs] if last else outs
+        return forward_low
+
+    def splits_by_layer(self):
+        return self.inner.splits_by_layer()
+
+    def sequence_refusal(self, C, attention):
+        return self.inner.sequence_refusal(C, attention)
 
     def graph_params(self, params, shapes, pad):
         return self.inner.graph_params(params, shapes, pad)

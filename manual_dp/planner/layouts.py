@@ -123,8 +123,7 @@ def pipelines(devices, batch_size, net, stats):
 
 def mesh_refusal(net, S, T, schedule, micro, sp):
     """Why `net` cannot run dp x pp=S x tp=T on `schedule` (+sp if sp), as MeshParallel refuses it, or None."""
-    from ..models import Model
-    if type(net).split_forward is not Model.split_forward:
+    if not net.splits_by_layer():
         return f"{net.name} splits as a whole model; tp x pp needs layers that split on their own"
     why, seq = net.tensor_refusal(T) or pipeline_refusal(net, S, schedule, micro), sp and net.sequence_refusal(T, "ring")
     return why or (f"--sequence-parallel: {seq}" if seq else None)

@@ -133,7 +133,7 @@ class MeshParallel(Strategy):
         S, T, V, n = stages, tensor_parallel if C == 1 else C, virtual_stages, len(ctx)
         if n % (S * T):
             raise ValueError(f"pp={S} x {'tp' if C == 1 else 'cp'}={T} does not divide the {n} contexts")
-        if C == 1 and type(net).split_forward is not Model.split_forward:
+        if C == 1 and not net.splits_by_layer():
             raise ValueError(f"{net.name} splits as a whole model; tp x pp needs layers that split on their own")
         refusal = (net.tensor_refusal(T) or (net.sequence_refusal(T, "ring") if sequence_parallel else None)
                    if C == 1 else net.sequence_refusal(C, attention))
