@@ -11,7 +11,8 @@ import pytest
 
 from conftest import run_main
 from jobs import Job, run_job, train_cmd
-from manual_dp.digests import read_lines, record, summary
+from manual_dp.config import RunConfig
+from manual_dp.digests import DigestFile, config_of, header, read_header, read_lines, record, summary
 from manual_dp.diverge import compare
 
 PYTHON = sys.executable
@@ -50,6 +51,22 @@ def test_a_record_lists_gradients_last_layer_first_then_each_parameter_and_its_s
     assert r["tensors"][0][3:] == [1.0, 1.0] and r["tensors"][1][4] == pytest.approx(np.sqrt(2))
     with pytest.raises(ValueError, match="reduced gradient holds 2 values, the model 3"):
         record(1, ["W1", "b1"], [(2,), (1,)], [np.ones(2)], {"params": [], "opt_state": []})
+
+
+def test_the_header_says_how_the_run_was_made_and_readers_skip_it(tmp_path):
+    cfg = RunConfig(cpus=2, mode="pipeline", stages=2, micro_batches=4, seed=3, lr=0.1, log_json="x.json")
+    head = header(cfg, processes=1)
+    assert {"cpus": 2, "mode": "pipeline", "stages": 2, "micro_batches": 4, "seed": 3, "lr": 0.1,
+            "processes": 1}.items() <= head["run"].items() and "log_json" not in head["run"]
+    assert config_of(head["run"]) == RunConfig(cpus=2, mode="pipeline", stages=2, micro_batches=4, seed=3, lr=0.1)
+    path = tmp_path / "d.jsonl"
+    out = DigestFile(path, head).resume(0)
+    out.write(record(1, ["W"], [(2,)], [np.ones(2)], {"params": [np.ones(2)], "opt_state": [[]]}))
+    out.close()
+    assert read_header(path) == head["run"] and [r["update"] for r in read_lines(path)] == [1]
+    DigestFile(path, head).resume(1).close()        # a resume keeps the header and update 1
+    assert read_header(path) == head["run"] and len(read_lines(path)) == 1
+    assert read_header(fake(tmp_path / "old", 2)) is None and len(read_lines(tmp_path / "old")) == 2
 
 
 def test_diverge_identical_files_exit_0(tmp_path):
@@ -149,4 +166,7 @@ def test_after_a_kill_and_a_resume_the_file_equals_an_uninterrupted_runs(data_di
     assert per_epoch < len(read_lines(part)) < 2 * per_epoch    # killed in epoch 2, past its checkpoint
     code, out = run_job(train_cmd(*args, "--digests", part, "--checkpoint-dir", ck, "--resume"), tmp_path / "r.txt")
     assert code == 0 and "resumed" in out, out
-    assert part.read_text() == (tmp_path / "whole.jsonl").read_text()
+    part_head, *part_lines = part.read_text().splitlines()       # the headers differ in --checkpoint-dir only
+    whole_head, *whole_lines = (tmp_path / "whole.jsonl").read_text().splitlines()
+    assert part_lines == whole_lines and json.loads(part_head)["run"] == dict(
+        json.loads(whole_head)["run"], checkpoint_dir=str(ck))

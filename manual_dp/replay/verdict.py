@@ -108,8 +108,9 @@ def replay(path_a, path_b, update=None, say=print):
             same = line is None or compare([meta["line"]], [line])[0] == 0
             why = (f"its state before update {t} was not A's: the runs parted at update {parted}"
                    if label == "B" and parted and parted < t else "other threads or kernels here than in the run")
-            say(f"{label} ({layout(run)}): the replayed update "
-                + ("gives the run's digests" if same else f"does not give the run's digests ({why})"))
+            say(f"{label} ({layout(run)}): the replayed update " + (
+                f"cannot be checked (its file holds no update {t})" if line is None else
+                "gives the run's digests" if same else f"does not give the run's digests ({why})"))
             if meta["graph_off_same"] is not None:
                 say(f"{label}: --mode sync's cached graph runs the layers as one symbol, not layer by layer: "
                     f"captured with --no-graph, which gives {'the same' if meta['graph_off_same'] else 'other'} "
