@@ -98,7 +98,7 @@ class Recorder:
         for i in range(n_layers):
             calls = self.calls.get(i, 0)
             if calls != len(rows):
-                notes[i] = (f"not run through Layer.forward (split or sequence layer, or a graph)" if not calls else
+                notes[i] = ("not run through Layer.forward (split or sequence layer, or a graph)" if not calls else
                             f"called {calls} times, the first layer {len(rows)}: its rows are unknown")
                 continue
             outputs[i] = assemble([self.outputs[(i, k)] for k in range(calls)], rows, len(X))
