@@ -322,7 +322,7 @@ def test_every_run_prints_its_mesh(capsys, data_dir, tmp_path):
      "Ulysses needs cp=4 to divide the transformer's 2 heads"),
     (["--cpus", "4", "--mesh", "dp=2,tp=2", "--tensor-parallel", "4"], "--tensor-parallel 4 and --mesh dp=2,tp=2 disagree"),
     (["--cpus", "2", "--mesh", "dp=2", "--mode", "tensor"], "data parallel only: --mode tensor"),
-    (["--cpus", "2", "--mesh", "cp=2", "--precision", "bf16"], "--precision applies only to --mode"),
+    (["--cpus", "2", "--mesh", "cp=2", "--deterministic"], "--deterministic applies only to --mode"),
     (["--cpus", "2", "--attention", "ring"], "--attention applies only to --mode context"),
     (["--cpus", "3", "--mode", "context", "--context-parallel", "2"], "does not divide the 3 contexts"),
 ])
@@ -351,7 +351,7 @@ def test_sequence_parallel_equals_one_context_and_tensor_parallel(n, T, heads):
 
 
 def test_sequence_parallel_keeps_a_block_of_tokens_between_the_split_layers():
-    from manual_dp.strategies.tensor import SequenceJoin
+    from manual_dp.fast.tensor_ops import SequenceJoin
     join = SequenceJoin(make_allreduce("reduce_bcast"), 7, 3)
     hs = [nd.array(np.arange(2 * 7 * 2).reshape(2, 7, 2), ctx=c) for c in cpus(3)]
     blocks_ = join.shard(hs)

@@ -118,7 +118,7 @@ def test_what_every_context_holds_whole_by_hand():
     examples and, for all 8, ring's foreign key and value blocks and second output (4 x 14 x 16)."""
     from manual_dp.memory import part_activation_elems
     from manual_dp.strategies.context import attention_held
-    from manual_dp.strategies.tensor import held_whole
+    from manual_dp.strategies.tensor_layout import held_whole
     net = tiny_transformer()
     assert held_whole(net, range(3)) == 784 + 896 + 943 + 4 * 28 * 16
     assert held_whole(net, range(3), sp=True) == 784 + 896 + 943

@@ -122,7 +122,7 @@ def test_predicted_memory_equals_measured(l, which, user_block):
     images (784), embedding (2 x 28 x 16) and head (2 x 28 x 16 + 16 + 31) and what f and g join
     (4 x 28 x 16); the Gluon pair's images and g output (784 + 16)."""
     from manual_dp.planner.verify import measure
-    from manual_dp.strategies.tensor import held_whole
+    from manual_dp.strategies.tensor_layout import held_whole
     net = tiny_transformer() if which == "transformer" else user_block
     s = Setting(1, 16, "adam", net)
     predicted, measured = memory(l, s), measure(l, s, steps=1)

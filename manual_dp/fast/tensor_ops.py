@@ -19,7 +19,10 @@ backward with the T output gradients, each on its own context (tests/test_tensor
 `allreduce` is any algorithm of manual_dp.fast.collectives (the lesson's contract: afterwards every
 array of the list holds the sum). Its work runs on copies, so no recorded array is overwritten.
 """
-from mxnet import autograd
+import numpy as np
+from mxnet import autograd, nd
+
+from .mesh_ops import all_gather, even_sizes, reduce_scatter
 
 
 def summed(arrays, allreduce):
@@ -60,3 +63,49 @@ def g(xs, allreduce):
     """Every context's output holds the sum of `xs` (partial results, one per context); in
     backward, each x's gradient is its own output's gradient."""
     return list(Joined(allreduce, True, False)(*xs)) if len(xs) > 1 else list(xs)
+
+
+class Join:
+    """Megatron's f and g over one tensor group's contexts, with `allreduce` (fast.tensor_ops);
+    shard and unshard (entering and leaving a run of split layers) do nothing."""
+
+    def __init__(self, allreduce):
+        self.allreduce = allreduce
+
+    def f(self, xs):
+        return f(xs, self.allreduce)
+
+    def g(self, xs):
+        return g(xs, self.allreduce)
+
+    def shard(self, hs):
+        return hs
+
+    def unshard(self, hs):
+        return hs
+
+
+class SequenceJoin(Join):
+    """Megatron-SP (Korthikanti et al. 2022): between the split layers every context keeps only its
+    block of tokens (axis 1), so the layer norms, residual adds and biases there run on 1/T of
+    them. f becomes an all-gather of the blocks (backward: reduce-scatter), g a reduce-scatter of
+    the partial sums (backward: all-gather): the same bytes as f's and g's all-reduces, which
+    are a reduce-scatter and an all-gather each. shard cuts the sequence where the split layers
+    begin, unshard gathers it where they end."""
+
+    def __init__(self, allreduce, n_tokens, T):
+        super().__init__(allreduce)
+        self.sizes = even_sizes(n_tokens, T)
+
+    def f(self, xs):
+        return all_gather(xs, axis=1)
+
+    def g(self, xs):
+        return reduce_scatter(xs, axis=1, sizes=self.sizes)
+
+    def shard(self, hs):
+        ends = np.cumsum([0] + self.sizes)
+        return [nd.slice_axis(h, axis=1, begin=int(a), end=int(b)) for h, a, b in zip(hs, ends, ends[1:])]
+
+    def unshard(self, hs):
+        return all_gather(hs, axis=1)

@@ -55,7 +55,7 @@ from .. import costmodel
 from ..lesson import shard_sizes
 from ..memory import FLOAT_BYTES, part_activation_elems, piece_activation_elems
 from ..strategies.schedules import held, plan, simulate
-from ..strategies.tensor import even_split, held_whole
+from ..strategies.tensor_layout import even_split, held_whole
 
 SIMULATED = 256          # devices up to which a pipeline's schedule is simulated (quadratic in S)
 

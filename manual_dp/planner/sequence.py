@@ -40,7 +40,7 @@ from .. import costmodel
 from ..fast.collectives import chunk_bounds
 from ..memory import FLOAT_BYTES, stage_activation_elems
 from ..strategies.context import attention_held, attention_layers
-from ..strategies.tensor import held_whole
+from ..strategies.tensor_layout import held_whole
 
 
 def even(n, k):

@@ -31,7 +31,8 @@ from ..errors import CheckpointError
 from .base import Strategy
 from .dp_zero import DataShardedOptimizer
 from .data_parallel import host_state, load_into
-from .tensor import copies, even_split
+from .tensor import copies
+from .tensor_layout import even_split
 
 
 class Sequence:

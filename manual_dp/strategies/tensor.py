@@ -35,74 +35,18 @@ from ..config import FAST_STEP, RunConfig
 from ..errors import CheckpointError
 from ..fast.collectives import make_allreduce
 from ..fast.prefetch import host
-from ..fast.mesh_ops import all_gather, even_sizes, reduce_scatter
-from ..fast.tensor_ops import f, g
+from ..fast.tensor_ops import Join, SequenceJoin
 from ..lesson import cross_entropy, n_correct, split_and_load
 from ..models import as_model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
 from .dp_zero import DataShardedOptimizer
+from .tensor_layout import even_split, group_layout, held_whole, shard, shard_of_whole, unshard, whole_layout
 
 # The axis along which each of LeNet's 8 parameters is split; None: whole on every context.
 SPLIT = [p.split for p in as_model(None).param_table()]    # W1, b1 | W2, b2 | W3, b3 | W4, b4: 0, 0, 1, None, 1, 0, 0, None
 NAMES = as_model(None).names()
-
-
-def shard(value, axis, j, T):
-    """Context j's piece of `value` (numpy) out of T along `axis` (None: the whole value)."""
-    return value if axis is None else np.split(value, T, axis=axis)[j]
-
-
-def unshard(pieces, axis):
-    """The whole value from its T pieces (numpy), in order; the first if not split."""
-    return pieces[0] if axis is None else np.concatenate(pieces, axis=axis)
-
-
-class Join:
-    """Megatron's f and g over one tensor group's contexts, with `allreduce` (fast.tensor_ops);
-    shard and unshard (entering and leaving a run of split layers) do nothing."""
-
-    def __init__(self, allreduce):
-        self.allreduce = allreduce
-
-    def f(self, xs):
-        return f(xs, self.allreduce)
-
-    def g(self, xs):
-        return g(xs, self.allreduce)
-
-    def shard(self, hs):
-        return hs
-
-    def unshard(self, hs):
-        return hs
-
-
-class SequenceJoin(Join):
-    """Megatron-SP (Korthikanti et al. 2022): between the split layers every context keeps only its
-    block of tokens (axis 1), so the layer norms, residual adds and biases there run on 1/T of
-    them. f becomes an all-gather of the blocks (backward: reduce-scatter), g a reduce-scatter of
-    the partial sums (backward: all-gather): the same bytes as f's and g's all-reduces, which
-    are a reduce-scatter and an all-gather each. shard cuts the sequence where the split layers
-    begin, unshard gathers it where they end."""
-
-    def __init__(self, allreduce, n_tokens, T):
-        super().__init__(allreduce)
-        self.sizes = even_sizes(n_tokens, T)
-
-    def f(self, xs):
-        return all_gather(xs, axis=1)
-
-    def g(self, xs):
-        return reduce_scatter(xs, axis=1, sizes=self.sizes)
-
-    def shard(self, hs):
-        ends = np.cumsum([0] + self.sizes)
-        return [nd.slice_axis(h, axis=1, begin=int(a), end=int(b)) for h, a, b in zip(hs, ends, ends[1:])]
-
-    def unshard(self, hs):
-        return all_gather(hs, axis=1)
 
 
 def group_forward(Xs, P, allreduce, net=None, join=None):
@@ -300,47 +244,3 @@ class TensorParallel(Strategy):
                 self.zero.load_state(g, [v if j is None else shard(v, self.split[i], j, self.T)
                                          for v in state["opt_state"][i]])
         self.t = state["t"]
-
-
-def shard_of_whole(whole, j, i, axis, T):
-    """Shard j's state of parameter i from the whole states of the copy groups: its own group's, or
-    (a replicated parameter under sequence parallelism) shard j's piece of the one group's."""
-    if (j, i) in whole:
-        return whole[(j, i)]
-    return [shard(v, axis, j, T) for v in whole[(None, i)]]
-
-
-def group_layout(grid, T, batch_size):
-    """[(context, stage, examples)]: each group of `grid` its share of the batch, 1/T per context."""
-    out = []
-    for row, n in zip(grid, even_split(batch_size, len(grid))):
-        out += [(c, s, k) for c, k in zip(row, even_split(n, T)) for s in (0, 1)]
-    return out
-
-
-def even_split(n, k):
-    """k counts that add up to n and differ by at most one (zeros when n < k)."""
-    return [n // k + (1 if i < n % k else 0) for i in range(k)]
-
-
-def whole_layout(row, n, whole):
-    """[(context, ("whole", whole), examples)]: each context of `row` holds `whole` elements whole
-    for the examples of the group's n beyond its share (even_split); none where that is zero."""
-    return [(c, ("whole", whole), n - k) for c, k in zip(row, even_split(n, len(row))) if whole and n > k]
-
-
-def held_whole(net, ids, sp=False):
-    """Per example elements every context of a tensor group running layers `ids` holds whole (for
-    every example, not 1/T of them): its input (the images are copies; a stage's received input,
-    unless sequence parallelism hands on a block of tokens between split layers), what f takes in
-    and g gives out (Model.tensor_traffic; none under sp, which cuts them along the sequence), and
-    the outputs of the layers that run whole outside the split runs (a model that splits itself,
-    as LeNet, has none: its whole parts are its traffic)."""
-    layers, ids = net.layers, list(ids)
-    split = [bool(layer.split_forward) for layer in layers]
-    if not any(split):
-        return layers[0].inputs + (0 if sp else sum(e for _, e, _ in net.tensor_traffic()))
-    first = ids[0]
-    cut = sp and first > 0 and split[first] and split[first - 1]
-    traffic = 0 if sp else sum(e for i in ids for _, e, _ in layers[i].extra.get("traffic", ()))
-    return (0 if cut else layers[first].inputs) + sum(layers[i].acts for i in ids if not split[i]) + traffic

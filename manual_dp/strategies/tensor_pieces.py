@@ -23,7 +23,8 @@ from mxnet import autograd, nd
 
 from ..lesson import conv_block, dense, relu
 from .deterministic import cover, root_of, tree_sum
-from .tensor import NAMES, SPLIT, shard
+from .tensor import NAMES, SPLIT
+from .tensor_layout import shard
 
 PIECED = [i for i, a in enumerate(SPLIT) if a is not None]     # W1, b1, W2, W3, b3, W4 (lenet indices)
 WHOLE = [i for i, a in enumerate(SPLIT) if a is None]          # b2, b4
