@@ -13,7 +13,7 @@ def main(argv):
     configure(n if kind == "cpu" else 0)
     import mxnet as mx                                            # loads with the settings above
     from .memcheck import measure_run
-    from .run import build_model, network
+    from .build import build_model, network
     cfg = RunConfig(**fields)
     ctx = [mx.cpu(i) if kind == "cpu" else mx.gpu(i) for i in range(n)]
     params = network(cfg).init_params(cfg.seed, cfg.init_scale)

@@ -1,6 +1,6 @@
 """Two runs rebuilt in this process from their digest files' headers: their configuration, their
 data, the batch of update t as the training loop drew it, the state both held after update t-1,
-and each one's strategy (manual_dp.cli.run's build_model, so the very layout the run had).
+and each one's strategy (manual_dp.cli.build's build_model, so the very layout the run had).
 
 The batch of update t: loop.run_epoch draws, every epoch, one permutation of the training set from
 an rng seeded by --seed (data.batches) and takes its batches in order, dropping a last batch
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import checkpoint, config
-from ..cli.run import build_model, contexts, learning_rate, network
+from ..cli.build import build_model, contexts, learning_rate, network
 from ..data import batches, load_fashion_mnist, locate_data
 from ..errors import CheckpointError
 from ..multiprocess.world import World

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import checkpoint
-from ..cli.run import learning_rate, network
+from ..cli.build import learning_rate, network
 from ..digests import config_of, read_header
 from ..diverge import compare
 from ..errors import CheckpointError, DataError, UsageError
