@@ -78,7 +78,8 @@ def test_megatron_sp_prediction():
 
 @pytest.mark.parametrize("argv,word", [(["--cpus", "6"], "--cpus"), (["--steps", "1"], "--steps"),
                                        (["--heads", "5"], "heads"), (["--batch", "4"], "--batch"),
-                                       (["--layers", "0"], "--layers")])
+                                       (["--layers", "0"], "--layers"),
+                                       (["--bubble-layers", "5"], "--bubble-layers")])
 def test_bad_values_are_one_line_and_exit_2(argv, word):
     done = subprocess.run([sys.executable, "-m", "manual_dp.bench.meshes", *argv],
                           capture_output=True, text=True, timeout=120)

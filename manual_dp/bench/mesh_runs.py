@@ -151,10 +151,10 @@ def schedule_bubbles(net, batch, steps, lr):
     return out
 
 
-def bubble_net(d_model):
-    """The transformer of the bubble runs: 8 blocks + embed + head = 10 layers (interleaved's
-    4 x 2 stages need 8), width d_model."""
-    return build("transformer", layers=8, d_model=d_model, heads=4)
+def bubble_net(blocks, d_model):
+    """The transformer of the bubble runs: `blocks` blocks + embed + head (issue 22's 8: 10 layers;
+    interleaved's 4 x 2 stages need 8), width d_model."""
+    return build("transformer", layers=blocks, d_model=d_model, heads=4)
 
 
 def run_steps(model, X, y, lr, steps):

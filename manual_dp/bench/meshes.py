@@ -54,6 +54,8 @@ def build_parser():
                        ("--patch", "P x P patch tokens")):
         p.add_argument(flag, type=int, help=f"the transformer of the activations and the mesh runs: {help} "
                                             f"(default: the trainer's; --quick's tiny one)")
+    p.add_argument("--bubble-layers", type=int, default=8, help="blocks of the bubble runs' transformer, plus "
+                                                                 "embed and head (default 8: 10 layers, 8 needed)")
     p.add_argument("--batch", type=int, help="examples a step (default 64; --quick 8)")
     p.add_argument("--steps", type=int, help="steps of each mesh run and bubble run, the first not timed "
                                              "(default 3; --quick 2)")
@@ -72,6 +74,9 @@ def parse(argv):
     plan["batch"], plan["steps"] = args.batch or plan["batch"], args.steps or plan["steps"]
     if plan["batch"] < max(8, args.cpus) or plan["steps"] < 2:
         raise UsageError(f"--batch must be >= 8 and >= --cpus, --steps >= 2 (got {plan['batch']}, {plan['steps']})")
+    if args.bubble_layers < 6:
+        raise UsageError(f"--bubble-layers must be >= 6 (interleaved's 4 x 2 stages need 8 layers), "
+                         f"got {args.bubble_layers}")
     if args.out and Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} is a directory, not a file")
     trainer_config(plan["model"], plan["batch"], 1, [])        # the model's sizes, as the trainer checks them
@@ -141,9 +146,10 @@ def print_activations(acts, sp, cp, where):
             f"1/(pp C) = {r['expected']:.3f} (no target)"))
 
 
-def print_bubbles(b, targets):
-    print(f"bubbles, p=4, m=8 (idle share of device time; dry run = unit durations; measured = each action timed "
-          f"alone between waitall()s, the schedule replayed with the (phase, stage) means):")
+def print_bubbles(b, targets, layers):
+    print(f"bubbles, p=4, m=8, {layers} layers (idle share of device time; dry run: unit durations; measured: each "
+          f"action timed alone between waitall()s, the schedule replayed with the (phase, stage) means; stages equal: "
+          f"replayed with the per-phase means, every stage alike):")
     for name, f in b.items():
         print(f"  {name + (' V=2' if f['virtual'] > 1 else ''):15} dry run {f['dry_run']:.3f} "
               f"({f['dry_run_over_compute']:.3f} of compute, formula {f['formula']:.3f})  measured {f['measured']:.3f} "
@@ -171,7 +177,8 @@ def main(argv=None):
     from .command import commit, cores_available
     plan = args.plan
     where = dict(machine(), commit=commit(), load_before=os.getloadavg(), cores_free=cores_available(0.5),
-                 time=time.strftime("%Y-%m-%d %H:%M:%S"), cpus=args.cpus, settings=plan)
+                 time=time.strftime("%Y-%m-%d %H:%M:%S"), cpus=args.cpus, bubble_layers=args.bubble_layers,
+                 settings=plan)
     print(f"{where['cpu']} ({where['vector']}), {where['cores']} cores, commit {where['commit']}; "
           f"{where['cores_free']:.2f} cores free for this run, load average {where['load_before'][0]:.1f}", flush=True)
     net = mesh_runs.network(trainer_config(plan["model"], plan["batch"], 1, []))
@@ -179,10 +186,10 @@ def main(argv=None):
     acts = mesh_runs.activations(plan["model"], plan["batch"], usable_cores(), plan["layouts"])
     sp, cp = sp_ratios(acts, s, h, a), cp_ratios(acts)
     print_activations(acts, sp, cp, f"transformer {net.config}, {s} tokens, batch {plan['batch']}")
-    b = mesh_runs.schedule_bubbles(mesh_runs.bubble_net(plan["bubble_d_model"]), plan["bubble_batch"],
-                                   plan["steps"], 0.05)
+    bubble_net = mesh_runs.bubble_net(args.bubble_layers, plan["bubble_d_model"])
+    b = mesh_runs.schedule_bubbles(bubble_net, plan["bubble_batch"], plan["steps"], 0.05)
     bt = bubble_targets(b)
-    print_bubbles(b, bt)
+    print_bubbles(b, bt, len(bubble_net.layers))
     m = mesh_runs.meshes(plan["model"], plan["batch"], plan["steps"], args.cpus)
     print_meshes(m)
     targets = dict({f"SP/TP {r['layouts'][1]} about Megatron-SP's": r["met"] for r in sp},
