@@ -7,7 +7,7 @@ in the environment (fast.runtime.configure): this module loads MXNet.
     meshes        layouts of N contexts a few steps each: the loss beside one context's, images/s
 
 Every layout is named by the trainer's own flags and built by the trainer's own code
-(meshes.trainer_config: cli.options.parse; cli.run.build_model), so what is measured here is what
+(meshes.trainer_config: cli.options.parse; cli.build.build_model), so what is measured here is what
 `python -m manual_dp.train` would run.
 """
 from time import perf_counter
@@ -16,8 +16,8 @@ import mxnet as mx
 import numpy as np
 from mxnet import nd
 
+from ..cli.build import build_model, network
 from ..cli.memcheck import read_probe, start_probe
-from ..cli.run import build_model, network
 from ..errors import UsageError
 from ..memory import random_batch
 from ..mesh import Mesh
