@@ -148,8 +148,12 @@ def check_layout(cfg, n_contexts, n_processes=1):
         raise UsageError(f"--micro-batches {micro} is larger than the per-device batch of "
                          f"{cfg.batch_size // replicas} (--batch-size {cfg.batch_size} over "
                          f"{replicas} pipeline(s))")
-    if cfg.mode == "context" and n % (cfg.context_parallel or n):
-        raise UsageError(f"--context-parallel {cfg.context_parallel} does not divide the {n} contexts into groups")
+    if cfg.mode == "context":
+        tp = cfg.tensor_parallel or 1
+        cp = cfg.context_parallel or max(n // tp, 1)
+        if n % (cp * tp):
+            raise UsageError(f"--context-parallel {cp}" + (f" x --tensor-parallel {tp}" if tp > 1 else "")
+                             + f" does not divide the {n} contexts into groups")
     if cfg.mode == "tensor" and (cfg.model == "lenet" or n % (cfg.tensor_parallel or n)):
         check_tensor_layout(cfg.tensor_parallel or n, n, cfg.width)   # other models: Model.tensor_refusal
     if cfg.mode == "tensor" and cfg.deterministic:

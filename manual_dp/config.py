@@ -235,7 +235,7 @@ APPLIES = {
     "recompute": ("model", "pipeline", "hybrid"),
     "bucket_mb": ("sync",),
     "trace": ("sync",),
-    "tensor_parallel": ("tensor", "mesh"),
+    "tensor_parallel": ("tensor", "mesh", "context"),
     "sequence_parallel": ("tensor", "mesh"),
     "context_parallel": ("context", "mesh"),
     "attention": ("context", "mesh"),

@@ -12,8 +12,8 @@ Megatron's order, tp-cp-pp-dp from the inside out). A group of dimension `dim` i
 agree on every other coordinate: each collective of that kind of parallelism runs over one group.
 
 The modes of the command line are meshes: sync dp=N, tensor dp=N/T x tp=T, hybrid dp=N/S x pp=S,
-model and pipeline pp=N, context dp=N/C x cp=C (`for_mode`), mesh dp x pp x tp (Megatron's 3-D)
-or dp x pp x cp.
+model and pipeline pp=N, context dp=N/C x cp=C (or dp x cp x tp with --tensor-parallel), mesh dp x
+pp x tp (Megatron's 3-D) or dp x pp x cp (`for_mode`, `mode_of`).
 """
 import math
 from dataclasses import dataclass
@@ -61,6 +61,9 @@ class Mesh:
         if mode == "mesh":
             S, T, C = degree
             return cls(dp=n_contexts // (S * T * C), pp=S, cp=C, tp=T)
+        if mode == "context" and isinstance(degree, tuple):
+            C, T = degree
+            return cls(dp=n_contexts // (C * T), cp=C, tp=T)
         if mode in ("tensor", "hybrid", "context"):
             d = degree or n_contexts
             return cls(**{"dp": n_contexts // d, {"tensor": "tp", "hybrid": "pp", "context": "cp"}[mode]: d})
@@ -141,9 +144,11 @@ def mode_of(mesh, mode="sync"):
         return "mesh", {"stages": mesh.pp, "tensor_parallel": mesh.tp}
     if used == ["pp", "cp"]:
         return "mesh", {"stages": mesh.pp, "context_parallel": mesh.cp}
-    if len(used) > 1:
-        raise ValueError(f"--mesh {mesh}: cp with tp in one run is not built yet "
-                         f"(dp x pp x tp, dp x pp x cp and dp x cp are)")
+    if used == ["cp", "tp"]:
+        return "context", {"context_parallel": mesh.cp, "tensor_parallel": mesh.tp}
+    if len(used) > 2:
+        raise ValueError(f"--mesh {mesh}: pp x cp x tp in one run is not built yet "
+                         f"(dp with any two of them is)")
     want, flag = MODE_OF[used[0]]
     if used[0] == "pp" and mesh.dp == 1:
         want = mode if mode in ("model", "pipeline") else "pipeline"

@@ -104,7 +104,7 @@ def test_cli_8_contexts_dp_pp_tp_equal_one(capsys, data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--cpus", "8", "--mesh", "dp=2,cp=2,tp=2"], "cp with tp in one run is not built yet"),
+    (["--cpus", "8", "--mesh", "pp=2,cp=2,tp=2"], "pp x cp x tp in one run is not built yet"),
     (["--cpus", "4", "--mode", "mesh", "--context-parallel", "2", "--tensor-parallel", "2"], "inside a pipeline is not built yet"),
     (["--cpus", "4", "--mesh", "pp=2,tp=2", "--model", "mlp"], "--mode mesh (tp x pp) needs layers that split"),
     (["--cpus", "4", "--mesh", "pp=2,tp=2", "--schedule", "zb-h1"], "zb-h1 with tp: not yet"),

@@ -20,6 +20,7 @@ from ..strategies.accum import GradAccum
 from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.compressed import Compressed
 from ..strategies.context import ContextParallel
+from ..strategies.context_tensor import ContextTensorParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.local_sgd import LocalSGD
@@ -99,7 +100,7 @@ def build_model(cfg, params, ctx, world, policy=None):
     refusal = net.sequence_refusal(T, "ring") if cfg.sequence_parallel else None
     if refusal:
         raise UsageError(f"--sequence-parallel: {refusal}")
-    refusal = net.sequence_refusal(cfg.context_parallel or len(ctx), cfg.attention) if cfg.mode == "context" else None
+    refusal = net.sequence_refusal(context_degree(cfg, len(ctx)), cfg.attention) if cfg.mode == "context" else None
     if refusal:
         raise UsageError(f"--mode context: {refusal}")
     if (cfg.stages or 1) * virtual_stages(cfg) > len(net.layers):
@@ -161,6 +162,13 @@ def build_model(cfg, params, ctx, world, policy=None):
                                  zero_stage=cfg.zero_stage or 0)
         except ValueError as e:
             raise UsageError(f"--mode mesh: {e}") from None
+    elif cfg.mode == "context" and (cfg.tensor_parallel or 1) > 1:   # a grid of cp x tp per replica
+        try:
+            model = ContextTensorParallel(params, ctx, cfg.optimizer, context_degree(cfg, len(ctx)),
+                                          cfg.tensor_parallel, cfg.attention, grad_reduce, make_allreduce(name),
+                                          model=net, zero_stage=cfg.zero_stage or 0)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     elif cfg.mode == "context":  # attention's collectives inside a group; `grad_reduce` sums over all
         model = ContextParallel(params, ctx, cfg.optimizer, cfg.context_parallel, cfg.attention, grad_reduce,
                                 make_allreduce(name), model=net, zero_stage=cfg.zero_stage or 0)
@@ -188,7 +196,7 @@ def dry_run(cfg, ctx, world):
     build_model(cfg, net.init_params(cfg.seed, cfg.init_scale), ctx, world)     # refuses what cannot run
     print(f"model {net.name}: {net.n_params():,} parameters in {len(net.layers)} layers")
     print(f"mode {describe(cfg)}")
-    print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg)).describe(ctx, world.size)))
+    print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg, len(ctx))).describe(ctx, world.size)))
     if cfg.mode in ("model", "pipeline", "hybrid", "mesh"):
         S = cfg.stages or config.STAGES
         replicas = len(ctx) // (S * (mesh_tp(cfg) * (cfg.context_parallel or 1) if cfg.mode == "mesh" else 1))
@@ -198,10 +206,17 @@ def dry_run(cfg, ctx, world):
     return []
 
 
-def degree(cfg):
-    """The mode's own dimension: tensor's T, hybrid's S, context's C (None: every context)."""
-    return {"tensor": cfg.tensor_parallel, "hybrid": cfg.stages or config.STAGES, "context": cfg.context_parallel,
+def degree(cfg, n_contexts):
+    """The mode's own dimension: tensor's T, hybrid's S, context's C or (C, T) (None: every context)."""
+    T = cfg.tensor_parallel or 1
+    context = (context_degree(cfg, n_contexts), T) if T > 1 else cfg.context_parallel
+    return {"tensor": cfg.tensor_parallel, "hybrid": cfg.stages or config.STAGES, "context": context,
             "mesh": (cfg.stages or config.STAGES, mesh_tp(cfg), cfg.context_parallel or 1)}.get(cfg.mode)
+
+
+def context_degree(cfg, n_contexts):
+    """--mode context's C: --context-parallel, else every context a tensor group leaves."""
+    return cfg.context_parallel or max(n_contexts // (cfg.tensor_parallel or 1), 1)
 
 
 def mesh_tp(cfg):

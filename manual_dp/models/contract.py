@@ -25,6 +25,9 @@ parameter list and declares:
               of every example and the whole parameters (params[j], on its context); seq.attend
               (ring or Ulysses attention) and seq.sum (the sum over the group) join the blocks
               (strategies/context.py); None: a token-wise layer, run on each block as it is
+    grid_forward   grid_forward(hs, params, join, seq, F=nd) -> hs: a split layer on a grid of C x T
+              contexts, hs[c][t] block c of the tokens on tensor rank t (params[c][t] its shards):
+              each row a tensor group (join), each column a context-parallel group (seq)
 
 Everything that used to read LeNet's shapes reads a Model instead: the flat buffers and buckets
 (shapes), checkpoints (describe), ZeRO's per-layer gathers (slices), pipeline stages (layers, cut),
@@ -72,6 +75,7 @@ class Layer:
     split_forward: Optional[Callable] = None
     stats: Tuple[Param, ...] = ()
     sequence_forward: Optional[Callable] = None
+    grid_forward: Optional[Callable] = None
 
 
 def draw(param, rng, scale=None):
@@ -195,6 +199,30 @@ class Model:
             hs = layer.sequence_forward(hs, own, seq, F) if layer.sequence_forward else \
                 [layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
         return hs
+
+    def grid_forward(self, Xs, params, join, seq, F=nd):
+        """Class scores on a C x T grid (context x tensor parallel): Xs[c][t] copies of the images,
+        params[c][t] tensor shard t of the parameters; each layer's grid_forward, a layer with a
+        sequence_forward on each column (a context-parallel group), a token-wise one on each block."""
+        hs = Xs
+        for layer, s in zip(self.layers, self.slices()):
+            own = [[P[s] for P in row] for row in params]
+            if layer.grid_forward:
+                hs = layer.grid_forward(hs, own, join, seq, F)
+            elif layer.sequence_forward:
+                cols = [layer.sequence_forward([row[t] for row in hs], [row[t] for row in own], seq, F)
+                        for t in range(len(hs[0]))]
+                hs = [[col[c] for col in cols] for c in range(len(hs))]
+            else:
+                hs = [[layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(row, prow)]
+                      for row, prow in zip(hs, own)]
+        return hs
+
+    def grid_refusal(self, C, T, attention):
+        """Why the model cannot run on a C x T grid, or None: every split layer needs a grid_forward."""
+        if any(layer.split_forward and not layer.grid_forward for layer in self.layers):
+            return f"{self.name} has split layers without a grid_forward: cp with tp is not built for it"
+        return self.tensor_refusal(T) or self.sequence_refusal(C, attention)
 
     def sequence_refusal(self, C, attention):
         """Why the model's sequence cannot be cut into C blocks for `attention` ("ring" or

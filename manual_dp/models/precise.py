@@ -31,7 +31,8 @@ class Precise(Model):
         self.layers = tuple(dataclasses.replace(
             layer, forward=self.lowered(layer.forward, i == last), kind="block" if layer.kind == "dense" else layer.kind,
             split_forward=layer.split_forward and self.lowered_group(layer.split_forward, i == last),
-            sequence_forward=layer.sequence_forward and self.lowered_group(layer.sequence_forward, i == last))
+            sequence_forward=layer.sequence_forward and self.lowered_group(layer.sequence_forward, i == last),
+            grid_forward=layer.grid_forward and self.lowered_grid(layer.grid_forward))
             for i, layer in enumerate(model.layers))
 
     def lowered(self, forward, last):
@@ -51,6 +52,17 @@ class Precise(Model):
             outs = forward(hs, params, join, policy.low(F))
             return [scaled(o, policy.scaler, F) for o in outs] if last else outs
         return forward_low
+
+    def lowered_grid(self, forward):
+        """A layer's grid_forward in the precision (never the last layer: no loss scale here)."""
+        policy = self.policy
+
+        def forward_low(hs, params, join, seq, F=nd):
+            return forward(hs, params, join, seq, policy.low(F))
+        return forward_low
+
+    def grid_refusal(self, C, T, attention):
+        return self.inner.grid_refusal(C, T, attention)
 
     def splits_by_layer(self):
         return self.inner.splits_by_layer()

@@ -128,14 +128,47 @@ def make_split_block(head_dim):
         columns of w2, g, + b2. shards[j]: context j's pieces, in the block's parameter order."""
         shapes = [[x.shape for x in p] for p in shards]
         a = join.f([layer_norm(h, p[0], p[1], F) for h, p in zip(hs, shards)])
-        o = row_parallel([attend(aj, p[2:8], F, s[2:8], head_dim) for aj, p, s in zip(a, shards, shapes)],
-                         [p[8] for p in shards], join, F)                        # (B, T, d) summed
-        hs = [h + F.broadcast_add(oj, p[9]) for h, oj, p in zip(hs, o, shards)]
-        m = join.f([layer_norm(h, p[10], p[11], F) for h, p in zip(hs, shards)])
-        m = [relu(fc(mj, p[12], p[13], F), F) for mj, p in zip(m, shards)]     # (B, T, hidden/T)
-        m = row_parallel(m, [p[14] for p in shards], join, F)
-        return [h + F.broadcast_add(mj, p[15]) for h, mj, p in zip(hs, m, shards)]
+        heads = [attend(aj, p[2:8], F, s[2:8], head_dim) for aj, p, s in zip(a, shards, shapes)]
+        return split_mlp(split_output(hs, heads, shards, join, F), shards, join, F)
     return split_block
+
+
+def split_output(hs, heads, shards, join, F):
+    """h + the attention output projection of each context's heads (B, T, nh/T * dh): row-parallel,
+    summed by g, + bo."""
+    o = row_parallel(heads, [p[8] for p in shards], join, F)                   # (B, T, d) summed
+    return [h + F.broadcast_add(oj, p[9]) for h, oj, p in zip(hs, o, shards)]
+
+
+def split_mlp(hs, shards, join, F):
+    """h + MLP(LN(h)) on a tensor group: LN whole, f, this context's hidden units, its columns of w2,
+    g, + b2 (shards: the block's pieces, in its parameter order)."""
+    m = join.f([layer_norm(h, p[10], p[11], F) for h, p in zip(hs, shards)])
+    m = [relu(fc(mj, p[12], p[13], F), F) for mj, p in zip(m, shards)]         # (B, T, hidden/T)
+    m = row_parallel(m, [p[14] for p in shards], join, F)
+    return [h + F.broadcast_add(mj, p[15]) for h, mj, p in zip(hs, m, shards)]
+
+
+def make_grid_block(head_dim):
+    def grid_block(hs, shards, join, seq, F=nd):
+        """The block on a context x tensor grid: hs[c][t] is block c of the tokens on tensor rank t,
+        shards[c][t] its pieces. Each row c is a tensor group (f and g as split_block); each column
+        t a context-parallel group whose blocks' queries, keys and values of rank t's heads meet in
+        seq.attend (ring or Ulysses)."""
+        a = [join.f([layer_norm(h, p[0], p[1], F) for h, p in zip(row, prow)]) for row, prow in zip(hs, shards)]
+        q, k, v = ([[None] * len(hs[0]) for _ in hs] for _ in range(3))
+        for c, (arow, prow) in enumerate(zip(a, shards)):
+            for t, (aj, p) in enumerate(zip(arow, prow)):
+                q[c][t], k[c][t], v[c][t] = qkv(aj, p[2:8], F, [x.shape for x in p[2:8]], head_dim)
+        heads = [[None] * len(hs[0]) for _ in hs]
+        for t in range(len(hs[0])):
+            outs = seq.attend([q[c][t] for c in range(len(hs))], [k[c][t] for c in range(len(hs))],
+                              [v[c][t] for c in range(len(hs))])
+            for c, o in enumerate(outs):
+                heads[c][t] = F.reshape(o, shape=(0, 0, -3))                  # (B, T_c, nh/T * dh)
+        return [split_mlp(split_output(row, hrow, prow, join, F), prow, join, F)
+                for row, hrow, prow in zip(hs, heads, shards)]
+    return grid_block
 
 
 class Transformer(Model):
@@ -171,6 +204,12 @@ class Transformer(Model):
         if attention == "ulysses" and self.config["heads"] % C:
             return f"Ulysses needs cp={C} to divide the transformer's {self.config['heads']} heads"
         return super().sequence_refusal(C, attention)
+
+    def grid_refusal(self, C, T, attention):
+        """On a C x T grid, Ulysses cuts each tensor rank's H/T heads over the C contexts."""
+        if attention == "ulysses" and T and self.config["heads"] % T == 0 and (self.config["heads"] // T) % C:
+            return f"Ulysses needs cp={C} to divide the {self.config['heads'] // T} heads of each of the tp={T} ranks"
+        return super().grid_refusal(C, T, attention)
 
     @staticmethod
     def embed_layer(T, size, d, patch):
@@ -210,7 +249,7 @@ class Transformer(Model):
                    (f"g: block{l} MLP's partial output", T * d, "forward")]
         return Layer(f"block{l}", params, make_block(dh), flops, T * d, acts, "block",
                      {"head_dim": dh, "traffic": traffic}, make_split_block(dh),
-                     sequence_forward=make_sequence_block(dh))
+                     sequence_forward=make_sequence_block(dh), grid_forward=make_grid_block(dh))
 
     @staticmethod
     def head_layer(T, d):
