@@ -14,6 +14,8 @@ GradAccum calls backward on several batches before one update; the multi-process
 backward this process's rows of every global batch and update the global count.
 """
 
+from mxnet import nd
+
 from ..lesson import shard_sizes
 from .clipping import NormLog
 
@@ -23,6 +25,15 @@ def rank_rows(n, rank, size, k):
     process splits it over size*k contexts with shard_sizes."""
     sizes = shard_sizes(n, size * k)
     return sum(sizes[:rank * k]), sum(sizes[:(rank + 1) * k])
+
+
+def placed(values, ctx):
+    """NDArrays of `values` (host arrays) on `ctx` whose gradients add up over backward passes until
+    zeroed (grad_req "add"): a strategy's own copy of parameters it holds."""
+    arrays = [nd.array(v, ctx=ctx, dtype=v.dtype) for v in values]
+    for a in arrays:
+        a.attach_grad(grad_req="add")
+    return arrays
 
 
 class Strategy:

@@ -28,7 +28,7 @@ from ..models import stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from ..errors import CheckpointError
-from .base import Strategy
+from .base import Strategy, placed
 from .dp_zero import DataShardedOptimizer
 from .data_parallel import host_state, load_into
 from .tensor import copies
@@ -70,18 +70,12 @@ class ContextParallel(Strategy):
         self.seq = Sequence(self.net.tokens, C, attention, cp_allreduce or make_allreduce(FAST_STEP["allreduce"]))
         self.grid = [self.ctx[r:r + C] for r in range(0, len(self.ctx), C)]      # grid[group][block]
         values = [p.asnumpy() for p in params]
-        self.params = [[self.place(values, c) for c in row] for row in self.grid]
+        self.params = [[placed(values, c) for c in row] for row in self.grid]
         groups = [[P[i] for P in self.copies] for i in range(len(values))]
         self.zero = DataShardedOptimizer(groups, optimizer) if zero_stage else None
         self.states = None if self.zero else [[init_states(P, optimizer) for P in row] for row in self.params]
         self.t = 0
 
-    @staticmethod
-    def place(values, ctx):
-        arrays = [nd.array(v, ctx=ctx, dtype=v.dtype) for v in values]
-        for a in arrays:
-            a.attach_grad(grad_req="add")
-        return arrays
 
     @property
     def copies(self):

@@ -23,7 +23,7 @@ from ..mesh import Mesh
 from ..models import stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
-from .base import Strategy
+from .base import Strategy, placed
 from .context import Sequence
 from .dp_zero import DataShardedOptimizer
 from .tensor import copies
@@ -54,19 +54,13 @@ class ContextTensorParallel(Strategy):
                       for r in range(self.mesh.dp)]                                  # grids[r][c][t]
         self.split = [p.split for p in net.param_table()]
         values = [p.asnumpy() for p in params]
-        self.params = [[[self.place([shard(v, a, t, T) for v, a in zip(values, self.split)], c)
+        self.params = [[[placed([shard(v, a, t, T) for v, a in zip(values, self.split)], c)
                          for t, c in enumerate(row)] for row in grid] for grid in self.grids]
         groups = [g for _, g in self.copy_groups()]
         self.zero = DataShardedOptimizer(groups, optimizer) if zero_stage else None
         self.states = None if self.zero else [[[init_states(P, optimizer) for P in row] for row in grid]
                                               for grid in self.params]
 
-    @staticmethod
-    def place(values, ctx):
-        arrays = [nd.array(v, ctx=ctx, dtype=v.dtype) for v in values]
-        for a in arrays:
-            a.attach_grad(grad_req="add")
-        return arrays
 
     def copy_groups(self):
         """[((t, i), arrays)]: tensor shard t of parameter i on every replica and block: summed."""

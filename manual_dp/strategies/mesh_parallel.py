@@ -28,7 +28,7 @@ from ..mesh import Mesh
 from ..models import stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
-from .base import Strategy
+from .base import Strategy, placed
 from .context import Sequence
 from .dp_zero import DataShardedOptimizer
 from .group_stages import GroupPass, sequence_stage, tensor_stage
@@ -91,7 +91,7 @@ class MeshParallel(Strategy):
         self.groups = [[[self.ctx[self.mesh.rank(dp=r, pp=k % S, **{dim: j})] for j in range(T)] for k in range(S * V)]
                        for r in range(self.mesh.dp)]
         values = [p.asnumpy() for p in params]
-        self.params = [[[self.place([shard(values[i], self.split[i], j, T) for i in range(sl.start, sl.stop)], c)
+        self.params = [[[placed([shard(values[i], self.split[i], j, T) for i in range(sl.start, sl.stop)], c)
                          for j, c in enumerate(group)] for sl, group in zip(self.own, row)] for row in self.groups]
         self.zero = DataShardedOptimizer([g for _, g in self.copy_groups()], optimizer) if zero_stage else None
         self.states = None if self.zero else \
@@ -111,12 +111,6 @@ class MeshParallel(Strategy):
                 out.append(((k, j, i), [row[k][j][i] for row in self.params]))
         return out
 
-    @staticmethod
-    def place(values, ctx):
-        arrays = [nd.array(v, ctx=ctx, dtype=v.dtype) for v in values]
-        for a in arrays:
-            a.attach_grad(grad_req="add")
-        return arrays
 
     @property
     def min_batch(self):

@@ -40,7 +40,7 @@ from ..lesson import cross_entropy, n_correct, split_and_load
 from ..models import as_model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
-from .base import Strategy
+from .base import Strategy, placed
 from .dp_zero import DataShardedOptimizer
 from .tensor_layout import even_split, group_layout, held_whole, shard, shard_of_whole, unshard, whole_layout
 
@@ -96,7 +96,7 @@ class TensorParallel(Strategy):
             self.join = SequenceJoin(self.tp_allreduce, self.net.tokens, T)
         self.grid = [self.ctx[r:r + T] for r in range(0, len(self.ctx), T)]   # grid[group][shard]
         host_params = [p.asnumpy() for p in params]
-        self.shards = [[self.place([shard(v, a, j, T) for v, a in zip(host_params, self.split)], c)
+        self.shards = [[placed([shard(v, a, j, T) for v, a in zip(host_params, self.split)], c)
                         for j, c in enumerate(row)] for row in self.grid]
         self.zero = DataShardedOptimizer([g for _, g in self.copy_groups()], optimizer) if zero_stage else None
         self.states = None if self.zero else [[init_states(P, optimizer) for P in row] for row in self.shards]
@@ -114,13 +114,6 @@ class TensorParallel(Strategy):
                 out += [((j, i), [P[j][i] for P in self.shards]) for j in range(self.T)]
         return out
 
-    @staticmethod
-    def place(values, ctx):
-        """NDArrays of `values` on `ctx` whose gradients add up over backward passes until zeroed."""
-        arrays = [nd.array(v, ctx=ctx, dtype=v.dtype) for v in values]
-        for a in arrays:
-            a.attach_grad(grad_req="add")
-        return arrays
 
     @property
     def min_batch(self):
