@@ -22,7 +22,7 @@ DIMS = ("dp", "pp", "cp", "tp")             # outermost first
 KINDS = {"dp": "data", "pp": "pipeline", "cp": "context", "tp": "tensor"}
 COLLECTIVES = {"dp": "gradient all-reduce", "pp": "activations and gradients sent stage to stage",
                "cp": "attention's ring (key and value blocks) or all-to-all (Ulysses)",
-               "tp": "Megatron's f and g (all-reduce)"}
+               "tp": "Megatron's f and g (all-reduces; with --sequence-parallel all-gathers and reduce-scatters)"}
 
 
 @dataclass(frozen=True)
