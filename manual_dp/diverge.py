@@ -56,7 +56,7 @@ def main(argv=None):
                                                    "else 1)")
     args = parser.parse_args(argv)
     if args.replay or args.update is not None:
-        sys.exit(replay(args))
+        sys.exit(replay_status(args))
     try:
         notes = {}
         runs = []
@@ -75,9 +75,9 @@ def main(argv=None):
     sys.exit(status)
 
 
-def replay(args):
+def replay_status(args):
     """--replay's exit status, after its lines (manual_dp.replay; MXNet loads only in its workers)."""
-    from .replay import ReplayError, replay as run_replay
+    from .replay import ReplayError, replay_runs as run_replay
     try:
         if args.update is not None and args.update < 1:
             raise ReplayError(f"--update {args.update}: updates count from 1")

@@ -27,6 +27,8 @@ def strategies(ctx, net=None):
     models.Model `net` (None: LeNet of the parameters' width). Tensor x data and hybrid need an even
     count of 4 or more."""
     from ..strategies.async_dp import AsyncDataParallel
+    from ..strategies.context import ContextParallel
+    from ..strategies.mesh_parallel import MeshParallel
     from ..strategies.data_parallel import DataParallel
     from ..strategies.deterministic import DeterministicDataParallel
     from ..strategies.local_sgd import LocalSGD
@@ -51,6 +53,8 @@ def strategies(ctx, net=None):
     if k >= 4 and k % 2 == 0:
         modes[f"tensor T=2 x data {k // 2}"] = lambda p: TensorParallel(p, ctx, opt, 2, **m)
         modes[f"hybrid 2x{k // 2} M=4"] = lambda p: PipelineParallel(p, ctx, opt, 4, **m)
+        modes[f"mesh dp={k // 4 or 1} x pp=2 x tp=2 1f1b M=4"] = lambda p: MeshParallel(p, ctx, opt, 2, 2, 4, **m)
+    modes[f"context cp={k} ring"] = lambda p: ContextParallel(p, ctx, opt, k, **m)    # models with a sequence
     return modes
 
 

@@ -17,6 +17,6 @@ Layer.forward (tensor-split layers, context-parallel layers, a user's Gluon bloc
 retraining more than rebuild.MAX_RETRAIN updates (give A a --checkpoint-dir). It says when a
 replay does not give its run's digests.
 """
-from .verdict import ReplayError, replay
+from .verdict import ReplayError, replay_runs
 
-__all__ = ["replay", "ReplayError"]
+__all__ = ["replay_runs", "ReplayError"]

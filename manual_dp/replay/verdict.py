@@ -87,7 +87,7 @@ def replay_in_child(role, path, run, t, directory, say):
         return meta, {k: z[k] for k in z.files if k != "meta"}
 
 
-def replay(path_a, path_b, update=None, say=print):
+def replay_runs(path_a, path_b, update=None, say=print):
     """(status, message) of --replay on two digest files; ReplayError or DigestError on bad input."""
     runs = [read_header(p) for p in (path_a, path_b)]
     for label, path, run in (("A", path_a, runs[0]), ("B", path_b, runs[1])):
@@ -121,7 +121,7 @@ def replay(path_a, path_b, update=None, say=print):
         why = results[0][0]["notes"][i] or results[1][0]["notes"][i]
         if why:
             say(f"{name}: not compared ({why})")
-    return judge(t, names, *results)
+    return first_difference(t, names, *results)
 
 
 def layout(run):
@@ -144,7 +144,7 @@ def differ(a, b):
     return gap, gap / max(float(abs(a).max()), 1e-300)
 
 
-def judge(t, names, A, B):
+def first_difference(t, names, A, B):
     """(status, message): the first layer output, then output gradient, then update tensor that differs."""
     (meta_a, arrays_a), (meta_b, arrays_b) = A, B
     seen = []

@@ -68,7 +68,7 @@ def starting_point(role, cfg, t, X, y, directory):
         return state, (z["X"], z["y"])
 
 
-def replay(role, path, t, directory):
+def replay_update(role, path, t, directory):
     """Replay update t of the run of digest file `path` as `role`; its results in directory/ROLE.npz."""
     run, directory = read_header(path), Path(directory)
     cfg = config_of(run)
@@ -93,7 +93,7 @@ def replay(role, path, t, directory):
 def main(argv=None):
     role, path, t, directory = argv or sys.argv[1:]
     try:
-        replay(role, path, int(t), directory)
+        replay_update(role, path, int(t), directory)
     except (ReplayError, DataError, CheckpointError, UsageError) as e:
         sys.stderr.write(f"{e}\n")
         sys.exit(2)
