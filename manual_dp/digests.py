@@ -1,6 +1,6 @@
 """`--digests FILE`: per update, a fingerprint of every gradient, parameter and optimiser-state
 tensor, by name, written as the run goes; `python -m manual_dp.diverge` reads two such files and
-names where the runs part (issue 24).
+names where the runs part (issue 24; `compare`, here, is the comparison it and the replay share).
 
 A header line first, how the run was made (the RunConfig fields that change the numbers, the
 layout's flags and the processes; `diverge --replay` rebuilds the run from it), then one JSON
@@ -158,3 +158,31 @@ def read_lines(path, torn=None):
             raise DigestError(f"{path}: line {i + 1} is not a digest record")
         out.append(r)
     return out
+
+
+def compare(a, b):
+    """(status, message) for two lists of digest records."""
+    by_update = {r["update"]: r for r in b}
+    common = [r for r in a if r["update"] in by_update]
+    if not common:
+        raise DigestError("the two files have no update in common")
+    for ra in common:
+        rb = by_update[ra["update"]]
+        keys_a, keys_b = [tuple(x[:2]) for x in ra["tensors"]], [tuple(x[:2]) for x in rb["tensors"]]
+        if keys_a != keys_b:
+            only = sorted(set(keys_a) ^ set(keys_b))
+            raise DigestError(f"update {ra['update']}: the runs hold different tensors"
+                              + (f" ({', '.join(' '.join(k) for k in only[:3])} in one only)" if only else
+                                 " (in another order)"))
+        for x, y in zip(ra["tensors"], rb["tensors"]):
+            if x[2] != y[2]:
+                kind, name, _, sum_a, norm_a = x
+                _, _, _, sum_b, norm_b = y
+                rel = abs(norm_a - norm_b) / max(abs(norm_a), abs(norm_b), 1e-300)
+                return 1, (f"the runs part at update {ra['update']}: {kind} {name} is the first tensor that differs "
+                           f"(sum {sum_a:.10g} against {sum_b:.10g}, norm {norm_a:.10g} against {norm_b:.10g}, "
+                           f"norms {rel:.1e} apart); every tensor before it is identical")
+    extra = len(a) - len(common), len(b) - len(common)
+    more = f"; A has {extra[0]} more, B {extra[1]} more" if any(extra) else ""
+    return 0, (f"identical: {len(common)} updates in common, {len(common[0]['tensors'])} tensors each, "
+               f"every digest equal{more}")

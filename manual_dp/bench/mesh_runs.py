@@ -18,6 +18,7 @@ from mxnet import nd
 
 from ..cli.build import build_model, network
 from ..cli.memcheck import read_probe, start_probe
+from ..cli.options import trainer_config
 from ..errors import UsageError
 from ..memory import random_batch
 from ..mesh import Mesh
@@ -26,7 +27,6 @@ from ..multiprocess.world import World
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.pipeline_pass import ReplicaPass, SplitPass, cut
 from ..strategies.schedules import bubbles, formula, plan, run_order, simulate
-from .meshes import trainer_config
 
 STAGES, MICRO = 4, 8                                          # issue 22's p and m
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))

@@ -19,8 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from ..checks import check_layout, check_model
-from ..cli.options import OneLineParser, parse as parse_run
+from ..cli.options import OneLineParser, trainer_config
 from ..cli.output import parsed_or_exit
 from ..errors import UsageError
 from ..fast.runtime import configure, machine, usable_cores
@@ -82,15 +81,6 @@ def parse(argv):
     trainer_config(plan["model"], plan["batch"], 1, [])        # the model's sizes, as the trainer checks them
     args.plan = plan
     return args
-
-
-def trainer_config(model_flags, batch, n, flags):
-    """The checked RunConfig of `python -m manual_dp.train --model transformer MODEL_FLAGS --cpus n
-    --batch-size batch FLAGS`; UsageError (one line) where the trainer would refuse it."""
-    cfg = parse_run(["--model", "transformer", "--cpus", str(n), "--batch-size", str(batch)] + model_flags + flags)
-    check_model(cfg)
-    check_layout(cfg, n)
-    return cfg
 
 
 def marked(met):

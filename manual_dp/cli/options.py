@@ -4,7 +4,7 @@ import argparse
 import dataclasses
 import typing
 
-from ..checks import check, check_model
+from ..checks import check, check_layout, check_model
 from ..config import RunConfig, device_request, fields, resolve
 from ..errors import UsageError
 from ..mesh import Mesh, mode_of
@@ -67,6 +67,16 @@ def parse(argv=None):
     cfg = with_mesh(cfg)
     check_model(cfg)                     # again, in the mode the mesh chose
     return resolve(cfg)
+
+
+def trainer_config(model_flags, batch, n, flags):
+    """The checked RunConfig of `python -m manual_dp.train --model transformer MODEL_FLAGS --cpus n
+    --batch-size batch FLAGS` (the benchmarks' layouts); UsageError (one line) where the trainer
+    would refuse it, layout included."""
+    cfg = parse(["--model", "transformer", "--cpus", str(n), "--batch-size", str(batch)] + model_flags + flags)
+    check_model(cfg)
+    check_layout(cfg, n)
+    return cfg
 
 
 def with_mesh(cfg):

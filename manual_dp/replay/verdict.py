@@ -10,7 +10,7 @@ as --no-graph), the two layouts are still compared from one state, and the lines
 
 The order of the verdict: every layer's output from the first layer on, then the gradient of
 every layer's output from the last layer back; if all are identical, the update's digests
-(diverge.compare: the parameter gradients, summed over the batch, then parameters and state).
+(digests.compare: the parameter gradients, summed over the batch, then parameters and state).
 Data parallelism computes every row's activations and output gradients whatever the split, so
 two data-parallel layouts usually part only there, at the sum over the rows.
 """
@@ -25,7 +25,7 @@ import numpy as np
 
 from ..config import device_request
 from ..digests import config_of, read_header, read_lines
-from ..diverge import compare
+from ..digests import compare
 from ..fast.runtime import OURS, thread_env
 
 SAME = ("model", "width", "layers", "d_model", "heads", "patch", "init_scale", "seed", "batch_size", "train_size",

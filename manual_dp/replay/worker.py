@@ -22,7 +22,7 @@ import numpy as np
 from .. import checkpoint
 from ..cli.build import learning_rate, network
 from ..digests import config_of, read_header
-from ..diverge import compare
+from ..digests import compare
 from ..errors import CheckpointError, DataError, UsageError
 from ..schedule import lr_at
 from ..strategies.digested import Digested
