@@ -186,18 +186,18 @@ class RunConfig:
     trace: Optional[str] = flag(None, "sync only: record a few steps (MXNet's profiler and the "
                                       "trainer's spans) as a Chrome trace to this file; draw it with "
                                       "python -m manual_dp.timeline", "data and outputs")
-    tensor_parallel: Optional[int] = flag(None, "tensor only: contexts per tensor group, each holding a "
-                                                "1/T shard of every split layer; the groups are data "
-                                                "parallel (default: every context, one group)",
+    tensor_parallel: Optional[int] = flag(None, "tensor, mesh and context: contexts per tensor group, each "
+                                                "holding a 1/T shard of every split layer; the groups are "
+                                                "data parallel (default: every context, one group; mesh 2)",
                                           "parallelism")
-    sequence_parallel: bool = flag(False, "tensor only, --model transformer: Megatron's sequence parallelism: "
+    sequence_parallel: bool = flag(False, "tensor and mesh, --model transformer: Megatron's sequence parallelism: "
                                           "between the split layers each context keeps 1/T of the tokens "
                                           "(all-gather before a column-parallel layer, reduce-scatter after a "
                                           "row-parallel one, instead of all-reduces)", "parallelism")
-    context_parallel: Optional[int] = flag(None, "context only: contexts per context-parallel group, each "
+    context_parallel: Optional[int] = flag(None, "context and mesh: contexts per context-parallel group, each "
                                                  "holding a 1/C block of every sequence; the groups are data "
                                                  "parallel (default: every context, one group)", "parallelism")
-    attention: Optional[str] = flag(None, "context only: how the blocks of a sequence attend to each other: ring "
+    attention: Optional[str] = flag(None, "context and mesh: how the blocks of a sequence attend to each other: ring "
                                           "(key and value blocks passed round, online softmax) or ulysses "
                                           "(all-to-all to head groups and back) (default ring)",
                                     "parallelism", choices=ATTENTIONS)
