@@ -171,7 +171,10 @@ def test_fp16_clipping_sees_the_unscaled_norm():
         strategy = LossScaled(strategy, policy.scaler) if policy.scaler else strategy
         steps(strategy, n=1, clip=0.5)
         norms[precision, scale] = strategy.grad_norms()["grad_norm_max"]
-    assert norms["fp16", 64.0] == norms["fp16", 512.0]            # powers of two: the same bits
+    # Unscaled, both scales see the same norm: a scale left in would be a factor of 8 apart. Not
+    # the same bits: the scaled values below fp16's normal range (6.1e-5) round as subnormals,
+    # which of them do depends on the scale (the two norms were 1 ulp apart on an AMD Zen 5, equal on an Intel Xeon).
+    assert norms["fp16", 64.0] == pytest.approx(norms["fp16", 512.0], rel=1e-3)
     assert norms["fp16", 64.0] == pytest.approx(norms["bf16", None], rel=2e-2)
 
 
