@@ -68,10 +68,10 @@ class RunConfig:
                                "units at every dropout site while training, with masks drawn per (batch, "
                                "example), the same in every layout, micro-batching, recompute and resume "
                                "(manual_dp/models/dropout.py)", "model")
-    deterministic: bool = flag(False, "the same bits on any number of contexts and processes: every "
-                                      f"batch cut into pieces of {PIECE_ROWS} rows whose gradients are "
-                                      "added in one fixed tree; one thread per op "
-                                      "(manual_dp/strategies/deterministic.py)")
+    deterministic: bool = flag(False, "the same bits on any number of contexts and processes, and in sync, "
+                                      "zero, model, pipeline and hybrid alike: every batch cut into pieces of "
+                                      f"{PIECE_ROWS} rows whose gradients are added in one fixed tree; one thread "
+                                      "per op (manual_dp/strategies/fixed_sums.py)")
     sync_batchnorm: bool = flag(False, "sync, --model resnet: BatchNorm statistics over every context's "
                                        "shard (summed by hand), equal to one context; default: each "
                                        "context its own, as Gluon computes them", "parallelism")
@@ -136,7 +136,7 @@ class RunConfig:
                                       "speed")
     graph: Optional[bool] = flag(None, "sync only: LeNet as a cached symbolic graph instead of layer "
                                        "by layer (default on)", "speed")
-    no_autotune: bool = flag(False, "sync, and zero with --deterministic: do not measure which padding "
+    no_autotune: bool = flag(False, "sync only: do not measure which padding "
                                     "of the convolutions' channels is fastest on this CPU "
                                     "(manual_dp/fast/autotune.py); use none ($MANUAL_DP_CONV_PAD names one)",
                              "speed")
@@ -220,8 +220,8 @@ APPLIES = {
     "allreduce": ("sync", "hybrid", "local", "tensor", "context", "mesh"),
     "fuse_grads": ("sync",),
     "graph": ("sync",),
-    "no_autotune": ("sync", "zero"),
-    "deterministic": ("sync", "zero", "tensor"),
+    "no_autotune": ("sync",),
+    "deterministic": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "sync_batchnorm": ("sync",),
     "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
     "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),

@@ -86,7 +86,7 @@ def test_clipping_changes_the_step_and_a_large_bound_changes_nothing(reference):
 
 def test_deterministic_layouts_keep_one_bit_pattern_when_clipped(reference):
     net, P, _ = reference
-    pad = dict(model=net, conv_pad=1)
+    pad = dict(model=net)
     digests = {digest(steps(make(), CLIP)[0]) for make in (
         lambda: DeterministicDataParallel(P, cpus(1), "momentum", **pad),
         lambda: DeterministicDataParallel(P, cpus(3), "momentum", **pad),

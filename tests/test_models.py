@@ -191,10 +191,10 @@ def digest(params):
 @pytest.mark.parametrize("name", ["transformer", "user"])
 def test_deterministic_bits_on_any_context_count_and_zero_stage(references, name):
     net, P, _ = references[name]
-    want = digest(params_after(DeterministicDataParallel(P, cpus(1), "momentum", model=net, conv_pad=1), n=70))
-    for layout in (lambda: DeterministicDataParallel(P, cpus(3), "momentum", model=net, conv_pad=1),
-                   lambda: DeterministicZero(P, cpus(2), "momentum", 3, model=net, conv_pad=1),
-                   lambda: DeterministicZero(P, cpus(4), "momentum", 1, model=net, conv_pad=1)):
+    want = digest(params_after(DeterministicDataParallel(P, cpus(1), "momentum", model=net), n=70))
+    for layout in (lambda: DeterministicDataParallel(P, cpus(3), "momentum", model=net),
+                   lambda: DeterministicZero(P, cpus(2), "momentum", 3, model=net),
+                   lambda: DeterministicZero(P, cpus(4), "momentum", 1, model=net)):
         assert digest(params_after(layout(), n=70)) == want
 
 
@@ -457,7 +457,7 @@ def test_strategies_without_running_statistics_refuse_them(resnet):
     for make in (lambda: ZeroRedundancy(P, cpus(2), "momentum", 1, model=net),
                  lambda: PipelineParallel(P, cpus(2), "momentum", 2, model=net),
                  lambda: LocalSGD(P, cpus(2), "momentum", 2, model=net),
-                 lambda: DeterministicDataParallel(P, cpus(2), "momentum", model=net, conv_pad=1)):
+                 lambda: DeterministicDataParallel(P, cpus(2), "momentum", model=net)):
         with pytest.raises(ValueError, match="running statistics"):
             make()
 

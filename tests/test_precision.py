@@ -126,12 +126,12 @@ def digest(params):
 
 def test_deterministic_layouts_in_bf16_keep_one_bit_pattern_of_their_own(bf16_reference):
     low, P, _ = bf16_reference
-    pad = dict(model=low, conv_pad=1)
+    pad = dict(model=low)
     digests = {digest(steps(make())) for make in (
         lambda: DeterministicDataParallel(P, cpus(1), "momentum", **pad),
         lambda: DeterministicDataParallel(P, cpus(3), "momentum", **pad),
         lambda: DeterministicZero(P, cpus(2), "momentum", 3, **pad))}
-    fp32 = digest(steps(DeterministicDataParallel(P, cpus(1), "momentum", model=low.inner, conv_pad=1)))
+    fp32 = digest(steps(DeterministicDataParallel(P, cpus(1), "momentum", model=low.inner)))
     assert len(digests) == 1 and fp32 not in digests
 
 

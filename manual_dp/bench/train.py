@@ -67,8 +67,8 @@ def lesson_trainer(params, ctx, lr, batch):
 def manual_trainer(params, ctx, lr, batch, allreduce="lesson", fused=False, graph=False, conv_pad=None,
                    deterministic=False):
     """conv_pad None: the autotune's choice for this machine (the bench measures it first);
-    deterministic: --deterministic's strategy (its cached graph, pieces added in one fixed tree)."""
-    model = DeterministicDataParallel(params, ctx, "sgd", conv_pad=conv_pad) if deterministic else \
+    deterministic: --deterministic's strategy (its cached graph, unpadded, pieces added in one fixed tree)."""
+    model = DeterministicDataParallel(params, ctx, "sgd") if deterministic else \
         DataParallel(params, ctx, "sgd", make_allreduce(allreduce), fuse_grads=fused, graph=graph,
                      conv_pad=conv_pad)
     return (lambda X, y: run_epoch(model, X, y, batch, lr, rng=None)), lambda: model.replicas[0]

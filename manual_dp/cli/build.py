@@ -24,6 +24,7 @@ from ..strategies.context import ContextParallel
 from ..strategies.context_tensor import ContextTensorParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
+from ..strategies.fixed_sums import FixedSums
 from ..strategies.local_sgd import LocalSGD
 from ..strategies.loss_scaled import LossScaled
 from ..strategies.mesh_parallel import MeshParallel
@@ -122,15 +123,16 @@ def build_model(cfg, params, ctx, world, policy=None):
     grad_reduce = world.reducer(policy.reducer(make_allreduce(name), name))   # gradients: in the precision
     grad_reduce = policy.rounding(grad_reduce) if world.size > 1 else grad_reduce
     if cfg.mode == "sync":
-        pad = world.share(lambda: conv_pad(cfg)) if cfg.graph and cfg.model == "lenet" else 1   # rank 0's
-        if cfg.graph and cfg.model == "lenet":
+        padded = cfg.graph and cfg.model == "lenet" and not cfg.deterministic   # --deterministic: unpadded
+        pad = world.share(lambda: conv_pad(cfg)) if padded else 1               # rank 0's
+        if padded:
             print(f"cached graph: convolution channels padded to multiples of {pad}" if pad > 1 else
                   "cached graph: convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
         bucket_mb = float("inf") if cfg.trace and cfg.bucket_mb is None else cfg.bucket_mb  # inf: one buffer
         compressed = make_reducer(cfg.compress, reduce, [p.shape for p in params], world)
-        model = DeterministicDataParallel(
-            params, ctx, cfg.optimizer, graph=cfg.graph, conv_pad=pad, rank=world.rank, size=world.size,
-            exchange=lambda table: world.allreduce(table, "tree" + "x".join(map(str, table.shape))), model=net) \
+        sums = fixed_sums(cfg, world)
+        model = DeterministicDataParallel(params, ctx, cfg.optimizer, graph=cfg.graph, rank=world.rank,
+                                          size=world.size, exchange=sums and sums.exchange, model=net) \
             if cfg.deterministic else \
             DataParallel(params, ctx, cfg.optimizer, compressed or grad_reduce, cfg.fuse_grads, cfg.graph,
                          conv_pad=pad, bucket_mb=bucket_mb, model=net, sync_batchnorm=cfg.sync_batchnorm)
@@ -142,7 +144,6 @@ def build_model(cfg, params, ctx, world, policy=None):
     elif cfg.mode == "zero" and cfg.deterministic:   # across processes: a zero-slot table per shard
         model = DeterministicZero(
             params, ctx, cfg.optimizer, cfg.zero_stage,
-            conv_pad=world.share(lambda: conv_pad(cfg)) if cfg.model == "lenet" else 1,
             rank=world.rank, size=world.size, exchange=lambda table, i: world.allreduce(
                 table, f"zero-tree{i}-" + "x".join(map(str, table.shape))), model=net)
     elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
@@ -181,13 +182,22 @@ def build_model(cfg, params, ctx, world, policy=None):
         try:
             model = PipelineParallel(params, ctx, cfg.optimizer, cfg.micro_batches or 1, grad_reduce,
                                      cfg.stages or config.STAGES, cfg.schedule or "gpipe", cfg.recompute, model=net,
-                                     virtual_stages=virtual_stages(cfg))
+                                     virtual_stages=virtual_stages(cfg), sums=fixed_sums(cfg, world))
         except ValueError as e:
             raise UsageError(f"--schedule {cfg.schedule}: {e}") from None
     model = world.wrap(model)
     model = GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
     model = LossScaled(model, policy.scaler) if policy.scaler else model
     return model.clip(cfg.clip_norm)          # None: the global gradient norm is only logged
+
+
+def fixed_sums(cfg, world):
+    """--deterministic's FixedSums for this process of the job (None without it): its subtrees
+    swapped with the other processes' by the job's all-reduce."""
+    if not cfg.deterministic:
+        return None
+    return FixedSums(rank=world.rank, size=world.size,
+                     exchange=lambda table, key: world.allreduce(table, key + "x".join(map(str, table.shape))))
 
 
 def virtual_stages(cfg):

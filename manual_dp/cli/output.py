@@ -61,7 +61,7 @@ def describe(cfg):
             "pipeline": f"pipeline: model split, {cfg.micro_batches} micro-batches on "
                         f"{SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule",
             "hybrid": f"hybrid: data parallel over {cfg.stages or 2}-stage pipelines, {cfg.micro_batches} micro-batches "
-                      f"each ({cfg.allreduce})",
+                      f"each ({'the fixed tree' if cfg.deterministic else cfg.allreduce})",
             "zero": f"zero: ZeRO stage {cfg.zero_stage}, " + {
                 1: "optimiser state", 2: "optimiser state and gradients",
                 3: "optimiser state, gradients and parameters"}.get(cfg.zero_stage, "") + " sharded over the contexts",
@@ -77,13 +77,16 @@ def describe(cfg):
             "context": f"context: every sequence cut over {cfg.context_parallel or 'all'} context(s) per group, "
                        f"{cfg.attention} attention between the blocks, groups data parallel ({cfg.allreduce})",
             }[cfg.mode]
-    if cfg.deterministic:
+    if cfg.deterministic and cfg.mode == "sync":
         line = ("sync, deterministic: pieces of the batch added in one fixed tree, the same bits on any "
                 "number of contexts and processes")
     if cfg.deterministic and cfg.mode == "zero":
         line = (f"zero, deterministic: ZeRO stage {cfg.zero_stage}, pieces of the batch added in one "
                 "fixed tree, each shard's sum on its context, the same bits on any number of contexts "
                 "and processes")
+    if cfg.deterministic and cfg.mode in ("model", "pipeline", "hybrid"):
+        line += (", deterministic: each stage's gradients per piece of the batch, added in the fixed tree "
+                 "of --deterministic --mode sync: its bits on any cut, schedule and replica count")
     if cfg.deterministic and cfg.mode == "tensor":
         line = (f"tensor, deterministic: layers split over {cfg.tensor_parallel or 'all'} context(s) per "
                 f"tensor group in {TENSOR_PIECES} fixed channel pieces, pieces of the batch and of the "

@@ -14,11 +14,12 @@ from .base import Strategy
 from .data_parallel import host_state, load_into
 from ..memory import part_activation_elems
 from .schedules import bubbles, check_micro, check_name, held, plan, run_order, simulate
-from .pipeline_pass import ReplicaPass, SplitPass, cut, stage_params
+from .pipeline_pass import ReplicaPass, SplitPass, cut, piece_actions, stage_params
+from .pipeline_sums import FixedPipeline
 from .stages import make_stages, param_slices, split_params
 
 
-class PipelineParallel(Strategy):
+class PipelineParallel(FixedPipeline, Strategy):
     """len(ctx) // S data-parallel replicas of an S-device pipeline; replica r's device d is ctx[S r + d].
 
     S contexts and micro_batches=1: model parallelism. More micro-batches: a pipeline, on the
@@ -29,10 +30,15 @@ class PipelineParallel(Strategy):
     timed (between nd.waitall()s), the schedule replayed with the measured durations: end_epoch's
     "bubble_measured". Every variant takes the same step as one device on the whole batch.
     model: the network (manual_dp.models; None: the lesson's LeNet of the parameters' width), cut by Model.cuts.
+    sums: None, each stage adding its micro-batches' gradients as its kernels go and the replicas'
+    by allreduce_fn; or --deterministic's FixedSums (strategies/fixed_sums.py): every replica runs its
+    run of the batch's pieces, a micro-batch piece by piece, and each stage's per-piece gradients
+    are the leaves of the one tree, so the parameters take the bits of --deterministic --mode sync.
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, micro_batches=1, allreduce_fn=None,
-                 stages=2, schedule="gpipe", recompute=False, model=None, virtual_stages=1, measure=False):
+                 stages=2, schedule="gpipe", recompute=False, model=None, virtual_stages=1, measure=False,
+                 sums=None):
         self.net = stateless(as_model(model, params), "model, pipeline and hybrid parallelism")
         if not 1 <= stages <= len(self.net.layers) or len(ctx) < stages or len(ctx) % stages:
             raise ValueError(f"{len(ctx)} contexts cannot be cut into {stages}-stage pipelines "
@@ -54,6 +60,9 @@ class PipelineParallel(Strategy):
                        for places in self.places]
         self.states = [[init_states(P, optimizer) for P in row] for row in self.params]
         self.t, self.bubbles, self.measured, self.peaks = 0, [], [], {}
+        self.sums, self.held = sums, None
+        for p in (p for row in self.params for P in row for p in P) if sums else ():
+            p.attach_grad(grad_req="write")              # each piece's backward overwrites
 
     def plan(self, n_examples):
         """The schedule's Plan for a replica's shard of n_examples: min(M, n_examples) micro-batches
@@ -66,20 +75,28 @@ class PipelineParallel(Strategy):
     def backward(self, X, y):
         """Every replica pipelines its shard of the batch; gradients add up where each stage lives.
         Afterwards self.peaks[context] is the most activation bytes it held at once, so far."""
+        if self.sums:
+            return self.fixed_backward(X, y)
         firsts, lasts = [p[0] for p in self.places], [p[-1] for p in self.places]
         return [self.run_replica(row, places, P, Xr, yr) for row, places, P, Xr, yr in zip(
             self.grid, self.places, self.params, split_and_load(X, firsts), split_and_load(y, lasts))]
 
-    def run_replica(self, row, places, P, Xr, yr):
+    def run_replica(self, row, places, P, Xr, yr, parts=None, collect=None):
         """One replica's pass over its shard (Xr, yr), on the devices `row`, stage k on places[k];
-        returns its (loss sum, number correct) and keeps its bubble and peaks."""
-        p = self.plan(Xr.shape[0])
-        Xs, ys = cut(Xr, p.n_micro), cut(yr, p.n_micro)
+        returns its (loss sum, number correct) and keeps its bubble and peaks. parts: the rows of
+        each piece (--deterministic): a micro-batch of whole pieces runs them one by one, and
+        collect(s, q, grads) takes stage s's gradients of piece q."""
+        sizes = [b - a for a, b in parts] if parts else None
+        p = self.plan(len(sizes) if parts else Xr.shape[0])
+        Xs, ys = (cut(Xr, p.n_micro), cut(yr, p.n_micro)) if not parts else \
+            ([Xr[a:b] for a, b in parts], [yr[a:b] for a, b in parts])
         self.bubbles.append(bubbles(p, simulate(p))[0])
         run = (SplitPass if p.split else ReplicaPass)(Xs, ys, P, places, self.stages, self.elems,
                                                       self.recompute, self.S, self.measure,
-                                                      [self.net.noisy(nd, X) for X in Xs])
-        metrics = run.run(run_order(p))
+                                                      [self.net.noisy(nd, X) for X in Xs], collect)
+        groups = np.cumsum([0] + shard_sizes(len(Xs), p.n_micro))
+        metrics = run.run(run_order(p) if not parts else
+                          piece_actions(run_order(p), [range(a, b) for a, b in zip(groups, groups[1:])]))
         if self.measure:   # the schedule replayed with each (phase, stage)'s mean measured time
             took = run.mean_durations()
             self.measured.append(bubbles(p, simulate(p, took), took)[0])
@@ -89,7 +106,9 @@ class PipelineParallel(Strategy):
 
     def update(self, lr, n_examples):
         """Sum each stage's gradients over the replicas, then one optimiser step everywhere."""
-        for s, P in enumerate(self.params[0]):
+        if self.sums:
+            self.place_totals()
+        for s, P in enumerate(self.params[0]) if not self.sums else ():
             for i in range(len(P)):
                 self.allreduce_fn([row[s][i].grad for row in self.params])
         self.t += 1
@@ -97,9 +116,12 @@ class PipelineParallel(Strategy):
         for row, row_states in zip(self.params, self.states):
             for P, S in zip(row, row_states):
                 apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
+        self.held = None
 
     def reduced_grads(self):
-        """The first replica's stages' gradients, in the model's order."""
+        """The first replica's stages' gradients, in the model's order (--deterministic: the tree's)."""
+        if self.sums:
+            return [t[:sum(p.size for p in P)] for t, P in zip(self.held, self.params[0])]
         return [p.grad for P in self.params[0] for p in P]
 
     def end_epoch(self, lr):
@@ -161,7 +183,12 @@ class PipelineParallel(Strategy):
 
     @property
     def min_batch(self):
-        return len(self.grid)
+        """A replica a row (--deterministic: a piece of any size; the tree leaves no place idle)."""
+        return 1 if self.sums else len(self.grid)
+
+    def rows(self, n, rank, size):
+        """--deterministic: every row (each process picks its pieces, strategies/fixed_sums.py)."""
+        return (0, n) if self.sums else super().rows(n, rank, size)
 
     def state_dict(self):
         """Replica 0's parameters and optimiser state, in the model's order."""

@@ -34,16 +34,20 @@ class ReplicaPass:
     recompute: a forward keeps only the stage's input; its backward runs the forward again, recorded.
     measure: each action timed between nd.waitall()s, in `durations` (seconds, by (phase, stage)).
     Fs[m]: the operators' namespace of micro-batch m's stages (Model.noisy: its dropout masks).
+    collect(s, m, grads): called with stage s's gradients of micro-batch m alone as soon as they are
+    made (--deterministic's leaves; the stage's parameters then take grad_req "write"); metrics[m]
+    is micro-batch m's (loss sum, number correct), once its last stage ran.
     """
 
-    def __init__(self, Xs, ys, params, ctx, stages, elems, recompute, n_devices=None, measure=False, Fs=None):
+    def __init__(self, Xs, ys, params, ctx, stages, elems, recompute, n_devices=None, measure=False, Fs=None,
+                 collect=None):
         self.Xs, self.ys, self.params, self.ctx, self.stages = Xs, ys, params, ctx, stages
-        self.Fs = Fs or [nd] * len(Xs)
+        self.Fs, self.collect = Fs or [nd] * len(Xs), collect
         self.elems, self.recompute, self.last, M = elems, recompute, len(stages) - 1, len(Xs)
         self.n_devices = n_devices or len(stages)
         self.received = [[None] * M for _ in stages]   # received[s][m]: stage s's input for micro-batch m
         self.produced = [[None] * M for _ in stages]   # produced[s][m]: its output; losses on the last stage
-        self.held, self.peak, self.metrics = [0] * self.n_devices, [0] * self.n_devices, []
+        self.held, self.peak, self.metrics = [0] * self.n_devices, [0] * self.n_devices, {}
         self.durations = {} if measure else None
 
     def hold(self, s, nbytes):
@@ -58,7 +62,7 @@ class ReplicaPass:
         if s < self.last:
             return out
         losses = cross_entropy(out, self.ys[m])
-        self.metrics.append((losses.sum(), n_correct(out, self.ys[m])))
+        self.metrics[m] = (losses.sum(), n_correct(out, self.ys[m]))
         return losses
 
     def forward(self, s, m):
@@ -97,9 +101,16 @@ class ReplicaPass:
             self.produced[s][m].backward()
         else:  # the gradient crosses the boundary back, copied by hand
             self.produced[s][m].backward(self.received[s + 1][m].grad.copyto(self.ctx[s]))
+        if self.collect:
+            self.collected(s, m, [p.grad for p in self.params[s]])
         self.produced[s][m] = None
         if s < self.last:
             self.received[s + 1][m] = None
+
+    def collected(self, s, m, grads):
+        """collect(s, m, arrays): stage s's gradients of micro-batch m, on the last stage followed by
+        its loss sum and correct count."""
+        self.collect(s, m, list(grads) + (list(self.metrics[m]) if s == self.last else []))
 
     def act(self, phase, s, m):
         """Runs one action: "F" forward, "B" backward (SplitPass: B and W)."""
@@ -117,7 +128,7 @@ class ReplicaPass:
             self.act(*action)
             nd.waitall()
             self.durations.setdefault(action[:2], []).append(perf_counter() - start)
-        return nd.add_n(*[l for l, _ in self.metrics]), nd.add_n(*[c for _, c in self.metrics])
+        return nd.add_n(*[l for l, _ in self.metrics.values()]), nd.add_n(*[c for _, c in self.metrics.values()])
 
     def mean_durations(self):
         """{(phase, stage): mean seconds} of the measured actions."""
@@ -159,7 +170,18 @@ class SplitPass(ReplicaPass):
     def weight(self, s, m):
         """W: stage s's weight gradients for micro-batch m, added in; then it holds nothing of m."""
         P = self.params[s]
-        for p, g in zip(P, autograd.grad(self.produced[s][m], P, head_grads=self.heads[s][m])):
-            p.grad[:] += g
+        grads = autograd.grad(self.produced[s][m], P, head_grads=self.heads[s][m])
+        if self.collect:
+            self.collected(s, m, grads)
+        else:
+            for p, g in zip(P, grads):
+                p.grad[:] += g
         self.hold(s, -self.full_bytes(s, m) - (self.received[s][m].size * FLOAT_BYTES if self.recompute else 0))
         self.produced[s][m] = self.received[s][m] = self.heads[s][m] = None
+
+
+def piece_actions(order, parts):
+    """`order` (actions of micro-batches) with each action repeated for every piece of its
+    micro-batch, in order: parts[m] is micro-batch m's pieces (--deterministic runs a stage piece
+    by piece, the kernels of one piece's shape, whatever the micro-batching)."""
+    return [(phase, s, q) for phase, s, m in order for q in parts[m]]

@@ -31,7 +31,7 @@ from ..models import as_model
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
-from .deterministic import WholeBatch, cover, pieces, root_of, spans, tree_sum
+from .fixed_sums import WholeBatch, cover, pieces, root_of, spans, tree_sum
 from .tensor import NAMES, SPLIT, group_layout
 from .tensor_pieces import PIECED, add_on, cut, group_scores, join, names
 

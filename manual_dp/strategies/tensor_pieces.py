@@ -22,7 +22,7 @@ import numpy as np
 from mxnet import autograd, nd
 
 from ..lesson import conv_block, dense, relu
-from .deterministic import cover, root_of, tree_sum
+from .fixed_sums import cover, root_of, tree_sum
 from .tensor import NAMES, SPLIT
 from .tensor_layout import shard
 

@@ -26,37 +26,13 @@ leaves, the same tree, the same update), on any context count, process count and
 from mxnet import autograd, nd
 
 from ..config import PIECE_ROWS, RunConfig
-from ..fast import autotune
 from ..fast.flat import views
 from ..fast.graph import ModelGraph
 from ..fast.sharded import empty_shards
 from ..optim import apply_update_and_clear
-from .deterministic import WholeBatch, cover, piece_leaves, pieces, root_of, spans, tree_sum
+from .deterministic import piece_leaves
+from .fixed_sums import Fold, WholeBatch, cover, pieces, root_of, spans, tree_sum
 from .zero import ZeroRedundancy
-
-
-class Fold:
-    """The whole subtrees of pieces lo..hi-1 of m (cover(lo, hi, m)), added up as the run's leaves
-    arrive in order: afterwards `done` maps each cover node to tree_sum's value of it, its bits."""
-
-    def __init__(self, lo, hi, m, add=lambda a, b: a + b):
-        self.lo, self.hi, self.m, self.add, self.done = lo, hi, m, add, {}
-        self.top = root_of(m)[0]
-
-    def inside(self, level, i):
-        """Whether node (level, i) holds only pieces of this run."""
-        return i << level >= self.lo and min((i + 1) << level, self.m) <= self.hi
-
-    def put(self, j, leaf):
-        """Leaf j (the run's next) in; every node it completes made, its children let go."""
-        level, i, value = 0, j, leaf
-        while level < self.top and self.inside(level + 1, i >> 1):
-            if i % 2:                                      # a right child: its left sibling is done
-                value = self.add(self.done.pop((level, i - 1)), value)
-            elif (i + 1) << level < self.m:                # a left child whose sibling is to come
-                break
-            level, i = level + 1, i >> 1                   # (a left child alone is its parent)
-        self.done[(level, i)] = value
 
 
 class DeterministicZero(WholeBatch, ZeroRedundancy):
@@ -68,11 +44,9 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, piece=PIECE_ROWS, graph=True,
-                 conv_pad=None, rank=0, size=1, exchange=None, model=None):
+                 rank=0, size=1, exchange=None, model=None):
         super().__init__(params, ctx, optimizer, stage, model=model)
-        if graph and conv_pad is None:
-            conv_pad = autotune.conv_pad()
-        self.graph = ModelGraph(conv_pad, self.shapes, model=self.net) if graph and self.net.noise is None else None
+        self.graph = ModelGraph(1, self.shapes, model=self.net) if graph and self.net.noise is None else None
         self.piece, self.rank, self.size, self.exchange = piece, rank, size, exchange
         self.n = int(self.offsets[-1])
         self.ends = self.bounds[:-1] + [self.n + 2]          # shard i of a leaf; the last adds loss, correct

@@ -1,0 +1,54 @@
+"""--deterministic for model, pipeline and hybrid parallelism: every stage's per-piece gradients are
+leaves of strategies/fixed_sums.py's one tree.
+
+Each pipeline replica takes its run of the batch's pieces (FixedSums.cut); its micro-batches are
+runs of whole pieces, and each stage runs a micro-batch piece by piece (the same kernels on a
+piece's shape as a context of --deterministic --mode sync runs the whole model on it), so stage s
+makes, per piece, exactly the slice of that piece's leaf that its parameters own (the last stage
+also the piece's loss sum and correct count). A stage's leaves are added in the tree where its
+replicas ran them, then across replicas and processes (FixedSums.total), and every replica's copy
+of the stage takes the total: the bits of --deterministic --mode sync, on any cut, schedule,
+micro-batch count, recompute, replica and process count.
+"""
+from ..fast.prefetch import host
+from .fixed_sums import leaf
+
+
+class FixedPipeline:
+    """The --deterministic half of PipelineParallel (strategies/pipeline.py), whose attributes it reads."""
+
+    def fixed_backward(self, X, y):
+        """Every replica's run of pieces through its stages; afterwards held[s] adds stage s's tree
+        total (its gradient, the last stage's then loss sum and correct count) on replica 0's place."""
+        bounds, runs, mine = self.sums.cut(len(X), len(self.grid))
+        leaves = [{} for _ in self.stages]                       # leaves[s][piece]
+        for row, places, P, (lo, hi) in zip(self.grid, self.places, self.params, mine):
+            if hi > lo:
+                start, stop = bounds[lo][0], bounds[hi - 1][1]
+                parts = [(a - start, b - start) for a, b in bounds[lo:hi]]
+
+                def collect(s, q, arrays, first=lo):
+                    leaves[s][first + q] = leaf(arrays)
+                self.run_replica(row, places, P, host(X[start:stop]).as_in_context(places[0]),
+                                 host(y[start:stop]).as_in_context(places[-1]), parts, collect)
+        totals = [self.stage_total(s, leaf_s, runs, mine, len(bounds)) for s, leaf_s in enumerate(leaves)]
+        self.held = totals if self.held is None else [h + t for h, t in zip(self.held, totals)]
+        n = sum(p.size for p in self.params[0][-1])
+        loss, correct = totals[-1][n:n + 1], totals[-1][n + 1:n + 2]
+        return [(loss.zeros_like(), correct.zeros_like())] if self.sums.rank else [(loss, correct)]   # rank 0's
+
+    def stage_total(self, s, leaves, runs, mine, m):
+        """Stage s's tree total on replica 0's place of it, from its leaves {piece: vector}."""
+        home = self.places[0][s]
+        width = sum(p.size for p in self.params[0][s]) + (2 if s == len(self.stages) - 1 else 0)
+        have = self.sums.subtrees(leaves, mine, m, home)
+        return self.sums.total(have, runs, m, width, home, f"pipe{s}-")
+
+    def place_totals(self):
+        """Every replica's copy of every stage takes the tree's gradient in its parameters' grads."""
+        for row in self.params:
+            for P, total in zip(row, self.held):
+                at = 0
+                for p in P:
+                    total[at:at + p.size].reshape(p.shape).copyto(p.grad)
+                    at += p.size

@@ -1,0 +1,105 @@
+"""One bit pattern in every layout --deterministic reaches (strategies/fixed_sums.py, issue 24): the
+parameters and optimiser state after a few steps are the bits of --deterministic on one context,
+for LeNet and the transformer, sgd, momentum and adam; across processes too.
+
+Bit-identity needs every process to run its ops with the same thread count: the in-process tests
+run in one process, and the jobs start every process with one thread per op (tests/jobs.py)."""
+import hashlib
+
+import pytest
+
+from conftest import batch, cpus, write_dataset
+from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, train_cmd
+from manual_dp import models
+from manual_dp.strategies.deterministic import DeterministicDataParallel
+from manual_dp.strategies.fixed_sums import FixedSums
+from manual_dp.strategies.pipeline import PipelineParallel
+from manual_dp.strategies.zero_deterministic import DeterministicZero
+from test_distributed import needs_horovod
+
+
+def pipeline(n, micro, stages, **kw):
+    return lambda P, net, opt: PipelineParallel(P, cpus(n), opt, micro, stages=stages, model=net, sums=FixedSums(), **kw)
+
+
+LAYOUTS = {
+    "sync x3": lambda P, net, opt: DeterministicDataParallel(P, cpus(3), opt, model=net),
+    "zero-3 x2": lambda P, net, opt: DeterministicZero(P, cpus(2), opt, 3, model=net),
+    "model 2 stages": pipeline(2, 1, 2),
+    "gpipe 3 stages x 3 micro-batches": pipeline(3, 3, 3),
+    "1f1b 2 stages x 4, recompute": pipeline(2, 4, 2, schedule="1f1b", recompute=True),
+    "interleaved 2 x 2 chunks x 4": pipeline(2, 4, 2, schedule="interleaved", virtual_stages=2),
+    "zb-h1 2 stages x 3": pipeline(2, 3, 2, schedule="zb-h1"),
+    "hybrid 2 x 2 stages x 2": pipeline(4, 2, 2),
+}
+
+
+def digest(strategy, net, steps=2):
+    """The SHA-256 of the parameters and optimiser state after `steps` steps on 100 rows (4 pieces:
+    32, 32, 32, 4), and of the losses."""
+    X, y = batch(100, 0)
+    losses = [float(strategy.step(X, y, 0.05)[0][0].asscalar()) for _ in range(steps)]
+    state = strategy.state_dict()
+    arrays = state["params"] + [s for st in state["opt_state"] for s in st]
+    return hashlib.sha256(b"".join(a.tobytes() for a in arrays) + repr(losses).encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def nets():
+    return {"lenet": models.build("lenet"), "transformer": models.build("transformer", layers=2, d_model=16, heads=2)}
+
+
+@pytest.fixture(scope="module")
+def references(nets):
+    return {(name, opt): digest(DeterministicDataParallel(net.init_params(0), cpus(1), opt, model=net), net)
+            for name, net in nets.items() for opt in ("sgd", "momentum", "adam")}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("name", ["lenet", "transformer"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_has_one_contexts_bits(nets, references, layout, name, optimizer):
+    net = nets[name]
+    assert digest(LAYOUTS[layout](net.init_params(0), net, optimizer), net) == references[name, optimizer]
+
+
+def test_the_fast_layouts_do_not(nets, references):
+    """Without the fixed tree a pipeline adds its micro-batches as they come: other bits (so the
+    equality above is not vacuous)."""
+    net = nets["transformer"]
+    fast = PipelineParallel(net.init_params(0), cpus(2), "momentum", 4, stages=2, model=net)
+    assert digest(fast, net) != references["transformer", "momentum"]
+
+
+TINY = ["--train-size", "300", "--batch-size", "100", "--optimizer", "adam", "--lr", "0.002", "--epochs", "2",
+        "--test-size", "64", "--deterministic", "--model", "transformer", "--layers", "1", "--d-model", "16",
+        "--heads", "2"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("bits_data"))
+
+
+def run(tmp_path, name, cmd):
+    log, ck = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ck"
+    code, out = run_job([*cmd, "--log-json", log, "--checkpoint-dir", ck], tmp_path / f"{name}.txt")
+    assert code == 0, out
+    return log, ck
+
+
+def test_cli_pipelines_and_two_dist_sync_workers_of_hybrid_have_one_contexts_bits(data, tmp_path):
+    one = run(tmp_path, "one", train_cmd("--cpus", 1, "--data-dir", data, *TINY))
+    for name, argv in (("gpipe", ["--mode", "pipeline", "--cpus", 2, "--micro-batches", 3]),
+                       ("zb", ["--mode", "pipeline", "--cpus", 2, "--micro-batches", 3, "--schedule", "zb-h1"])):
+        assert_same_run(*one, *run(tmp_path, name, train_cmd("--data-dir", data, *TINY, *argv)), exact=True)
+    workers = run(tmp_path, "kv", launch_cmd(2, "dist_sync", "--mode", "hybrid", "--cpus", 4, "--micro-batches", 2,
+                                             "--data-dir", data, *TINY))
+    assert_same_run(*one, *workers, exact=True)
+
+
+@needs_horovod
+def test_cli_model_parallelism_on_two_horovod_processes_has_one_contexts_bits(data, tmp_path):
+    one = run(tmp_path, "one", train_cmd("--cpus", 1, "--data-dir", data, *TINY))
+    hvd = run(tmp_path, "hvd", horovod_cmd(2, "--mode", "model", "--cpus", 2, "--data-dir", data, *TINY))
+    assert_same_run(*one, *hvd, exact=True)
