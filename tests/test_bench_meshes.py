@@ -32,7 +32,7 @@ def test_every_mesh_of_eight_contexts_runs_and_equals_one_context(quick):
     result, stdout = quick
     meshes = result["meshes"]
     assert set(meshes) == {"one context", "dp=2 x pp=2 x tp=2", "dp=2 x pp=2 x tp=2 +sp", "dp=2 x pp=2 x cp=2",
-                           "dp=2 x cp=4", "dp=4 x tp=2"}
+                           "dp=2 x cp=4", "dp=4 x tp=2", "pp=2 x cp=2 x tp=2"}
     for name, r in meshes.items():
         assert r["images_per_sec"] > 0 and len(r["losses"]) == SETTINGS["quick"]["steps"], name
         if name != "one context":

@@ -46,10 +46,12 @@ MEMORY_LAYOUTS = (                                            # (name, contexts,
 
 
 def mesh_layouts(n):
-    """[(name, trainer flags)] of the meshes of n contexts (n a multiple of 4; 8: issue 22's)."""
+    """[(name, trainer flags)] of the meshes of n contexts (n a multiple of 4; 8: issue 22's, and
+    dp x pp x cp x tp, on a multiple of 8)."""
     d = n // 4
     meshes = [(f"dp={d},pp=2,tp=2", []), (f"dp={d},pp=2,tp=2", ["--sequence-parallel"]),
               (f"dp={d},pp=2,cp=2", []), (f"dp={d},cp=4", []), (f"dp={2 * d},tp=2", [])]
+    meshes += [(f"dp={n // 8},pp=2,cp=2,tp=2", [])] if n % 8 == 0 else []
     return [(str(Mesh.parse(m, n)) + (" +sp" if extra else ""), ["--mesh", m] + extra) for m, extra in meshes]
 
 

@@ -10,7 +10,8 @@ parallelism and the pipeline schedules, measured side by side in one run (manual
                  measured one (each action timed alone, the schedule replayed with the measured
                  times), the same replayed with the stages made equal, and each action's measured
                  time beside its FLOP price
-    meshes       --cpus contexts (default 8) as dp x pp x tp (+sp), dp x pp x cp, dp x cp=4, dp x tp=2:
+    meshes       --cpus contexts (default 8) as dp x pp x tp (+sp), dp x pp x cp, dp x cp=4, dp x tp=2
+                 and (a multiple of 8) dp x pp x cp x tp:
                  each layout's loss beside one context's; images/s, not a speed target
 
 Bubbles and bytes are the targets here; on CPU contexts sharing a few cores speed is not. --quick
