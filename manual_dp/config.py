@@ -65,6 +65,10 @@ class RunConfig:
                                       f"{TRANSFORMER['heads']})", "model")
     patch: Optional[int] = flag(None, "transformer: tokens are P x P patches (P divides 28); 0: image rows "
                                       "(default 0)", "model")
+    dropout: float = flag(0.0, "transformer, or a Gluon block with Dropout children: drop this share of the "
+                               "units at every dropout site while training, with masks drawn per (batch, "
+                               "example), the same in every layout, micro-batching, recompute and resume "
+                               "(manual_dp/models/dropout.py)", "model")
     deterministic: bool = flag(False, "the same bits on any number of contexts and processes: every "
                                       f"batch cut into pieces of {PIECE_ROWS} rows whose gradients are "
                                       "added in one fixed tree; one thread per op "
@@ -248,13 +252,14 @@ DEFAULT_ONLY_IN = {"zero_stage": ("zero",)}      # tensor, context and mesh: ZeR
 MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer",), "d_model": ("transformer",),
                  "heads": ("transformer",), "patch": ("transformer",)}
 # Settings that must match for --resume to continue the same run.
-RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "sync_batchnorm", "clip_norm", "precision",
+RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "dropout", "sync_batchnorm", "clip_norm", "precision",
             "scale_window", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
             "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
             "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
 DEFAULTS_OF_NEWER_KEYS = {"model": "lenet", "layers": None, "d_model": None, "heads": None, "patch": None,
+                          "dropout": 0.0,
                           "sync_batchnorm": False, "clip_norm": None, "precision": "fp32", "scale_window": None,
                           "width": 1, "sync_every": None, "outer_optimizer": None, "outer_lr": None,
                           "outer_momentum": None, "compress": "none"}

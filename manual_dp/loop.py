@@ -15,6 +15,7 @@ from .data import batches
 from .errors import DivergedError
 from . import replicas
 from .fast.prefetch import prefetch
+from .models.dropout import training_batch
 from .schedule import lr_at
 
 
@@ -33,21 +34,23 @@ def evaluate(model, X, y, batch_size):
     return float(total.asscalar()) / len(X)
 
 
-def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2, check_replicas=0):
+def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2, check_replicas=0, first_batch=0):
     """One pass over (X, y) in `rng`'s order; returns (mean loss, accuracy). With check_replicas N,
-    every copy of the parameters is compared every N updates (manual_dp.replicas).
+    every copy of the parameters is compared every N updates (manual_dp.replicas). The batches are
+    the run's first_batch, first_batch + 1, ... (what dropout's masks are drawn for).
 
     Metrics stay on the devices until the end of the epoch; the host waits only on the batch
     `lookahead` steps back, so that MXNet's queue stays full but bounded, and reads its running
     loss: DivergedError at the first step whose loss is not finite.
     """
     totals, seen, pending = None, 0, collections.deque()
-    n_batches = -(-len(X) // batch_size)
+    n_batches, noise = -(-len(X) // batch_size), model.net.noise if model.net else None
     for i, (Xb, yb) in enumerate(prefetch(batches(X, y, batch_size, rng))):
         if len(Xb) < model.min_batch:
             break  # a tail smaller than the device count is dropped, never crashes
         t = model.t
-        metrics = model.step(Xb, yb, lr_at(lr, model.t))
+        with training_batch(noise, first_batch + i):
+            metrics = model.step(Xb, yb, lr_at(lr, model.t))
         if check_replicas and model.t != t and model.t % check_replicas == 0:
             replicas.check(model.fingerprints(), model.t)
         totals = accumulate(totals, metrics)
@@ -102,7 +105,8 @@ def fit(model, train_data, test_data, epochs, batch_size, lr, rng,
         start = time.perf_counter()
         try:
             train_loss, train_acc = run_epoch(model, Xtr, ytr, batch_size, lr, rng, on_batch,
-                                              check_replicas=check_replicas)
+                                              check_replicas=check_replicas,
+                                              first_batch=(epoch - 1) * -(-len(Xtr) // batch_size))
         except DivergedError as e:
             raise DivergedError(f"epoch {epoch}, {e}") from None
         extras = model.end_epoch(lr_at(lr, model.t))   # e.g. an open accumulation window applied

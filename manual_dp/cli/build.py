@@ -12,6 +12,7 @@ from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
 from ..fast.compress import make_reducer
 from ..mesh import Mesh
 from ..models import build as build_network
+from ..models.dropout import Noise
 from ..models.precise import Precise
 from ..precision import Policy
 from ..schedule import make_lr, updates_per_epoch
@@ -60,16 +61,20 @@ def conv_pad(cfg):
 
 
 @functools.lru_cache(maxsize=4)
-def network_of(model, width, layers, d_model, heads, patch, seed):
+def network_of(model, width, layers, d_model, heads, patch, seed, dropout=0.0):
     try:
-        return build_network(model, width, layers, d_model, heads, patch, seed)
+        net = build_network(model, width, layers, d_model, heads, patch, seed)
+        if dropout:
+            net.drop(Noise(dropout, seed))
+        return net
     except ValueError as e:
         raise UsageError(f"--model {model}: {e}") from None
 
 
 def network(cfg):
-    """The models.Model that cfg names, built once per process (a user's block is loaded once)."""
-    return network_of(cfg.model, cfg.width, cfg.layers, cfg.d_model, cfg.heads, cfg.patch, cfg.seed)
+    """The models.Model that cfg names, built once per process (a user's block is loaded once), with
+    cfg's dropout."""
+    return network_of(cfg.model, cfg.width, cfg.layers, cfg.d_model, cfg.heads, cfg.patch, cfg.seed, cfg.dropout)
 
 
 def policy_of(cfg):

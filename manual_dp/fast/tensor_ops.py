@@ -84,6 +84,10 @@ class Join:
     def unshard(self, hs):
         return hs
 
+    def starts(self, n):
+        """The first token each of the n contexts holds between shard and unshard: all of them."""
+        return [0] * n
+
 
 class SequenceJoin(Join):
     """Megatron-SP (Korthikanti et al. 2022): between the split layers every context keeps only its
@@ -109,3 +113,6 @@ class SequenceJoin(Join):
 
     def unshard(self, hs):
         return all_gather(hs, axis=1)
+
+    def starts(self, n):
+        return [int(a) for a in np.cumsum([0] + self.sizes)[:n]]

@@ -29,6 +29,11 @@ parameter list and declares:
               contexts, hs[c][t] block c of the tokens on tensor rank t (params[c][t] its shards):
               each row a tensor group (join), each column a context-parallel group (seq)
 
+A model with dropout holds `noise` (models.dropout.Noise): its layers call dropout(h, site, F), whose
+masks depend on the batch and the example, never on the layout; the model's forward and its group
+forms start F from noisy(F, X), and a strategy that runs layers stage by stage does the same for
+each micro-batch.
+
 Everything that used to read LeNet's shapes reads a Model instead: the flat buffers and buckets
 (shapes), checkpoints (describe), ZeRO's per-layer gathers (slices), pipeline stages (layers, cut),
 memory and FLOP counts (inputs, acts, flops). A layer is what a pipeline cuts between and what ZeRO-3
@@ -39,6 +44,8 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 from mxnet import nd
+
+from .dropout import noisy
 
 IMAGE = (1, 28, 28)        # Fashion-MNIST, as every model here reads it
 CLASSES = 10
@@ -100,6 +107,24 @@ class Model:
     name = "model"
     config = {}
     layers = ()
+    noise = None               # models.dropout.Noise of a model with dropout sites
+
+    def noisy(self, F, X):
+        """The namespace for a forward from images X: F, drawing this batch's dropout masks for X's
+        examples when the model has dropout and a training batch is on (models.dropout)."""
+        return noisy(F, self.noise, X)
+
+    def dropout_sites(self):
+        """How many dropout sites its layers hold (models.dropout): none by default."""
+        return 0
+
+    def drop(self, noise):
+        """Afterwards its dropout sites draw `noise`'s masks; ValueError (one line) if it has none."""
+        if not self.dropout_sites():
+            raise ValueError(f"--dropout: {self.name} has no dropout sites (the transformer has, and a Gluon "
+                             f"block with Dropout children)")
+        self.noise = noise
+        return self
 
     # -- the parameter table ------------------------------------------------------------------
     def param_table(self):
@@ -167,7 +192,7 @@ class Model:
         """Class scores (B, 10) of images X (B, 1, 28, 28); params in the flat order, on X's
         context. F=mx.sym: symbols, whose shapes are `shapes`."""
         shapes = shapes or [p.shape for p in params]
-        h = X
+        h, F = X, self.noisy(F, X)
         for layer, s in zip(self.layers, self.slices()):
             h = layer.forward(h, params[s], F, shapes[s])
         return h
@@ -180,7 +205,7 @@ class Model:
         split_forward, or the whole layer on every context; a run of split layers is entered
         through join.shard and left through join.unshard (Megatron-SP cuts the sequence there;
         plain tensor parallelism does nothing)."""
-        hs, inside = Xs, False
+        hs, inside, F = Xs, False, self.noisy(F, Xs[0])
         for layer, s in zip(self.layers, self.slices()):
             own = [P[s] for P in shards]
             if bool(layer.split_forward) != inside:
@@ -193,7 +218,7 @@ class Model:
         """Class scores on every context of a context-parallel group (each the same) from copies of
         the images Xs, one per context, and params[j], context j's copy of the whole parameters:
         each layer's sequence_forward, or a token-wise layer on each context's block of tokens."""
-        hs = Xs
+        hs, F = Xs, self.noisy(F, Xs[0])
         for layer, s in zip(self.layers, self.slices()):
             own = [P[s] for P in params]
             hs = layer.sequence_forward(hs, own, seq, F) if layer.sequence_forward else \
@@ -204,7 +229,7 @@ class Model:
         """Class scores on a C x T grid (context x tensor parallel): Xs[c][t] copies of the images,
         params[c][t] tensor shard t of the parameters; each layer's grid_forward, a layer with a
         sequence_forward on each column (a context-parallel group), a token-wise one on each block."""
-        hs = Xs
+        hs, F = Xs, self.noisy(F, Xs[0][0])
         for layer, s in zip(self.layers, self.slices()):
             hs = grid_layer(layer, hs, [[P[s] for P in row] for row in params], join, seq, F)
         return hs

@@ -12,6 +12,10 @@ Tensor parallelism (AutoTP, as DeepSpeed does for layer kinds it knows): consecu
 are split in pairs, the first by output units (column-parallel), the second by input units
 (row-parallel, its bias and activation after g); every other child runs whole on every context.
 
+A Dropout child becomes a dropout site of its own rate (models/dropout.py): its masks are drawn per
+(batch, example), the same in every layout, where MXNet's Dropout would draw from each device's
+generator. --dropout does not apply: the block's rates are its own.
+
 Refused, in one line: a file that is missing or does not define FUNCTION, a FUNCTION that raises
 or returns no HybridBlock, a block that fails on a (2, 1, 28, 28) batch or does not give (2, 10)
 scores, and layers with running statistics (BatchNorm's moving mean and variance).
@@ -23,6 +27,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, pair_traffic, split_pairs
+from .dropout import Noise, dropout
 
 
 def load_block(spec):
@@ -84,10 +89,22 @@ def make_forward(symbol, names):
 
     def forward(h, params, F=nd, shapes=None):
         given = dict(zip(names, params), data=h)
-        if F is nd:
+        if isinstance(h, nd.NDArray):                      # F: nd, or nd drawing dropout masks
             return op(*[given[name] for name in order])
         return symbol(**given)
     return forward
+
+
+def dropout_layer(i, child, site, size):
+    """Layer i, the Dropout `child` as dropout site `site` at the child's rate; size: its elements
+    per example."""
+    from mxnet import nd
+    if child._axes:
+        raise UsageError(f"layer {i}: Dropout with axes {child._axes} (a mask shared along axes) is not supported")
+
+    def forward(h, params, F=nd, shapes=None):
+        return dropout(h, site, F, rate=child._rate)
+    return Layer(f"{i}:Dropout", (), forward, 0, size, size, kind="gluon", extra={"type": "Dropout"})
 
 
 def stable_name(i, child, name):
@@ -121,6 +138,10 @@ class GluonModel(Model):
         self.roles = pair_roles(len(kids), lambda i: self.dense[i] is not None)
         sizes = io_sizes(kids, block)
         for i, child in enumerate(kids):
+            if isinstance(child, mx.gluon.nn.Dropout):
+                layers.append(dropout_layer(i, child, sum(layer.extra["type"] == "Dropout" for layer in layers),
+                                            sizes[i][0]))
+                continue
             symbol = child(mx.sym.var("data"))
             if symbol.list_auxiliary_states():
                 raise UsageError(f"--model {spec}: layer {child.name} keeps running statistics "
@@ -136,6 +157,14 @@ class GluonModel(Model):
                                 n_in, 2 * n_out, kind="gluon", extra={"type": type(child).__name__}))
         self.layers = tuple(layers)
         self.outputs = [s[1] for s in sizes]
+        self.noise = Noise(0.0, seed) if self.dropout_sites() else None
+
+    def dropout_sites(self):
+        return sum(layer.extra["type"] == "Dropout" for layer in self.layers)
+
+    def drop(self, noise):
+        raise ValueError("--dropout: a Gluon block's Dropout children keep their own rates (without "
+                         "Dropout children it has no dropout sites)")
 
     def tensor_traffic(self):
         return pair_traffic(self.layers, self.roles, self.outputs)
@@ -165,7 +194,7 @@ class GluonModel(Model):
     def split_forward(self, Xs, shards, join, F=None):
         from mxnet import nd
         return split_pairs(Xs, shards, join, self.layers, self.slices(), self.roles,
-                           self.dense_forward, self.dense_forward, F or nd)
+                           self.dense_forward, self.dense_forward, self.noisy(F or nd, Xs[0]))
 
     def tensor_refusal(self, T):
         if not self.roles:

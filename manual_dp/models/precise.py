@@ -25,7 +25,7 @@ class Precise(Model):
             raise ValueError(f"--precision {policy.precision}: a Gluon block's layers run as MXNet's cached "
                              f"graphs, which the precision does not reach: it trains in fp32 only")
         self.inner, self.policy = model, policy
-        self.name, self.config = model.name, model.config
+        self.name, self.config, self.noise = model.name, model.config, model.noise
         last = len(model.layers) - 1
         self.tokens = getattr(model, "tokens", None)
         self.layers = tuple(dataclasses.replace(
@@ -63,6 +63,9 @@ class Precise(Model):
 
     def grid_refusal(self, C, T, attention):
         return self.inner.grid_refusal(C, T, attention)
+
+    def dropout_sites(self):
+        return self.inner.dropout_sites()
 
     def splits_by_layer(self):
         return self.inner.splits_by_layer()

@@ -8,6 +8,10 @@ Each image row is a token: 28 tokens of 28 pixels (or patches of P x P pixels wi
                tensor group is a plain slice (nanoGPT fuses them; Megatron then needs a stride)
     head       LN, the mean over tokens, a linear map to 10 class scores
 
+Dropout (a run's --dropout, models/dropout.py) acts where GPT-2's residual dropout does: on the
+embedding's output (site 0) and on each block's attention and MLP outputs before they are added to
+the residual stream (sites 2l + 1 and 2l + 2), with masks no layout changes.
+
 Weights are (out, in), Gluon's and Megatron's layout; `split` marks Megatron's cuts: q, k, v and
 the MLP's first matrix by output rows (column-parallel: whole heads, whole hidden units), the
 attention output and the MLP's second matrix by input columns (row-parallel; their biases are
@@ -21,6 +25,7 @@ from ..config import TRANSFORMER
 from ..lesson import relu
 from .contract import CLASSES, IMAGE, Layer, Model, Param, fc
 from ..precision import float32_ops
+from .dropout import dropout
 
 DEFAULTS = dict(TRANSFORMER, mlp_ratio=2)          # the command line's sizes (manual_dp.config)
 
@@ -85,23 +90,24 @@ def attend(a, p, F, shapes, head_dim):
                      shape=(0, 0, -3))                                           # (B, T, nh*dh)
 
 
-def mlp(h, p, F, shapes):
-    """h + MLP(LN(h)), p: ln2 g, b, w1, b1, w2, b2."""
+def mlp(h, p, F, shapes, site, start=0):
+    """h + MLP(LN(h)), dropout `site` on the MLP's output (tokens from `start`); p: ln2 g, b, w1, b1,
+    w2, b2."""
     m = relu(fc(layer_norm(h, p[0], p[1], F, shapes[0][0]), p[2], p[3], F, shapes[2]), F)   # (B, T, hidden)
-    return h + fc(m, p[4], p[5], F, shapes[4])
+    return h + dropout(fc(m, p[4], p[5], F, shapes[4]), site, F, start)
 
 
-def make_block(head_dim):
+def make_block(head_dim, site):
     def block(h, p, F=nd, shapes=None):
-        """h + attention(LN(h)), then h + MLP(LN(h)); p: ln1 g, b, q, k, v, o (w, b each), ln2 g, b,
-        MLP w1, b1, w2, b2."""
+        """h + attention(LN(h)), then h + MLP(LN(h)), dropout sites `site` and `site` + 1 on the
+        two outputs; p: ln1 g, b, q, k, v, o (w, b each), ln2 g, b, MLP w1, b1, w2, b2."""
         shapes = shapes or [x.shape for x in p]
-        h = h + attention(layer_norm(h, p[0], p[1], F, shapes[0][0]), p[2:10], F, shapes[2:10], head_dim)
-        return mlp(h, p[10:], F, shapes[10:])
+        a = attention(layer_norm(h, p[0], p[1], F, shapes[0][0]), p[2:10], F, shapes[2:10], head_dim)
+        return mlp(h + dropout(a, site, F), p[10:], F, shapes[10:], site + 1)
     return block
 
 
-def make_sequence_block(head_dim):
+def make_sequence_block(head_dim, site):
     def sequence_block(hs, own, seq, F=nd):
         """The block on a context-parallel group, context j holding its block of tokens hs[j]
         (B, T_j, d): queries, keys and values of its own tokens, seq.attend over the whole sequence
@@ -110,8 +116,8 @@ def make_sequence_block(head_dim):
         q, k, v = zip(*[qkv(layer_norm(h, p[0], p[1], F), p[2:8], F, s[2:8], head_dim)
                         for h, p, s in zip(hs, own, shapes)])
         o = [F.reshape(x, shape=(0, 0, -3)) for x in seq.attend(list(q), list(k), list(v))]   # (B, T_j, d)
-        hs = [h + fc(oj, p[8], p[9], F) for h, oj, p in zip(hs, o, own)]
-        return [mlp(h, p[10:], F, s[10:]) for h, p, s in zip(hs, own, shapes)]
+        hs = [h + dropout(fc(oj, p[8], p[9], F), site, F, a) for h, oj, p, a in zip(hs, o, own, seq.bounds)]
+        return [mlp(h, p[10:], F, s[10:], site + 1, a) for h, p, s, a in zip(hs, own, shapes, seq.bounds)]
     return sequence_block
 
 
@@ -121,7 +127,7 @@ def row_parallel(hs, ws, join, F=nd):
                    for h, w in zip(hs, ws)])
 
 
-def make_split_block(head_dim):
+def make_split_block(head_dim, site):
     def split_block(hs, shards, join, F=nd):
         """The block on a tensor group (Megatron): LN whole, f, this context's heads (q, k, v rows),
         its slice of the output projection's columns, g, + bo; LN, f, its MLP hidden units, its
@@ -129,27 +135,28 @@ def make_split_block(head_dim):
         shapes = [[x.shape for x in p] for p in shards]
         a = join.f([layer_norm(h, p[0], p[1], F) for h, p in zip(hs, shards)])
         heads = [attend(aj, p[2:8], F, s[2:8], head_dim) for aj, p, s in zip(a, shards, shapes)]
-        return split_mlp(split_output(hs, heads, shards, join, F), shards, join, F)
+        starts = join.starts(len(hs))
+        return split_mlp(split_output(hs, heads, shards, join, F, site, starts), shards, join, F, site + 1, starts)
     return split_block
 
 
-def split_output(hs, heads, shards, join, F):
+def split_output(hs, heads, shards, join, F, site, starts):
     """h + the attention output projection of each context's heads (B, T, nh/T * dh): row-parallel,
-    summed by g, + bo."""
+    summed by g, + bo, dropout `site` (context j's tokens from starts[j])."""
     o = row_parallel(heads, [p[8] for p in shards], join, F)                   # (B, T, d) summed
-    return [h + F.broadcast_add(oj, p[9]) for h, oj, p in zip(hs, o, shards)]
+    return [h + dropout(F.broadcast_add(oj, p[9]), site, F, a) for h, oj, p, a in zip(hs, o, shards, starts)]
 
 
-def split_mlp(hs, shards, join, F):
+def split_mlp(hs, shards, join, F, site, starts):
     """h + MLP(LN(h)) on a tensor group: LN whole, f, this context's hidden units, its columns of w2,
-    g, + b2 (shards: the block's pieces, in its parameter order)."""
+    g, + b2, dropout `site` (shards: the block's pieces, in its parameter order)."""
     m = join.f([layer_norm(h, p[10], p[11], F) for h, p in zip(hs, shards)])
     m = [relu(fc(mj, p[12], p[13], F), F) for mj, p in zip(m, shards)]         # (B, T, hidden/T)
     m = row_parallel(m, [p[14] for p in shards], join, F)
-    return [h + F.broadcast_add(mj, p[15]) for h, mj, p in zip(hs, m, shards)]
+    return [h + dropout(F.broadcast_add(mj, p[15]), site, F, a) for h, mj, p, a in zip(hs, m, shards, starts)]
 
 
-def make_grid_block(head_dim):
+def make_grid_block(head_dim, site):
     def grid_block(hs, shards, join, seq, F=nd):
         """The block on a context x tensor grid: hs[c][t] is block c of the tokens on tensor rank t,
         shards[c][t] its pieces. Each row c is a tensor group (f and g as split_block); each column
@@ -166,8 +173,11 @@ def make_grid_block(head_dim):
                               [v[c][t] for c in range(len(hs))])
             for c, o in enumerate(outs):
                 heads[c][t] = F.reshape(o, shape=(0, 0, -3))                  # (B, T_c, nh/T * dh)
-        return [split_mlp(split_output(row, hrow, prow, join, F), prow, join, F)
-                for row, hrow, prow in zip(hs, heads, shards)]
+        out = []
+        for row, hrow, prow, first in zip(hs, heads, shards, seq.bounds):
+            starts = [first + a for a in join.starts(len(row))]
+            out.append(split_mlp(split_output(row, hrow, prow, join, F, site, starts), prow, join, F, site + 1, starts))
+        return out
     return grid_block
 
 
@@ -190,6 +200,10 @@ class Transformer(Model):
         self.tokens, hidden, dh = T, r * d, d // H
         self.layers = (self.embed_layer(T, size, d, P),) + tuple(
             self.block_layer(l, T, d, hidden, dh) for l in range(L)) + (self.head_layer(T, d),)
+
+    def dropout_sites(self):
+        """The embedding's output and each block's attention and MLP outputs."""
+        return 1 + 2 * self.config["layers"]
 
     def tensor_refusal(self, T):
         """Heads and MLP units must divide by T: a context holds whole heads."""
@@ -215,14 +229,15 @@ class Transformer(Model):
     def embed_layer(T, size, d, patch):
         def embed(X, p, F=nd, shapes=None):
             h = fc(tokens(X, patch, F), p[0], p[1], F, shapes[0] if shapes else None)   # (B, T, d)
-            return F.broadcast_add(h, F.expand_dims(p[2], axis=0))
+            return dropout(F.broadcast_add(h, F.expand_dims(p[2], axis=0)), 0, F)
 
         def sequence_embed(Xs, own, seq, F=nd):
             """Context j embeds its block of tokens, at their positions."""
             out = []
             for X, p, a, b in zip(Xs, own, seq.bounds, seq.bounds[1:]):
                 h = fc(F.slice_axis(tokens(X, patch, F), axis=1, begin=a, end=b), p[0], p[1], F)
-                out.append(F.broadcast_add(h, F.expand_dims(F.slice_axis(p[2], axis=0, begin=a, end=b), axis=0)))
+                pos = F.expand_dims(F.slice_axis(p[2], axis=0, begin=a, end=b), axis=0)
+                out.append(dropout(F.broadcast_add(h, pos), 0, F, a))
             return out
         params = (Param("embed_w", (d, size), "lecun", size, split=None), Param("embed_b", (d,)),
                   Param("pos", (T, d), "normal", std=0.02))
@@ -247,9 +262,10 @@ class Transformer(Model):
                    (f"g: block{l} attention's partial output", T * d, "forward"),
                    (f"f: block{l} MLP's input gradient", T * d, "backward"),
                    (f"g: block{l} MLP's partial output", T * d, "forward")]
-        return Layer(f"block{l}", params, make_block(dh), flops, T * d, acts, "block",
-                     {"head_dim": dh, "traffic": traffic}, make_split_block(dh),
-                     sequence_forward=make_sequence_block(dh), grid_forward=make_grid_block(dh))
+        site = 2 * l + 1                                  # dropout sites: attention's and the MLP's outputs
+        return Layer(f"block{l}", params, make_block(dh, site), flops, T * d, acts, "block",
+                     {"head_dim": dh, "traffic": traffic}, make_split_block(dh, site),
+                     sequence_forward=make_sequence_block(dh, site), grid_forward=make_grid_block(dh, site))
 
     @staticmethod
     def head_layer(T, d):

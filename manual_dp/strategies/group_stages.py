@@ -12,17 +12,17 @@ from .tensor import copies
 
 
 def sequence_stage(net, ids, seq):
-    """The function (hs, params) -> hs of the model's layers `ids` on a context-parallel group: hs
-    one block of tokens per context, params[j] context j's copy of those layers' parameters; each
+    """The function (hs, params, F=nd) -> hs of the model's layers `ids` on a context-parallel group:
+    hs one block of tokens per context, params[j] context j's copy of those layers' parameters; each
     layer's sequence_forward, or a token-wise layer on each block (Model.sequence_forward's loop)."""
     layers, slices = net.layers, net.slices()
     first = slices[ids[0]].start
 
-    def run(hs, params):
+    def run(hs, params, F=nd):
         for i in ids:
             own = [P[slices[i].start - first:slices[i].stop - first] for P in params]
-            hs = layers[i].sequence_forward(hs, own, seq) if layers[i].sequence_forward else \
-                [layers[i].forward(h, q, nd, [p.shape for p in q]) for h, q in zip(hs, own)]
+            hs = layers[i].sequence_forward(hs, own, seq, F) if layers[i].sequence_forward else \
+                [layers[i].forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
         return hs
     return run
 
@@ -47,21 +47,21 @@ def grid_stage(net, ids, join, seq, T):
 
 
 def tensor_stage(net, ids, join):
-    """The function (hs, shards) -> hs of the model's layers `ids` on a tensor group: hs one array
+    """The function (hs, shards, F=nd) -> hs of the model's layers `ids` on a tensor group: hs one array
     per context, shards[j] context j's pieces of those layers' parameters (in order). A run of
     split layers is entered through join.shard and left through join.unshard, as Model.split_forward
     does for the whole model, so the stages compose to it."""
     layers, slices = net.layers, net.slices()
     first = slices[ids[0]].start
 
-    def run(hs, shards):
+    def run(hs, shards, F=nd):
         for i in ids:
             own = [P[slices[i].start - first:slices[i].stop - first] for P in shards]
             now, before = bool(layers[i].split_forward), bool(i and layers[i - 1].split_forward)
             if now != before:
                 hs = join.shard(hs) if now else join.unshard(hs)
-            hs = layers[i].split_forward(hs, own, join) if now else \
-                [layers[i].forward(h, q, nd, [p.shape for p in q]) for h, q in zip(hs, own)]
+            hs = layers[i].split_forward(hs, own, join, F) if now else \
+                [layers[i].forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
         return join.unshard(hs) if ids[-1] == len(layers) - 1 and layers[-1].split_forward else hs
     return run
 
@@ -69,10 +69,11 @@ def tensor_stage(net, ids, join):
 class GroupPass:
     """One pipeline replica's run of a schedule: stage k on the contexts groups[k] (a tensor group),
     micro-batches Xs (on groups[0][0]) and ys (on groups[-1][0]); scale: what each context's loss
-    is multiplied by before its backward."""
+    is multiplied by before its backward; Fs[m]: micro-batch m's namespace (Model.noisy: dropout)."""
 
-    def __init__(self, Xs, ys, params, groups, stages, scale):
+    def __init__(self, Xs, ys, params, groups, stages, scale, Fs=None):
         self.Xs, self.ys, self.params, self.groups, self.stages, self.scale = Xs, ys, params, groups, stages, scale
+        self.Fs = Fs or [nd] * len(Xs)
         self.last, M = len(stages) - 1, len(Xs)
         self.received = [[None] * M for _ in stages]
         self.produced = [[None] * M for _ in stages]
@@ -83,7 +84,7 @@ class GroupPass:
         self.received[k][m] = copies(self.Xs[m], group) if k == 0 else \
             [send(h, c) for h, c in zip(self.produced[k - 1][m], group)]
         with autograd.record():
-            out = self.stages[k](self.received[k][m], self.params[k])
+            out = self.stages[k](self.received[k][m], self.params[k], self.Fs[m])
             if k == self.last:
                 ys = copies(self.ys[m], group)
                 losses = [cross_entropy(o, y).sum() for o, y in zip(out, ys)]

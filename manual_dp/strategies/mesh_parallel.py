@@ -150,7 +150,8 @@ class MeshParallel(Strategy):
                                   split_and_load(y, [g[-1][0] for g in self.groups])):
             p = self.plan(Xr.shape[0])
             self.bubbles.append(bubbles(p, simulate(p))[0])
-            run = GroupPass(cut(Xr, p.n_micro), cut(yr, p.n_micro), P, row, self.stages, scale)
+            Xs = cut(Xr, p.n_micro)
+            run = GroupPass(Xs, cut(yr, p.n_micro), P, row, self.stages, scale, [self.net.noisy(nd, X) for X in Xs])
             metrics.append(run.run(run_order(p)))
         return metrics
 

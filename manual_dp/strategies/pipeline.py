@@ -77,7 +77,8 @@ class PipelineParallel(Strategy):
         Xs, ys = cut(Xr, p.n_micro), cut(yr, p.n_micro)
         self.bubbles.append(bubbles(p, simulate(p))[0])
         run = (SplitPass if p.split else ReplicaPass)(Xs, ys, P, places, self.stages, self.elems,
-                                                      self.recompute, self.S, self.measure)
+                                                      self.recompute, self.S, self.measure,
+                                                      [self.net.noisy(nd, X) for X in Xs])
         metrics = run.run(run_order(p))
         if self.measure:   # the schedule replayed with each (phase, stage)'s mean measured time
             took = run.mean_durations()

@@ -33,10 +33,12 @@ class ReplicaPass:
     Afterwards params[s][i].grad holds (adds) the gradient of the loss summed over all micro-batches.
     recompute: a forward keeps only the stage's input; its backward runs the forward again, recorded.
     measure: each action timed between nd.waitall()s, in `durations` (seconds, by (phase, stage)).
+    Fs[m]: the operators' namespace of micro-batch m's stages (Model.noisy: its dropout masks).
     """
 
-    def __init__(self, Xs, ys, params, ctx, stages, elems, recompute, n_devices=None, measure=False):
+    def __init__(self, Xs, ys, params, ctx, stages, elems, recompute, n_devices=None, measure=False, Fs=None):
         self.Xs, self.ys, self.params, self.ctx, self.stages = Xs, ys, params, ctx, stages
+        self.Fs = Fs or [nd] * len(Xs)
         self.elems, self.recompute, self.last, M = elems, recompute, len(stages) - 1, len(Xs)
         self.n_devices = n_devices or len(stages)
         self.received = [[None] * M for _ in stages]   # received[s][m]: stage s's input for micro-batch m
@@ -52,7 +54,7 @@ class ReplicaPass:
 
     def run_stage(self, s, m):
         """Stage s's forward on micro-batch m: its output, or on the last stage its losses (B,)."""
-        out = self.stages[s](self.received[s][m], self.params[s])
+        out = self.stages[s](self.received[s][m], self.params[s], self.Fs[m])
         if s < self.last:
             return out
         losses = cross_entropy(out, self.ys[m])
@@ -81,7 +83,7 @@ class ReplicaPass:
         """Recompute: stage s's forward on micro-batch m again, recorded (its metrics counted once)."""
         self.hold(s, self.full_bytes(s, m))
         with autograd.record():
-            out = self.stages[s](self.received[s][m], self.params[s])
+            out = self.stages[s](self.received[s][m], self.params[s], self.Fs[m])
             self.produced[s][m] = cross_entropy(out, self.ys[m]) if s == self.last else out
 
     def backward(self, s, m):

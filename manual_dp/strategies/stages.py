@@ -23,15 +23,15 @@ MAX_STAGES = max(CUTS)          # LeNet's; a model has as many as it has layers
 
 
 def make_stage(model, layer_ids):
-    """The function (h, params) -> output of the model's consecutive layers `layer_ids`; params:
-    theirs, in order."""
+    """The function (h, params, F=nd) -> output of the model's consecutive layers `layer_ids`; params:
+    theirs, in order; F: the operators' namespace (Model.noisy's for dropout)."""
     layers = [model.layers[i] for i in layer_ids]
 
-    def stage(h, params):
+    def stage(h, params, F=nd):
         k = 0
         for layer in layers:
             own = params[k:k + len(layer.params)]
-            h = layer.forward(h, own, nd, [p.shape for p in own])
+            h = layer.forward(h, own, F, [p.shape for p in own])
             k += len(layer.params)
         return h
     stage.__name__ = "+".join(layer.name for layer in layers)

@@ -72,7 +72,7 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
         super().__init__(params, ctx, optimizer, stage, model=model)
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
-        self.graph = ModelGraph(conv_pad, self.shapes, model=self.net) if graph else None
+        self.graph = ModelGraph(conv_pad, self.shapes, model=self.net) if graph and self.net.noise is None else None
         self.piece, self.rank, self.size, self.exchange = piece, rank, size, exchange
         self.n = int(self.offsets[-1])
         self.ends = self.bounds[:-1] + [self.n + 2]          # shard i of a leaf; the last adds loss, correct

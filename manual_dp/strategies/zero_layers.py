@@ -31,18 +31,18 @@ def hand_made(layer, last):
     return layer.kind == "dense" and (last or layer.extra.get("relu", False))
 
 
-def forward(X_shards, fetch, layers, note=lambda params, grads: None, n_layers=None):
+def forward(X_shards, fetch, layers, note=lambda params, grads: None, n_layers=None, Fs=None):
     """Per context, the input of layers 0..n_layers-1 and, last, the output of layer n_layers-1,
     nothing recorded (default: all but the last layer). fetch(l) gives layer l's parameters per
-    context (dropped after the layer ran)."""
+    context (dropped after the layer ran); Fs[c]: context c's namespace (Model.noisy: dropout)."""
     n_layers = len(layers) - 1 if n_layers is None else n_layers
-    acts = [[X] for X in X_shards]
+    acts, Fs = [[X] for X in X_shards], Fs or [nd] * len(X_shards)
     for l in range(n_layers):
         params = fetch(l)
         note(params, [])
         with autograd.train_mode():       # oneDNN's inference mode reorders weights in place (loop.evaluate)
-            for h, P in zip(acts, params):
-                h.append(layers[l].forward(h[-1], P, nd, [p.shape for p in P]))
+            for h, P, F in zip(acts, params, Fs):
+                h.append(layers[l].forward(h[-1], P, F, [p.shape for p in P]))
         del params
     return acts
 
@@ -60,17 +60,18 @@ def attach_layer_grad(P):
     return grad
 
 
-def autograd_backward(l, layer, acts, params, heads, y_shards, last):
+def autograd_backward(l, layer, acts, params, heads, y_shards, last, Fs):
     """Layer l recorded from its kept inputs and differentiated (with the loss if it is the last):
     its parameters' gradient per context (flat), while the parameters are still held; the inputs'
-    gradients in acts[c][l].grad; for the last layer also (loss sum, number correct) per context."""
+    gradients in acts[c][l].grad; for the last layer also (loss sum, number correct) per context.
+    Fs[c]: context c's namespace, as in the forward (dropout draws the same masks again)."""
     grads = [attach_layer_grad(P) for P in params] if layer.params else []
     outs, metrics = [], []
     with autograd.record():
-        for h, P, y in zip(acts, params, y_shards):
+        for h, P, y, F in zip(acts, params, y_shards, Fs):
             if l:
                 h[l].attach_grad()
-            out = layer.forward(h[l], P, nd, [p.shape for p in P])
+            out = layer.forward(h[l], P, F, [p.shape for p in P])
             if last:
                 loss = cross_entropy(out, y)
                 metrics.append((loss.sum(), n_correct(out, y)))
@@ -119,7 +120,7 @@ def dense_grad_piece(h, g, lo, hi):
     return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=0)
 
 
-def layer_backward(l, layers, acts, heads, y_shards, sink):
+def layer_backward(l, layers, acts, heads, y_shards, sink, Fs):
     """Layer l's backward on every context. Its parameters' gradient goes to
     sink.reduce(l, grad_of), where grad_of(lo, hi) gives elements [lo, hi) of the layer's flat
     gradient per context. A dense layer's parameters are let go first: its parameter gradient
@@ -128,7 +129,7 @@ def layer_backward(l, layers, acts, heads, y_shards, sink):
     Returns (the input gradient per context or None for layer 0, metrics of the last layer or None)."""
     params, last = sink.fetch(l), l == len(layers) - 1
     if not hand_made(layers[l], last):
-        grads, metrics = autograd_backward(l, layers[l], acts, params, heads, y_shards, last)
+        grads, metrics = autograd_backward(l, layers[l], acts, params, heads, y_shards, last, Fs)
         sink.note(params, grads)
         if layers[l].params:                       # (a Flatten has no gradient to hand on)
             sink.reduce(l, lambda lo, hi: [g[lo:hi] for g in grads])
@@ -145,10 +146,10 @@ def forward_backward(X_shards, y_shards, sink):
     sink.net is the model, sink.fetch(l) gives layer l's parameters per context, sink.reduce(l,
     grad_of) takes their gradients (of the loss summed over each shard), sink.note(params, grads)
     learns what is held at a moment. Returns per context (loss sum, number correct), left on the devices."""
-    layers = sink.net.layers
-    acts = forward(X_shards, sink.fetch, layers, sink.note)
+    layers, Fs = sink.net.layers, [sink.net.noisy(nd, X) for X in X_shards]
+    acts = forward(X_shards, sink.fetch, layers, sink.note, Fs=Fs)
     heads, metrics = [None] * len(acts), None
     for l in reversed(range(len(layers))):
-        heads, last = layer_backward(l, layers, acts, heads, y_shards, sink)
+        heads, last = layer_backward(l, layers, acts, heads, y_shards, sink, Fs)
         metrics = metrics or last
     return metrics
