@@ -28,8 +28,8 @@ def sequence_stage(net, ids, seq):
 
 
 def grid_stage(net, ids, join, seq, T):
-    """The function (hs, params) -> hs of the model's layers `ids` on a grid of C x T contexts, given
-    flat, block by block (rank c T + t: block c of the tokens, tensor rank t): each row a tensor
+    """The function (hs, params, F=nd) -> hs of the model's layers `ids` on a grid of C x T contexts,
+    given flat, block by block (rank c T + t: block c of the tokens, tensor rank t): each row a tensor
     group (join), each column a context-parallel group (seq); params[c T + t] that context's shards."""
     layers, slices = net.layers, net.slices()
     first = slices[ids[0]].start
@@ -37,11 +37,11 @@ def grid_stage(net, ids, join, seq, T):
     def rows(xs):
         return [xs[c:c + T] for c in range(0, len(xs), T)]
 
-    def run(hs, params):
+    def run(hs, params, F=nd):
         hs, params = rows(hs), rows(params)
         for i in ids:
             own = [[P[slices[i].start - first:slices[i].stop - first] for P in row] for row in params]
-            hs = grid_layer(layers[i], hs, own, join, seq)
+            hs = grid_layer(layers[i], hs, own, join, seq, F)
         return [h for row in hs for h in row]
     return run
 
