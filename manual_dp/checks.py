@@ -142,12 +142,11 @@ def check_layout(cfg, n_contexts, n_processes=1):
         raise UsageError(f"--mode {cfg.mode} needs exactly {S} contexts (one per stage of --stages {S}), "
                          f"got {n}: use --cpus {S} or --mode hybrid")
     C = cfg.context_parallel or 1
-    T = C if C > 1 else cfg.tensor_parallel or MESH_TP       # a mesh stage's group: tensor or context parallel
-    if cfg.mode == "mesh" and C > 1 and (cfg.tensor_parallel or 1) > 1:
-        raise UsageError("--mode mesh: --context-parallel with --tensor-parallel inside a pipeline is not built yet")
+    T = C * (cfg.tensor_parallel or 1) if C > 1 else cfg.tensor_parallel or MESH_TP   # a mesh stage's group
     if cfg.mode == "mesh" and n % (S * T):
-        raise UsageError(f"--mode mesh needs a multiple of --stages {S} x --{'context' if C > 1 else 'tensor'}-parallel "
-                         f"{T} contexts, got {n}")
+        group = "--tensor-parallel" if C == 1 else "--context-parallel" if T == C else \
+            "--context-parallel x --tensor-parallel"
+        raise UsageError(f"--mode mesh needs a multiple of --stages {S} x {group} {T} contexts, got {n}")
     if cfg.mode == "hybrid" and n % S:
         raise UsageError(f"--mode hybrid needs a multiple of {S} contexts (replicas x {S} "
                          f"stages), got {n}")

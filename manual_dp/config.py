@@ -18,6 +18,7 @@ MODELS = ("lenet", "mlp", "transformer", "resnet")     # or PATH.py:FUNCTION, th
 TRANSFORMER = dict(layers=2, d_model=64, heads=4, patch=0)   # --model transformer's default sizes
 LOSS_SCALE = dict(loss_scale=2.0 ** 16, scale_window=200)     # --precision fp16's dynamic loss scale
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")          # --schedule (manual_dp/strategies/schedules.py)
+PIPELINE_COSTS = dict(input_grad=1.0, weight_grad=1.0)   # a layer's gradients over its forward FLOPs (strategies/stage_costs.py)
 PRECISIONS = ("fp32", "bf16", "fp16")                          # --precision (manual_dp/precision.py)
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")

@@ -41,7 +41,8 @@ def part_activation_elems(part, image=(1, 28, 28), shapes=None, model=None):
     """Per-example elements a stage keeps for `part`: a tuple of consecutive layer indices (their
     activations), ("input", i) (only layer i's input, as under --recompute), or ("whole", E): E
     elements, what the strategy counted that a context holds whole for examples beyond its share
-    (a tensor rank's images and what f and g join; a context block's images and foreign keys)."""
+    (a tensor rank's images and what f and g join; a context block's images and what attention
+    keeps beyond its share, negative for ring attention, which keeps no scores)."""
     if part[0] == "whole":
         return part[1]
     pieces = piece_activation_elems(image, shapes, model)

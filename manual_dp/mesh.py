@@ -13,7 +13,7 @@ agree on every other coordinate: each collective of that kind of parallelism run
 
 The modes of the command line are meshes: sync dp=N, tensor dp=N/T x tp=T, hybrid dp=N/S x pp=S,
 model and pipeline pp=N, context dp=N/C x cp=C (or dp x cp x tp with --tensor-parallel), mesh dp x
-pp x tp (Megatron's 3-D) or dp x pp x cp (`for_mode`, `mode_of`).
+pp x tp (Megatron's 3-D), dp x pp x cp or dp x pp x cp x tp (`for_mode`, `mode_of`).
 """
 import math
 from dataclasses import dataclass
@@ -57,7 +57,7 @@ class Mesh:
     @classmethod
     def for_mode(cls, mode, n_contexts, degree=None):
         """The mesh a --mode lays out: `degree` is its T (tensor), S (hybrid) or C (context); for
-        mode "mesh", (S, T, C) with T or C 1."""
+        mode "mesh", (S, T, C)."""
         if mode == "mesh":
             S, T, C = degree
             return cls(dp=n_contexts // (S * T * C), pp=S, cp=C, tp=T)
@@ -146,9 +146,8 @@ def mode_of(mesh, mode="sync"):
         return "mesh", {"stages": mesh.pp, "context_parallel": mesh.cp}
     if used == ["cp", "tp"]:
         return "context", {"context_parallel": mesh.cp, "tensor_parallel": mesh.tp}
-    if len(used) > 2:
-        raise ValueError(f"--mesh {mesh}: pp x cp x tp in one run is not built yet "
-                         f"(dp with any two of them is)")
+    if used == ["pp", "cp", "tp"]:
+        return "mesh", {"stages": mesh.pp, "context_parallel": mesh.cp, "tensor_parallel": mesh.tp}
     want, flag = MODE_OF[used[0]]
     if used[0] == "pp" and mesh.dp == 1:
         want = mode if mode in ("model", "pipeline") else "pipeline"

@@ -32,7 +32,7 @@ def test_every_mesh_of_eight_contexts_runs_and_equals_one_context(quick):
     result, stdout = quick
     meshes = result["meshes"]
     assert set(meshes) == {"one context", "dp=2 x pp=2 x tp=2", "dp=2 x pp=2 x tp=2 +sp", "dp=2 x pp=2 x cp=2",
-                           "dp=2 x cp=4", "dp=4 x tp=2"}
+                           "dp=2 x cp=4", "dp=4 x tp=2", "pp=2 x cp=2 x tp=2"}
     for name, r in meshes.items():
         assert r["images_per_sec"] > 0 and len(r["losses"]) == SETTINGS["quick"]["steps"], name
         if name != "one context":
@@ -46,12 +46,14 @@ def test_dry_run_bubbles_are_ordered_and_match_the_formulas(quick):
     assert set(b) == SCHEDULES and b["interleaved"]["virtual"] == 2
     for f in b.values():
         assert f["dry_run_over_compute"] == pytest.approx(f["formula"])
-        assert 0 <= f["measured"] < 1 and f["measured_over_dry_run"] == pytest.approx(f["measured"] / f["dry_run"])
+        assert 0 <= f["measured"] < 1 and f["measured_over_dry_run"] == pytest.approx(f["measured"] / f["dry_run_flops"])
+        assert f["measured_over_unit"] == pytest.approx(f["measured"] / f["dry_run"])
         assert 0 <= f["equal_stages"] < 1 and f["phase_ms"].keys() == f["stage_spread"].keys()
     assert b["gpipe"]["dry_run"] == b["1f1b"]["dry_run"] > b["interleaved"]["dry_run"] > b["zb-h1"]["dry_run"]
     assert set(b["zb-h1"]["phase_ms"]) == {"F", "B", "W"} and set(b["1f1b"]["phase_ms"]) == {"F", "B"}
+    assert b["zb-h1"]["durations"]["B0"][1] == 0 and len(b["interleaved"]["durations"]) == 16   # 8 stages, F and B
     targets = result["targets"]
-    assert targets["dry run: interleaved below 1f1b"] and targets["dry run: zb-h1 below 1f1b"]
+    assert all(targets[f"dry run ({how}): {name} below 1f1b"] for how in ("unit", "FLOPs") for name in ("interleaved", "zb-h1"))
 
 
 def test_sequence_and_context_parallelism_hold_fewer_activation_bytes(quick):

@@ -62,6 +62,8 @@ LAYOUTS = {
     "cp 2 x tp 2": lambda P, m: ContextTensorParallel(P, cpus(4), "momentum", 2, 2, "ring", model=m),
     "dp 2 x pp 2 x tp 2 1f1b": lambda P, m: MeshParallel(P, cpus(8), "momentum", 2, 2, 2, "1f1b", model=m),
     "pp 2 x cp 2": lambda P, m: MeshParallel(P, cpus(4), "momentum", 2, 1, 2, "gpipe", model=m, context_parallel=2),
+    "pp 2 x cp 2 x tp 2": lambda P, m: MeshParallel(P, cpus(8), "momentum", 2, 2, 2, "1f1b", model=m,
+                                                    context_parallel=2),
 }
 USER_LAYOUTS = ("sync fast 2", "sync lesson 3", "zero3 2", "pipeline 2 1f1b recompute", "tensor 2", "hybrid 2x2")
 

@@ -11,6 +11,7 @@ import pytest
 from conftest import batch, cpus, run_main
 from manual_dp import DataParallel, models
 from manual_dp.strategies.mesh_parallel import MeshParallel
+from manual_dp.strategies.tensor_layout import shard
 
 TOL = 1e-5
 
@@ -104,8 +105,9 @@ def test_cli_8_contexts_dp_pp_tp_equal_one(capsys, data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--cpus", "8", "--mesh", "pp=2,cp=2,tp=2"], "pp x cp x tp in one run is not built yet"),
-    (["--cpus", "4", "--mode", "mesh", "--context-parallel", "2", "--tensor-parallel", "2"], "inside a pipeline is not built yet"),
+    (["--cpus", "8", "--mesh", "pp=2,cp=2,tp=2", "--sequence-parallel"], "cp with --sequence-parallel inside a pipeline"),
+    (["--cpus", "4", "--mode", "mesh", "--context-parallel", "2", "--tensor-parallel", "2"],
+     "needs a multiple of --stages 2 x --context-parallel x --tensor-parallel 4 contexts, got 4"),
     (["--cpus", "4", "--mesh", "pp=2,tp=2", "--model", "mlp"], "--mode mesh (tp x pp) needs layers that split"),
     (["--cpus", "4", "--mesh", "pp=2,tp=2", "--schedule", "zb-h1"], "zb-h1 with tp: not yet"),
     (["--cpus", "6", "--mode", "mesh"], "needs a multiple of --stages 2 x --tensor-parallel 2 contexts, got 6"),
@@ -145,4 +147,40 @@ def test_cli_dp_pp_cp_equals_one(capsys, data_dir, tmp_path):
         assert code == 0, err
         logs[name] = json.loads(log.read_text().splitlines()[0])
     assert logs["mesh"]["mode"] == "mesh"
+    assert abs(logs["mesh"]["train_loss"] - logs["one"]["train_loss"]) <= 1e-4 * logs["one"]["train_loss"]
+
+
+# dp x pp x cp x tp: each pipeline stage a C x T grid -------------------------------------------------
+
+@pytest.mark.parametrize("n,S,C,T,schedule,V,attention", [
+    (8, 2, 2, 2, "1f1b", 1, "ring"), (8, 2, 2, 2, "interleaved", 2, "ulysses"), (8, 1, 2, 2, "gpipe", 1, "ring")])
+def test_pipelines_of_grids_equal_one_context(reference, n, S, C, T, schedule, V, attention):
+    """Each stage's grid: rank c T + t on mesh.rank(dp, pp, cp=c, tp=t), holding tensor shard t."""
+    net, P, (want, want_metrics) = reference
+    strategy = MeshParallel(P, cpus(n), "momentum", S, T, 4, schedule, V, model=net, context_parallel=C,
+                            attention=attention)
+    got, metrics = steps(strategy)
+    scale = max(float(np.abs(w).max()) for w in want["params"])
+    assert max(float(np.abs(g - w).max()) for g, w in zip(got["params"], want["params"])) <= TOL * scale
+    loss = sum(float(l.asscalar()) for l, _ in metrics[0])
+    assert abs(loss - sum(float(l.asscalar()) for l, _ in want_metrics[0])) <= 1e-4 * loss
+    for r, row in enumerate(strategy.params):
+        for k, stage in enumerate(row):
+            for j, shards in enumerate(stage):
+                c = cpus(n)[strategy.mesh.rank(dp=r, pp=k % S, cp=j // T, tp=j % T)]
+                assert all(p.context == c and p.grad.context == c for p in shards)
+                whole = [P[g] for g in range(strategy.own[k].start, strategy.own[k].stop)]
+                assert [p.shape for p in shards] == [shard(w.asnumpy(), a, j % T, T).shape for w, a in
+                                                     zip(whole, strategy.split[strategy.own[k]])]
+
+
+def test_cli_dp_pp_cp_tp_equals_one(capsys, data_dir, tmp_path):
+    logs = {}
+    for name, argv in (("one", ["--cpus", "1"]),
+                       ("mesh", ["--cpus", "8", "--mesh", "pp=2,cp=2,tp=2", "--micro-batches", "2"])):
+        log = tmp_path / f"{name}.jsonl"
+        code, out, err = run_main(capsys, [*SMALL, "--data-dir", str(data_dir), "--log-json", str(log), *argv])
+        assert code == 0, err
+        logs[name] = json.loads(log.read_text().splitlines()[0])
+    assert logs["mesh"]["mode"] == "mesh" and "mesh pp=2 x cp=2 x tp=2 over 8 contexts" in out
     assert abs(logs["mesh"]["train_loss"] - logs["one"]["train_loss"]) <= 1e-4 * logs["one"]["train_loss"]

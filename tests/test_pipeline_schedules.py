@@ -111,6 +111,30 @@ def test_dry_run_text():
     assert "[4, 4, 4, 4] until W, [4, 3, 2, 1] until B" in zb[5]
 
 
+def test_stage_costs_by_hand_and_the_priced_bubble():
+    """Transformer (2 blocks of f FLOPs, an embedding of e, a head of h): cut in 2, stage 0 is
+    embed + block0 (no input gradient for the embedding), stage 1 block1 + head. Unsplit, B is both
+    gradients; split as SplitPass runs it, stage 0's B is nothing and each W the weight gradients
+    and the input gradients' chain again, less the stage's first layer's; --recompute adds F to B.
+    Priced with equal stages, the bubble is the unit one; ZB-H1 priced is not: stage 0 has no B."""
+    from manual_dp.strategies.stage_costs import plan_costs, priced, stage_costs
+    net = transformer(2)
+    e, f, h = net.layers[0].flops, net.layers[2].flops, net.layers[3].flops
+    assert net.cuts(2) == ((0, 1), (2, 3))
+    assert stage_costs(net, net.cuts(2), split=False) == {("F", 0): e + f, ("B", 0): e + 2 * f,
+                                                          ("F", 1): f + h, ("B", 1): 2 * f + 2 * h}
+    assert stage_costs(net, net.cuts(2), split=True, recompute=True) == {
+        ("F", 0): e + f, ("B", 0): e + f, ("W", 0): e + 2 * f,
+        ("F", 1): f + h, ("B", 1): 2 * (f + h), ("W", 1): f + 2 * h}
+    one_f_one_b = plan("1f1b", 4, 8)
+    even = {(ph, k): {"F": 1.0, "B": 2.0}[ph] for ph in "FB" for k in range(4)}
+    assert priced(one_f_one_b, even) == pytest.approx(bubbles(one_f_one_b, simulate(one_f_one_b)))
+    zb, deep = plan("zb-h1", 4, 8), transformer(6)
+    costs = plan_costs(deep, zb)
+    assert costs[("B", 0)] == 0 and all(costs[("B", k)] > 0 for k in (1, 2, 3))
+    assert priced(zb, costs)[1] > formula(zb)
+
+
 def test_refusals_each_in_one_line():
     from manual_dp import init_lenet_params
     cases = [(dict(schedule="zigzag"), "unknown schedule 'zigzag'"),

@@ -22,6 +22,8 @@ def test_dry_run_prints_the_schedule_and_trains_nothing(capsys, tmp_path):
     assert sum(l.startswith("device ") for l in lines) == 4
     assert "bubble: 0.125 of ideal compute simulated, formula 0.125" in out
     assert "peak held (micro-batches): [4, 4, 4, 4] until W, [4, 3, 2, 1] until B" in out
+    priced = next(l for l in lines if l.startswith("priced with the model's FLOPs"))
+    assert "; B 0.00 " in priced and "; W " in priced          # stage 0's input is the images: no B
     assert lines[-1] == "dry run: nothing trained" and not log.exists()
 
 

@@ -27,6 +27,7 @@ from ..multiprocess.world import World
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.pipeline_pass import ReplicaPass, SplitPass, cut
 from ..strategies.schedules import bubbles, formula, plan, run_order, simulate
+from ..strategies.stage_costs import plan_costs, priced
 
 STAGES, MICRO = 4, 8                                          # issue 22's p and m
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
@@ -45,10 +46,12 @@ MEMORY_LAYOUTS = (                                            # (name, contexts,
 
 
 def mesh_layouts(n):
-    """[(name, trainer flags)] of the meshes of n contexts (n a multiple of 4; 8: issue 22's)."""
+    """[(name, trainer flags)] of the meshes of n contexts (n a multiple of 4; 8: issue 22's, and
+    dp x pp x cp x tp, on a multiple of 8)."""
     d = n // 4
     meshes = [(f"dp={d},pp=2,tp=2", []), (f"dp={d},pp=2,tp=2", ["--sequence-parallel"]),
               (f"dp={d},pp=2,cp=2", []), (f"dp={d},cp=4", []), (f"dp={2 * d},tp=2", [])]
+    meshes += [(f"dp={n // 8},pp=2,cp=2,tp=2", [])] if n % 8 == 0 else []
     return [(str(Mesh.parse(m, n)) + (" +sp" if extra else ""), ["--mesh", m] + extra) for m, extra in meshes]
 
 
@@ -122,18 +125,29 @@ def stage_means(took, phase):
     return [float(np.mean(by_stage[k])) for k in sorted(by_stage)]
 
 
+def side_by_side(took, costs):
+    """{"F0": [measured, priced], ...}: each (phase, stage)'s mean measured seconds (Timed.took)
+    over a stage's mean forward, beside its FLOP price (plan_costs: the same unit)."""
+    forward = float(np.mean(stage_means(took, "F")))
+    return {f"{ph}{k}": [float(np.mean([t[(ph, k)] for t in took if (ph, k) in t])) / forward, c]
+            for (ph, k), c in sorted(costs.items(), key=lambda kv: (kv[0][1], "FBW".index(kv[0][0])))}
+
+
 def schedule_bubbles(net, batch, steps, lr):
-    """{schedule: figures} at p=STAGES, m=MICRO on cpu(0..3): the dry run's bubble (unit durations:
-    idle share of device time, and over ideal compute beside the papers' formula) and the measured
-    one (each action timed alone, the schedule replayed with the (phase, stage) means: end_epoch's
-    "bubble_measured"), the same replayed with the stages made equal (per-phase means), the
-    per-phase means and each phase's slowest stage over its fastest. One warm-up step first."""
+    """{schedule: figures} at p=STAGES, m=MICRO on cpu(0..3): the dry run's bubble with unit
+    durations (idle share of device time, and over ideal compute beside the papers' formula) and
+    priced with the model's FLOPs (strategies/stage_costs.py: "dry_run_flops", what the measured
+    one is compared with), the measured one (each action timed alone, the schedule replayed with the
+    (phase, stage) means: end_epoch's "bubble_measured"), the same replayed with the stages made
+    equal (per-phase means), the per-phase means, each phase's slowest stage over its fastest, and
+    each (phase, stage)'s measured mean over a stage's mean forward beside its FLOP price. One
+    warm-up step first."""
     ctx, params = [mx.cpu(i) for i in range(STAGES)], net.init_params(0)
     X, y = random_batch(batch)
     out = {}
     for name, V in SCHEDULES:
         p = plan(name, STAGES, MICRO, V)
-        share, ratio = bubbles(p, simulate(p))
+        (share, ratio), costs = bubbles(p, simulate(p)), plan_costs(net, p)
         model = Timed(params, ctx, "momentum", MICRO, stages=STAGES, schedule=name, model=net,
                       virtual_stages=V, measure=True)
         model.step(X, y, lr)
@@ -144,10 +158,12 @@ def schedule_bubbles(net, batch, steps, lr):
         measured = model.end_epoch(lr)["bubble_measured"]
         equal = per_phase(model.took)
         spread = {ph: max(m) / min(m) for ph in equal for m in [stage_means(model.took, ph)]}
+        flops = priced(p, costs)[0]
         out[name] = dict(virtual=V, dry_run=share, dry_run_over_compute=ratio, formula=formula(p),
-                         measured=measured, measured_over_dry_run=measured / share,
-                         equal_stages=bubbles(p, simulate(p, equal), equal)[0],
-                         phase_ms={ph: s * 1e3 for ph, s in equal.items()}, stage_spread=spread)
+                         dry_run_flops=flops, measured=measured, measured_over_dry_run=measured / flops,
+                         measured_over_unit=measured / share, equal_stages=bubbles(p, simulate(p, equal), equal)[0],
+                         phase_ms={ph: s * 1e3 for ph, s in equal.items()}, stage_spread=spread,
+                         durations=side_by_side(model.took, costs))
     return out
 
 

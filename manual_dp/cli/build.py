@@ -29,6 +29,7 @@ from ..strategies.local_sgd import LocalSGD
 from ..strategies.loss_scaled import LossScaled
 from ..strategies.mesh_parallel import MeshParallel
 from ..strategies.pipeline import PipelineParallel
+from ..strategies.stage_costs import priced_lines
 from ..strategies.tensor import TensorParallel
 from ..strategies.tensor_deterministic import TensorDeterministic
 from ..strategies.zero import ZeroRedundancy
@@ -216,7 +217,9 @@ def dry_run(cfg, ctx, world):
         S = cfg.stages or config.STAGES
         replicas = len(ctx) // (S * (mesh_tp(cfg) * (cfg.context_parallel or 1) if cfg.mode == "mesh" else 1))
         M = min(cfg.micro_batches or 1, cfg.batch_size // (replicas * world.size))
-        print(schedules.dry_run(cfg.schedule or "gpipe", S, M, virtual_stages(cfg)))
+        name, V = cfg.schedule or "gpipe", virtual_stages(cfg)
+        print(schedules.dry_run(name, S, M, V))
+        print("\n".join(priced_lines(net, schedules.plan(name, S, M, V), cfg.recompute)))
     print("dry run: nothing trained")
     return []
 

@@ -15,10 +15,13 @@ the whole sequence gives for those rows. Blocks may differ in length.
                  l' = l exp(m - m') + rowsum(exp(s - m'))
                  o' = o exp(m - m') + exp(s - m') v_b                 output: o / l at the end
 
-             so no context ever holds more than one foreign block, nor the T x T scores. The
-             output does not depend on m (it cancels), so m carries no gradient (BlockGrad):
-             autograd differentiates the rest, and the gradients of the keys and values travel
-             back round the ring through ring_shift's backward.
+             so no context ever holds more than one foreign block, nor the T x T scores. `ring` is
+             one autograd Function (fast/ring_attention.py) whose backward passes the blocks round
+             the ring again with their gradients, keeping in between only the context's own q, k,
+             v, its output and log-sum-exp; `ring_autograd`, the same forward left to autograd
+             (m carries no gradient: the output does not depend on it, BlockGrad), keeps every
+             foreign block and every step's scores for its backward, the gradients of the keys and
+             values travelling home through ring_shift's backward: the naive one, kept beside it.
     ulysses  DeepSpeed-Ulysses (Jacobs et al. 2023): one all-to-all turns sequence blocks into head
              groups (every context then holds all T tokens of H / C heads), full attention on
              those heads, and the all-to-all back; H must be a multiple of C.
@@ -26,6 +29,7 @@ the whole sequence gives for those rows. Blocks may differ in length.
 from mxnet import nd
 
 from .mesh_ops import all_to_all, ring_shift
+from .ring_attention import ring_attention
 
 
 def heads_first(x):
@@ -45,7 +49,15 @@ def full(q, k, v):
 
 
 def ring(qs, ks, vs):
-    """Ring attention: after step t, context j has folded in the key and value blocks of contexts
+    """Ring attention, one autograd Function over the group (fast/ring_attention.py): context j's
+    output over the whole sequence, each block's gradients from a second ring."""
+    H = qs[0].shape[2]
+    out = ring_attention(*([heads_first(x) for x in xs] for xs in (qs, ks, vs)))
+    return [heads_last(o, H) for o in out]
+
+
+def ring_autograd(qs, ks, vs):
+    """Ring attention left to autograd: after step t, context j has folded in the key and value blocks of contexts
     j, j - 1, ..., j - t; after C steps, all of them."""
     H = qs[0].shape[2]
     q = [heads_first(x) for x in qs]

@@ -231,16 +231,7 @@ class Model:
         sequence_forward on each column (a context-parallel group), a token-wise one on each block."""
         hs, F = Xs, self.noisy(F, Xs[0][0])
         for layer, s in zip(self.layers, self.slices()):
-            own = [[P[s] for P in row] for row in params]
-            if layer.grid_forward:
-                hs = layer.grid_forward(hs, own, join, seq, F)
-            elif layer.sequence_forward:
-                cols = [layer.sequence_forward([row[t] for row in hs], [row[t] for row in own], seq, F)
-                        for t in range(len(hs[0]))]
-                hs = [[col[c] for col in cols] for c in range(len(hs))]
-            else:
-                hs = [[layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(row, prow)]
-                      for row, prow in zip(hs, own)]
+            hs = grid_layer(layer, hs, [[P[s] for P in row] for row in params], join, seq, F)
         return hs
 
     def grid_refusal(self, C, T, attention):
@@ -287,6 +278,19 @@ class Model:
         """The layers of each of `n_stages` pipeline stages (tuples of layer indices), balanced by
         the layers' FLOPs: the cut whose most expensive stage is cheapest, earliest on ties."""
         return balanced_cuts([max(layer.flops, 1) for layer in self.layers], n_stages)
+
+
+def grid_layer(layer, hs, own, join, seq, F=nd):
+    """One layer on a C x T grid (Model.grid_forward): hs[c][t] its input on each context, own[c][t]
+    that context's pieces of the layer's parameters; its grid_forward, or its sequence_forward on
+    each column (a context-parallel group), or the layer on each block as it is."""
+    if layer.grid_forward:
+        return layer.grid_forward(hs, own, join, seq, F)
+    if layer.sequence_forward:
+        cols = [layer.sequence_forward([row[t] for row in hs], [row[t] for row in own], seq, F)
+                for t in range(len(hs[0]))]
+        return [[col[c] for col in cols] for c in range(len(hs))]
+    return [[layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(row, prow)] for row, prow in zip(hs, own)]
 
 
 def balanced_cuts(costs, n_stages):

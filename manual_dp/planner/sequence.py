@@ -17,24 +17,28 @@ Activations per context (elements): exactly what the strategies' layout() prices
   context  1/C of the group's examples' activations (T x T scores included, T/C x T a context),
            plus the other examples' images (copied whole to every context) and, for all n
            examples, what the attention keeps for its backward beyond one block's share
-           (strategies/context.attention_held): ring, the C - 1 foreign key and value blocks and
-           the running output each further step makes (2 T_j d each); Ulysses, the all-to-all's
-           q, k, v of all T tokens on H/C heads and the output sent back (3 T d/C + T_j d).
-  Not counted: the online softmax's running max and sum (T_j H a step), temporaries of the
-  collectives, the ring's in-flight copies; residual sums and layer norm internals beyond their
+           (strategies/context.attention_held): ring, a log-sum-exp per head and row (H T_j) less
+           the scores and softmax weights it does not keep (2 H T_j T: its backward's second ring
+           recomputes them); Ulysses, the all-to-all's q, k, v of all T tokens on H/C heads and
+           the output sent back (3 T d/C + T_j d).
+  Not counted: the online softmax's temporaries, temporaries of the collectives, the ring's
+  in-flight copies; residual sums and layer norm internals beyond their
   outputs whole under tensor parallelism. So every figure is a floor.
 
 Communication per step (alpha-beta, as planner/predict.py prices the other collectives):
   tensor and +sp: the same bytes (f and g's all-reduces are a reduce-scatter and an all-gather each;
            SP sends an all-gather and a reduce-scatter instead): priced in planner/predict.py.
   ring     per attention layer, C - 1 hops forward (each context sends its key and value blocks to
-           the next, two messages of n T_j d floats) and C - 1 back with their gradients.
+           the next, two messages of n T_j d floats), and in the backward the same C - 1 hops
+           again plus C hops of their gradients, which travel with them and then home
+           (fast/ring_attention.py).
   ulysses  per attention layer, 4 all-to-alls forward (q, k, v in, the output back) and 4 backward;
            an all-to-all of n T_j d floats a context: C - 1 messages, (C - 1)/C of the bytes.
   both     the pooled vector's sum over the group (seq.sum, and its backward: two all-reduces of
            n d floats over C) and one ring all-reduce of the 4N gradient bytes over all dp x cp
            contexts (float32 under any --precision).
-Compute: the group's FLOPs split C ways (the ring's softmax rescaling not counted).
+Compute: the group's FLOPs split C ways (the ring's softmax rescaling and its backward's recomputed
+scores not counted).
 """
 from .. import costmodel
 from ..fast.collectives import chunk_bounds
@@ -80,9 +84,9 @@ def width(net):
 def context_communication(l, net, n, n_params, dev):
     """Seconds of a context-parallel step's collectives (see the module's docstring)."""
     C, total = l.cp, 0.0
-    for T, d in attention_layers(net):
-        block = n * -(-T // C) * d * FLOAT_BYTES
-        total += (2 * (C - 1) * 2 * (dev.alpha + block * dev.beta) if l.attention == "ring"
+    for T, d, _ in attention_layers(net):
+        block, hops = n * -(-T // C) * d * FLOAT_BYTES, 3 * (C - 1) + (C > 1)
+        total += (2 * hops * (dev.alpha + block * dev.beta) if l.attention == "ring"
                   else 8 * all_to_all(C, block, dev))
     pooled = 2 * costmodel.allreduce_time("ring", C, n * width(net) * FLOAT_BYTES, dev.alpha, dev.beta)
     grads = costmodel.allreduce_time("ring", l.dp * C, n_params * FLOAT_BYTES, dev.alpha, dev.beta)

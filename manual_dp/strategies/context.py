@@ -144,7 +144,8 @@ class ContextParallel(Strategy):
         """Each context of a group holds the group's examples but 1/C of their tokens: priced as
         1/C of the group's examples each (manual_dp.memory counts per example), and what it holds
         whole: the images of the group's other examples (copied to every context) and, for every
-        example, what attention keeps beyond one block's share (attention_held)."""
+        example, what attention keeps beyond one block's share (attention_held; ring's is
+        negative: it keeps no scores)."""
         out, every = [], tuple(range(len(self.net.layers)))
         images, extra = self.net.layers[0].inputs, attention_held(self.net, self.C, self.attention)
         for row, n in zip(self.grid, even_split(batch_size, len(self.grid))):
@@ -179,18 +180,21 @@ class ContextParallel(Strategy):
 
 
 def attention_layers(net):
-    """[(tokens T, width d)] of each attention layer (a layer with a head_dim)."""
+    """[(tokens T, width d, heads H)] of each attention layer (a layer with a head_dim)."""
     T = getattr(net, "tokens", 0)
-    return [(T, layer.inputs // T) for layer in net.layers if T and "head_dim" in layer.extra]
+    return [(T, layer.inputs // T, layer.inputs // T // layer.extra["head_dim"])
+            for layer in net.layers if T and "head_dim" in layer.extra]
 
 
 def attention_held(net, C, attention):
-    """Per example elements a context of C keeps for attention's backward beyond 1/C of the whole,
-    per attention layer: ring, the C - 1 foreign key and value blocks and the running output each
-    further step makes (2 T_j d each); Ulysses, the all-to-all's q, k, v of all T tokens on H/C
-    heads and the output sent back (3 T d/C + T_j d). T_j: the largest block, ceil(T/C)."""
+    """Per example elements a context of C keeps for attention's backward beyond 1/C of one
+    context's, per attention layer (negative: short of it). Ring (fast/ring_attention.py): its own
+    q, k, v and output, as one context keeps them, and each row's log-sum-exp (H T_j) instead of
+    the scores and softmax weights (2 H T_j T: the second ring recomputes them); Ulysses: the
+    all-to-all's q, k, v of all T tokens on H/C heads and the output sent back (3 T d/C + T_j d),
+    its scores 1/C of one context's. T_j: the largest block, ceil(T/C)."""
     out = 0
-    for T, d in attention_layers(net):
+    for T, d, H in attention_layers(net):
         Tj = -(-T // C)
-        out += 2 * (T - Tj) * d + 2 * (C - 1) * Tj * d if attention == "ring" else 3 * T * d // C + Tj * d
+        out += H * Tj - 2 * H * Tj * T if attention == "ring" else 3 * T * d // C + Tj * d
     return out

@@ -1,10 +1,12 @@
 """A pipeline stage run on a group of contexts (strategies/mesh_parallel.py): the stage's layers on a
-tensor group (tensor_stage: Megatron's split, layer by layer) or on a context-parallel group
-(sequence_stage: each layer's sequence_forward), and one replica's pass of a schedule over such
-stages (GroupPass), activations and gradients sent rank by rank between the groups."""
+tensor group (tensor_stage: Megatron's split, layer by layer), on a context-parallel group
+(sequence_stage: each layer's sequence_forward) or on a C x T grid of both (grid_stage: each
+layer as Model.grid_forward runs it), and one replica's pass of a schedule over such stages
+(GroupPass), activations and gradients sent rank by rank between the groups."""
 from mxnet import autograd, nd
 
 from ..lesson import cross_entropy, n_correct
+from ..models.contract import grid_layer
 from .stages import send
 from .tensor import copies
 
@@ -22,6 +24,25 @@ def sequence_stage(net, ids, seq):
             hs = layers[i].sequence_forward(hs, own, seq, F) if layers[i].sequence_forward else \
                 [layers[i].forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
         return hs
+    return run
+
+
+def grid_stage(net, ids, join, seq, T):
+    """The function (hs, params, F=nd) -> hs of the model's layers `ids` on a grid of C x T contexts,
+    given flat, block by block (rank c T + t: block c of the tokens, tensor rank t): each row a tensor
+    group (join), each column a context-parallel group (seq); params[c T + t] that context's shards."""
+    layers, slices = net.layers, net.slices()
+    first = slices[ids[0]].start
+
+    def rows(xs):
+        return [xs[c:c + T] for c in range(0, len(xs), T)]
+
+    def run(hs, params, F=nd):
+        hs, params = rows(hs), rows(params)
+        for i in ids:
+            own = [[P[slices[i].start - first:slices[i].stop - first] for P in row] for row in params]
+            hs = grid_layer(layers[i], hs, own, join, seq, F)
+        return [h for row in hs for h in row]
     return run
 
 

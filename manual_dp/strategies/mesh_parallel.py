@@ -1,7 +1,10 @@
 """Data x pipeline x tensor parallelism at once (Megatron's "3-D parallelism"): the mesh dp x pp x tp
 (manual_dp.mesh), each pipeline stage a tensor group; or dp x pp x cp, each stage a context-parallel
 group (sequence_stage: the stage's layers' sequence_forward, ring or Ulysses attention between the
-blocks, every parameter whole on each context and its gradient summed over the group too).
+blocks, every parameter whole on each context and its gradient summed over the group too); or
+dp x pp x cp x tp, each stage a C x T grid (grid_stage: each row a tensor group, each column a
+context-parallel group, as ContextTensorParallel runs the whole model; tensor shard t of every
+parameter summed over its column and the replicas).
 
 Context (r, s, j) of the mesh holds tensor shard j of pipeline stage s of replica r. A stage is a
 run of the model's layers (Model.cuts) computed on its tensor group the way TensorParallel computes
@@ -31,53 +34,61 @@ from ..replicas import fingerprint
 from .base import Strategy, placed
 from .context import Sequence
 from .dp_zero import DataShardedOptimizer
-from .group_stages import GroupPass, sequence_stage, tensor_stage
+from .group_stages import GroupPass, grid_stage, sequence_stage, tensor_stage
 from .pipeline_pass import cut
 from .schedules import bubbles, check_micro, check_name, held, plan, run_order, simulate
 from .tensor import copies
 from .tensor_layout import even_split, held_whole, shard, whole_layout
 
 
+def group_name(C, T):
+    """A stage's group as the mesh names it: "tp=T", "cp=C" or "cp=C x tp=T"."""
+    return " x ".join(f"{d}={k}" for d, k in (("cp", C), ("tp", T)) if k > 1) or "tp=1"
+
+
 class MeshParallel(Strategy):
     """dp x pp x tp on len(ctx) = D * P * T contexts, context ctx[mesh.rank(dp=r, pp=s, tp=j)];
-    with context_parallel C > 1 instead of T, dp x pp x cp (ctx[mesh.rank(dp=r, pp=s, cp=j)]).
+    with context_parallel C > 1, dp x pp x cp x tp (ctx[mesh.rank(dp=r, pp=s, cp=c, tp=t)], rank
+    j = c T + t of its stage's group; T may be 1).
 
     stages P and tensor_parallel T; micro_batches, schedule and virtual_stages as PipelineParallel's;
     sequence_parallel: Megatron-SP inside every tensor group; attention: "ring" or "ulysses" between
     a context-parallel group's blocks. model: a network whose layers split on their own
     (Layer.split_forward) or cut the sequence (Layer.sequence_forward): the transformer;
     allreduce_fn sums over the replicas (and the groups, where every context holds a whole copy).
-    self.T is the size of a stage's group, T or C."""
+    self.G is the size of a stage's group, C T."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stages=2, tensor_parallel=2, micro_batches=1,
                  schedule="1f1b", virtual_stages=1, allreduce_fn=None, tp_allreduce=None, model=None,
                  sequence_parallel=False, context_parallel=1, attention="ring", zero_stage=0):
         net = self.net = stateless(model, "--mesh with pp and tp or cp")
-        C = self.C = context_parallel
-        if C > 1 and (tensor_parallel > 1 or sequence_parallel):
-            raise ValueError("cp with tp inside a pipeline: not yet")
-        S, T, V, n = stages, tensor_parallel if C == 1 else C, virtual_stages, len(ctx)
-        if n % (S * T):
-            raise ValueError(f"pp={S} x {'tp' if C == 1 else 'cp'}={T} does not divide the {n} contexts")
+        C, T = self.C, self.T = context_parallel, tensor_parallel
+        S, V, n, G = stages, virtual_stages, len(ctx), C * T
+        if C > 1 and sequence_parallel:
+            raise ValueError("cp with --sequence-parallel inside a pipeline: not yet")
+        if n % (S * G):
+            raise ValueError(f"pp={S} x {group_name(C, T)} does not divide the {n} contexts")
         if C == 1 and not net.splits_by_layer():
             raise ValueError(f"{net.name} splits as a whole model; tp x pp needs layers that split on their own")
-        refusal = (net.tensor_refusal(T) or (net.sequence_refusal(T, "ring") if sequence_parallel else None)
-                   if C == 1 else net.sequence_refusal(C, attention))
+        refusal = self.refusal(net, C, T, sequence_parallel, attention)
         if refusal:
-            raise ValueError(f"tensor degree {refusal}" if C == 1 else f"cp={C}: {refusal}")
+            raise ValueError(f"tensor degree {refusal}" if C == 1 else f"{group_name(C, T)}: {refusal}")
         check_name(schedule, S, max(micro_batches, 1), V)
         check_micro(schedule, S, micro_batches)
         if schedule == "zb-h1" or S * V > len(net.layers):
             raise ValueError("zb-h1 with tp: not yet" if schedule == "zb-h1" else
                              f"{S} stages x {V} virtual stages need {S * V} layers; {net.name} has {len(net.layers)}")
-        self.mesh = Mesh(dp=n // (S * T), pp=S, tp=T) if C == 1 else Mesh(dp=n // (S * C), pp=S, cp=C)
+        self.mesh = Mesh(dp=n // (S * G), pp=S, cp=C, tp=T)
         self.summed_in_group = sequence_parallel or C > 1     # whole parameters that see a block of tokens
-        self.ctx, self.optimizer, self.S, self.T, self.V = list(ctx), optimizer, S, T, V
+        self.ctx, self.optimizer, self.S, self.G, self.V = list(ctx), optimizer, S, G, V
         self.micro_batches, self.schedule, self.sequence_parallel = micro_batches, schedule, sequence_parallel
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         tp_allreduce = tp_allreduce or make_allreduce(FAST_STEP["allreduce"])
         self.cuts = net.cuts(S * V)
-        if C > 1:
+        if C > 1 and T > 1:
+            join, seq = Join(tp_allreduce), Sequence(net.tokens, C, attention, tp_allreduce)
+            self.stages = [grid_stage(net, ids, join, seq, T) for ids in self.cuts]
+        elif C > 1:
             self.join = Sequence(net.tokens, C, attention, tp_allreduce)
             self.stages = [sequence_stage(net, ids, self.join) for ids in self.cuts]
         else:
@@ -85,30 +96,39 @@ class MeshParallel(Strategy):
             self.stages = [tensor_stage(net, ids, self.join) for ids in self.cuts]
         slices = net.slices()
         self.own = [slice(slices[ids[0]].start, slices[ids[-1]].stop) for ids in self.cuts]   # params per stage
-        self.split = [p.split if C == 1 else None for p in net.param_table()]
-        # groups[r][k]: the tensor group of replica r's stage k
-        dim = "tp" if C == 1 else "cp"
-        self.groups = [[[self.ctx[self.mesh.rank(dp=r, pp=k % S, **{dim: j})] for j in range(T)] for k in range(S * V)]
-                       for r in range(self.mesh.dp)]
+        self.split = [p.split if T > 1 else None for p in net.param_table()]
+        # groups[r][k]: the group (tensor, context-parallel or grid) of replica r's stage k, rank c T + t
+        self.groups = [[[self.ctx[self.mesh.rank(dp=r, pp=k % S, cp=j // T, tp=j % T)] for j in range(G)]
+                        for k in range(S * V)] for r in range(self.mesh.dp)]
         values = [p.asnumpy() for p in params]
-        self.params = [[[placed([shard(values[i], self.split[i], j, T) for i in range(sl.start, sl.stop)], c)
+        self.params = [[[placed([shard(values[i], self.split[i], j % T, T) for i in range(sl.start, sl.stop)], c)
                          for j, c in enumerate(group)] for sl, group in zip(self.own, row)] for row in self.groups]
         self.zero = DataShardedOptimizer([g for _, g in self.copy_groups()], optimizer) if zero_stage else None
         self.states = None if self.zero else \
             [[[init_states(P, optimizer) for P in stage] for stage in row] for row in self.params]
         self.t, self.bubbles = 0, []
 
+    @staticmethod
+    def refusal(net, C, T, sequence_parallel, attention):
+        """Why the model cannot run on a stage's group, or None."""
+        if C == 1:
+            return net.tensor_refusal(T) or (net.sequence_refusal(T, "ring") if sequence_parallel else None)
+        return net.grid_refusal(C, T, attention) if T > 1 else net.sequence_refusal(C, attention)
+
     def copy_groups(self):
-        """[((k, j, i), arrays)]: the copies whose gradients are summed: shard j of stage k's parameter
-        i over the replicas; a whole parameter under sequence or context parallelism over the replicas
-        and the group (keyed j = None)."""
+        """[((k, t, i), arrays)]: the copies whose gradients are summed: tensor shard t of stage k's
+        parameter i over the replicas and, under context parallelism, over the blocks (the group's
+        column t); a whole parameter under sequence parallelism over the replicas and the group
+        (keyed t = None)."""
         out = []
         for k, j, i, g in self.each_param():
-            if self.summed_in_group and self.split[g] is None:
+            if j >= self.T:
+                continue
+            if self.C == 1 and self.summed_in_group and self.split[g] is None:
                 if j == 0:
-                    out.append(((k, None, i), [row[k][jj][i] for row in self.params for jj in range(self.T)]))
+                    out.append(((k, None, i), [row[k][jj][i] for row in self.params for jj in range(self.G)]))
             else:
-                out.append(((k, j, i), [row[k][j][i] for row in self.params]))
+                out.append(((k, j, i), [row[k][c * self.T + j][i] for row in self.params for c in range(self.C)]))
         return out
 
 
@@ -125,7 +145,7 @@ class MeshParallel(Strategy):
     def backward(self, X, y):
         """Every replica pipelines its shard of the batch over its stages' tensor groups."""
         metrics = []
-        scale = 1 / self.T if self.summed_in_group else 1
+        scale = 1 / (self.C if self.C > 1 else self.T) if self.summed_in_group else 1
         for row, P, Xr, yr in zip(self.groups, self.params, split_and_load(X, [g[0][0] for g in self.groups]),
                                   split_and_load(y, [g[-1][0] for g in self.groups])):
             p = self.plan(Xr.shape[0])
@@ -138,7 +158,7 @@ class MeshParallel(Strategy):
     def each_param(self):
         """(stage k, rank j, position i within the stage, model index) of every shard of replica 0."""
         for k, sl in enumerate(self.own):
-            for j in range(self.T):
+            for j in range(self.G):
                 for i, g in enumerate(range(sl.start, sl.stop)):
                     yield k, j, i, g
 
@@ -150,12 +170,8 @@ class MeshParallel(Strategy):
             self.t += 1
             self.zero.step(lr, self.t, self.counted(n_examples))
             return
-        for k, j, i, g in self.each_param():
-            if self.summed_in_group and self.split[g] is None:
-                if j == 0:
-                    self.allreduce_fn([row[k][jj][i].grad for row in self.params for jj in range(self.T)])
-                continue
-            self.allreduce_fn([row[k][j][i].grad for row in self.params])
+        for _, arrays in self.copy_groups():
+            self.allreduce_fn([a.grad for a in arrays])
         self.t += 1
         n_examples = self.counted(n_examples)
         for row, row_states in zip(self.params, self.states):
@@ -206,19 +222,20 @@ class MeshParallel(Strategy):
         names = self.net.names()
         return {f"stage {k} shard {j}": [fingerprint(row[k][j], P[k][j], names[sl])
                                          for row, P in zip(self.groups, self.params)]
-                for k, sl in enumerate(self.own) for j in range(self.T)}
+                for k, sl in enumerate(self.own) for j in range(self.G)}
 
     def layout(self, batch_size):
         """Each context: its stage's activations for the examples the schedule holds there
         (schedules.held), priced as TensorParallel prices a group's: 1/T of them each, and for
         the others what every rank of the stage's group holds whole (tensor.held_whole of the
-        stage's layers)."""
+        stage's layers); a context-parallel group or grid, 1/(C T) of them each and the images
+        whole on the first stage (a floor, as ContextTensorParallel's)."""
         out = []
         for row, n in zip(self.groups, shard_sizes(batch_size, len(self.groups))):
             p = self.plan(n)
             kept = held(p, shard_sizes(n, p.n_micro), per="stage")
             for group, pieces, h in zip(row, self.cuts, kept):
-                out += [(c, pieces, e) for c, e in zip(group, even_split(h, self.T))]
+                out += [(c, pieces, e) for c, e in zip(group, even_split(h, self.G))]
                 if self.C == 1:
                     out += whole_layout(group, h, held_whole(self.net, pieces, self.sequence_parallel))
                 elif pieces[0] == 0:                   # the images, copied whole to every context
@@ -258,15 +275,15 @@ class MeshParallel(Strategy):
             raise CheckpointError(f"the checkpoint holds {len(state['params'])} parameters, this model {want}")
         for row, row_states in zip(self.params, self.states or [None] * len(self.params)):
             for k, sl in enumerate(self.own):
-                for j in range(self.T):
+                for j in range(self.G):
                     for i, g in enumerate(range(sl.start, sl.stop)):
                         p = row[k][j][i]
-                        value = shard(state["params"][g], self.split[g], j, self.T)
+                        value = shard(state["params"][g], self.split[g], j % self.T, self.T)
                         if tuple(value.shape) != p.shape:
                             raise CheckpointError(f"the checkpoint's {self.net.names()[g]} does not fit this run")
                         p[:] = nd.array(value, ctx=p.context)
                         for s, v in zip(row_states[k][j][i] if row_states else (), state["opt_state"][g]):
-                            s[:] = nd.array(shard(v, self.split[g], j, self.T), ctx=s.context)
+                            s[:] = nd.array(shard(v, self.split[g], j % self.T, self.T), ctx=s.context)
         if self.zero:
             for n, ((k, j, i), _) in enumerate(self.copy_groups()):
                 g = self.own[k].start + i
