@@ -87,9 +87,12 @@ def check_model(cfg):
         raise UsageError(f"--patch must be 0 (rows) or divide 28, got {cfg.patch}")
     if cfg.heads and cfg.d_model and cfg.d_model % cfg.heads:
         raise UsageError(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model}")
-    if cfg.model == "resnet" and (cfg.mode != "sync" or cfg.deterministic or cfg.backend != "local"):
+    if cfg.model == "resnet" and (cfg.mode != "sync" or cfg.deterministic or cfg.backend == "dist_async"):
         raise UsageError("--model resnet keeps BatchNorm's running statistics, which only --mode sync "
-                         "(without --deterministic, in one process) carries so far")
+                         "(without --deterministic; not --backend dist_async) carries so far")
+    if cfg.model == "resnet" and cfg.compress != "none":
+        raise UsageError(f"--compress {cfg.compress}: BatchNorm's statistics are summed with the gradients' "
+                         f"all-reduce and must stay exact: not with --model resnet")
     if cfg.sync_batchnorm and cfg.model != "resnet":
         raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet), not --model {cfg.model}")
     if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and cfg.mode in ("pipeline", "hybrid", "mesh"):

@@ -507,3 +507,43 @@ def test_two_dist_sync_workers_train_the_transformer_as_one_process(data_dir, tm
     two_workers_as_one_process(tmp_path, 2, "--model", "transformer", "--layers", 1, "--d-model", 16, "--heads", 2,
                                "--data-dir", data_dir, "--train-size", 256, "--test-size", 64, "--batch-size", 32,
                                "--epochs", 2, *mode)
+
+
+@pytest.mark.parametrize("sync_bn", [[], ["--sync-batchnorm"]], ids=["per-context", "sync-batchnorm"])
+def test_two_dist_sync_workers_train_resnet_as_one_process(data_dir, tmp_path, sync_bn):
+    """BatchNorm across processes: 2 workers x 1 context against one process with 2 contexts, per-context
+    statistics or --sync-batchnorm's (their sums and counts cross the processes), the running
+    statistics folded over every context of the job: the same losses and parameters (to float
+    rounding; lr 0.01, as BatchNorm amplifies the rounding of another summation order)."""
+    from jobs import two_workers_as_one_process
+    one, two = two_workers_as_one_process(tmp_path, 1, "--model", "resnet", "--data-dir", data_dir, "--train-size", 128,
+                                          "--test-size", 64, "--batch-size", 64, "--epochs", 1, "--lr", 0.01, *sync_bn)
+    assert one["test_acc"] == pytest.approx(two["test_acc"], abs=1e-6)     # evaluation reads the running statistics
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("horovod"), reason="horovod is not installed")
+def test_two_horovod_processes_train_resnet_with_sync_batchnorm_as_one_process(data_dir, tmp_path):
+    from jobs import assert_same_run, horovod_cmd, run_job, train_cmd
+    argv = ["--model", "resnet", "--sync-batchnorm", "--data-dir", data_dir, "--train-size", 128, "--test-size", 64,
+            "--batch-size", 64, "--epochs", 1, "--lr", 0.01]
+    for name, cmd in (("one", train_cmd("--cpus", 2, *argv)), ("hvd", horovod_cmd(2, "--cpus", 1, *argv))):
+        code, out = run_job([*cmd, "--log-json", tmp_path / f"{name}.jsonl", "--checkpoint-dir", tmp_path / name],
+                            tmp_path / f"{name}.txt")
+        assert code == 0, out
+    assert_same_run(tmp_path / "one.jsonl", tmp_path / "one", tmp_path / "hvd.jsonl", tmp_path / "hvd", exact=False)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("horovod"), reason="horovod is not installed")
+@pytest.mark.parametrize("mode", [["--mode", "zero", "--zero-stage", "3"], ["--mode", "pipeline", "--micro-batches", "2"]],
+                         ids=["zero3", "pipeline"])
+def test_two_horovod_processes_train_the_transformer_as_one_process(data_dir, tmp_path, mode):
+    """Horovod on a model other than LeNet: 2 processes x 2 contexts against one process with 4 (to
+    float rounding: the cross-process sum adds the replicas' gradients in another order)."""
+    from jobs import assert_same_run, horovod_cmd, run_job, train_cmd
+    argv = ["--model", "transformer", "--layers", 1, "--d-model", 16, "--heads", 2, "--data-dir", data_dir,
+            "--train-size", 256, "--test-size", 64, "--batch-size", 32, "--epochs", 2, *mode]
+    for name, cmd in (("one", train_cmd("--cpus", 4, *argv)), ("hvd", horovod_cmd(2, "--cpus", 2, *argv))):
+        code, out = run_job([*cmd, "--log-json", tmp_path / f"{name}.jsonl", "--checkpoint-dir", tmp_path / name],
+                            tmp_path / f"{name}.txt")
+        assert code == 0, out
+    assert_same_run(tmp_path / "one.jsonl", tmp_path / "one", tmp_path / "hvd.jsonl", tmp_path / "hvd", exact=False)

@@ -34,23 +34,37 @@ def summed(arrays, allreduce):
 
 class Joined(autograd.Function):
     """One autograd node over a tensor group's arrays: forward and backward each either the identity
-    (copies) or the all-reduce (fresh sums on every context)."""
+    (copies) or the all-reduce (fresh sums on every context); `back`: the backward's all-reduce
+    (default `allreduce`)."""
 
-    def __init__(self, allreduce, sum_forward, sum_backward):
+    def __init__(self, allreduce, sum_forward, sum_backward, back=None):
         super().__init__()
         self.allreduce, self.sum_forward, self.sum_backward = allreduce, sum_forward, sum_backward
+        self.back = back or allreduce
 
     def forward(self, *xs):
         return tuple(summed(xs, self.allreduce) if self.sum_forward else (x.copy() for x in xs))
 
     def backward(self, *dys):
-        return tuple(summed(dys, self.allreduce) if self.sum_backward else (dy.copy() for dy in dys))
+        return tuple(summed(dys, self.back) if self.sum_backward else (dy.copy() for dy in dys))
 
 
-def sum_everywhere(xs, allreduce):
+def keyed(allreduce, key, like=None):
+    """`allreduce` under the name `key` where it sums across processes (the engine sums by name: a
+    multiprocess.distributed.CrossProcessAllreduce has named(key, like), which readies the name for
+    arrays like `like` now); an in-process one as it is."""
+    named = getattr(allreduce, "named", None)
+    return named(key, like) if named else allreduce
+
+
+def sum_everywhere(xs, allreduce, key="sum"):
     """Every context's output holds the sum of `xs`; in backward, each x's gradient is the sum of
-    every output's gradient (each output depends on every input): --sync-batchnorm's statistics."""
-    return list(Joined(allreduce, True, True)(*xs)) if len(xs) > 1 else list(xs)
+    every output's gradient (each output depends on every input): --sync-batchnorm's statistics.
+    One context too: `allreduce` may sum across processes, then under names of its own for the
+    forward and the backward (key + "f", key + "b": a sum inside a backward must not wait on one
+    of the same name, see CrossProcessAllreduce)."""
+    out = Joined(keyed(allreduce, key + "f"), True, True, keyed(allreduce, key + "b", xs[0]))(*xs)
+    return [out] if isinstance(out, nd.NDArray) else list(out)
 
 
 def f(xs, allreduce):

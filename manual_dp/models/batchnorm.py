@@ -12,8 +12,10 @@ contexts of a data-parallel step at once, layer by layer (Model.forward_group), 
     inference   the running statistics instead (evaluation)
 
 After the step the strategy folds the batch statistics into the running ones (`fold`): the mean over
-the contexts of each context's batch mean and variance, running = m running + (1 - m) batch, the
-same on every replica (with join, every context already holds the same statistics).
+every context (of every process: `gather`, the job's all-reduce) of each context's batch mean and
+variance, running = m running + (1 - m) batch, the same on every replica (with join, every context
+already holds the same statistics). join and gather cross processes when the strategy's all-reduce
+does, so --sync-batchnorm's statistics are the whole global batch's, counted across processes.
 """
 from mxnet import nd
 
@@ -34,7 +36,8 @@ def per_channel(v, h):
 class Moments:
     """What a forward's BatchNorms normalise with (see the module docstring). running[c]: context
     c's running statistics in the model's stat order (mean, var of each BatchNorm), or None
-    (training without them); join: a sum across the contexts whose backward sums too (sync)."""
+    (training without them); join(arrays, key): a sum across the contexts whose backward sums too
+    (sync), `key` naming each BatchNorm's sums apart (an engine across processes sums by name)."""
 
     def __init__(self, train=True, running=None, join=None):
         self.train, self.running, self.join = train, running, join
@@ -44,7 +47,7 @@ class Moments:
         """BatchNorm of each context's h (B, C, ...) with its gamma, beta (C,)."""
         i, self.index = self.index, self.index + 1
         if self.train:
-            means, variances = self.moments(hs)
+            means, variances = self.moments(hs, f"bn{i}")
             self.batch.append([(m.detach(), v.detach()) for m, v in zip(means, variances)])
         else:
             means = [r[2 * i] for r in self.running]
@@ -54,7 +57,7 @@ class Moments:
                     per_channel(g, h)), per_channel(b, h))
                 for h, m, v, g, b in zip(hs, means, variances, gammas, betas)]
 
-    def moments(self, hs):
+    def moments(self, hs, key):
         """Per context the (mean, variance) per channel of its shard, or with join of every
         shard together (two passes: the mean, then the squared deviations from it)."""
         axes = channel_axes(hs[0])
@@ -62,20 +65,30 @@ class Moments:
             means = [nd.mean(h, axis=axes) for h in hs]
             return means, [nd.mean(nd.square(nd.broadcast_sub(h, per_channel(m, h))), axis=axes)
                            for h, m in zip(hs, means)]
-        n = sum(h.size // h.shape[1] for h in hs)
-        means = [s / n for s in self.join([nd.sum(h, axis=axes) for h in hs])]
-        return means, [s / n for s in self.join([nd.sum(nd.square(nd.broadcast_sub(h, per_channel(m, h))), axis=axes)
-                                                  for h, m in zip(hs, means)])]
+        counts = [nd.full((1,), h.size // h.shape[1], ctx=h.context) for h in hs]     # values per channel
+        sums = self.join([nd.concat(nd.sum(h, axis=axes), n, dim=0) for h, n in zip(hs, counts)], key + "m")
+        means = [nd.broadcast_div(s[:-1], s[-1:]) for s in sums]                  # every shard's count
+        squares = self.join([nd.sum(nd.square(nd.broadcast_sub(h, per_channel(m, h))), axis=axes)
+                             for h, m in zip(hs, means)], key + "v")
+        return means, [nd.broadcast_div(q, s[-1:]) for q, s in zip(squares, sums)]
 
-    def fold(self, running):
+    def fold(self, running, gather=None):
         """Afterwards every replica's running statistics (running[c], in stat order) hold
-        m running + (1 - m) x (the contexts' mean batch statistics), the same bits on every
-        context (computed on the first, copied to the others)."""
+        m running + (1 - m) x (the mean over every context of its batch statistics), the same bits
+        on every context (computed on the first, copied to the others). gather(arrays): afterwards
+        each of the arrays (one per context) holds their sum over every context and process."""
         home = running[0][0].context
-        for i, per_context in enumerate(self.batch):
-            for j in (0, 1):
-                values = [pair[j].as_in_context(home) for pair in per_context]
-                batch = nd.add_n(*values) / len(values) if len(values) > 1 else values[0]
-                new = MOMENTUM * running[0][2 * i + j] + (1 - MOMENTUM) * batch
-                for r in running:
-                    new.copyto(r[2 * i + j])
+        rows = [nd.concat(*[x for per_context in self.batch for x in per_context[c]], nd.ones((1,), ctx=ctx), dim=0)
+                for c, ctx in enumerate(r[0].context for r in running)]
+        if gather is not None:
+            gather(rows)
+            total = rows[0].as_in_context(home)
+        else:
+            total = nd.add_n(*[r.as_in_context(home) for r in rows]) if len(rows) > 1 else rows[0]
+        batch = nd.broadcast_div(total[:-1], total[-1:])           # (mean, var) of each BatchNorm
+        at = 0
+        for i, stat in enumerate(running[0]):
+            new = MOMENTUM * stat + (1 - MOMENTUM) * batch[at:at + stat.size]
+            at += stat.size
+            for r in running:
+                new.copyto(r[i])

@@ -33,14 +33,23 @@ def unflatten(flat, arrays):
 class CrossProcessAllreduce:
     """`local` over this process's replicas, then the engine's sum of arrays[0] across processes,
     copied back to the other replicas: afterwards every arrays[i] holds the sum over every context
-    of every process."""
+    of every process. key: the engine's name for the sum (default: by shape); named(key) gives one
+    of another name, for sums made inside an autograd backward, which must not wait on a pull of
+    the same name made earlier in the step (fast.tensor_ops.keyed)."""
 
-    def __init__(self, local, world):
-        self.local, self.world = local, world
+    def __init__(self, local, world, key=None):
+        self.local, self.world, self.key = local, world, key
+
+    def named(self, key, like=None):
+        """This all-reduce under the name `key`; `like`: an array of the shape it will sum, whose
+        name the engine readies now (World.prepare)."""
+        if like is not None:
+            self.world.prepare(key, like)
+        return CrossProcessAllreduce(self.local, self.world, key)
 
     def __call__(self, arrays):
         self.local(arrays)
-        self.world.allreduce(arrays[0], "sum" + "x".join(map(str, arrays[0].shape)))
+        self.world.allreduce(arrays[0], self.key or "sum" + "x".join(map(str, arrays[0].shape)))
         for a in arrays[1:]:
             arrays[0].copyto(a)
 

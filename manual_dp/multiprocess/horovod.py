@@ -3,6 +3,7 @@
 Run under horovodrun, which starts the processes and ends the job when one of them fails:
     horovodrun -np 2 -H localhost:2 --gloo python -m manual_dp.train --backend horovod --cpus 1
 """
+import collections
 import itertools
 import os
 
@@ -41,8 +42,11 @@ class HorovodWorld(Cluster):
         self.rank, self.size, self.joined = self.hvd.rank(), self.hvd.size(), True
         self.local_rank = self.hvd.local_rank()
         # Names key Horovod's collectives; a fresh one per call, since evaluation may have
-        # several counts in flight at once and Horovod refuses two live tensors of one name.
-        self.calls = itertools.count()
+        # several counts in flight at once and Horovod refuses two live tensors of one name. The
+        # number counts the calls of that key only: sums made inside an autograd backward (sync
+        # BatchNorm's) run as the engine reaches them, in an order that may differ between ranks,
+        # each under its own key, while the calls of one key keep their order.
+        self.calls = collections.defaultdict(itertools.count)
         self.open_board()
         self.open_flight()
         self.progress()
@@ -56,7 +60,7 @@ class HorovodWorld(Cluster):
         self.unanswered = "the board on rank 0 did not answer: rank 0 has probably stopped"
 
     def name(self, what):
-        return f"manual_dp.{what}.{next(self.calls)}"
+        return f"manual_dp.{what}.{next(self.calls[what])}"
 
     def allreduce(self, array, key):
         self.collective("allreduce", key, lambda: self.hvd.allreduce_(array, op=self.hvd.Sum, name=self.name(key)),

@@ -129,6 +129,14 @@ class KVStoreWorld(Cluster):
             raise RuntimeError("dist_async servers add pushes into parameters; no allreduce")
         self.collective("allreduce", key, lambda: self.push_pull(array, key), result=array)
 
+    def prepare(self, key, like):
+        """A key's first push needs kv.init, a barrier of every worker: made here in program order,
+        never from inside a backward (whose sums the engine may reach in another order per rank)."""
+        if key not in self.pulled:
+            zeros = nd.zeros(like.shape, ctx=like.context, dtype=like.dtype)
+            self.collective("init", key, lambda: self.kv.init(key, zeros))
+            self.pulled[key] = zeros
+
     def push_pull(self, array, key):
         if key in self.pulled:
             self.pulled[key].wait_to_read()

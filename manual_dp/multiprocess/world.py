@@ -230,6 +230,11 @@ class Cluster(World):
         """Afterwards `array` holds the elementwise sum of every process's `array` (same key)."""
         raise NotImplementedError
 
+    def prepare(self, key, like):
+        """Ready the engine for sums of `key` over arrays like `like`, now, in the program's order:
+        for a sum that will run inside an autograd backward, as the engine reaches it (nothing to
+        do unless the engine must set a name up with every process at once)."""
+
     def broadcast_object(self, obj):
         """rank 0's `obj` (picklable), on every rank."""
         raise NotImplementedError

@@ -144,7 +144,7 @@ class DataParallel(Strategy):
     def moments(self, train, n=None):
         """How this step's BatchNorms normalise (models.batchnorm): batch statistics, summed over
         the contexts with sync_batchnorm, or (evaluation) the first n replicas' running ones."""
-        join = (lambda xs: sum_everywhere(xs, self.allreduce_fn)) if self.sync_batchnorm else None
+        join = (lambda xs, key: sum_everywhere(xs, self.allreduce_fn, key)) if self.sync_batchnorm else None
         return Moments(train, None if train else self.running[:n], join)
 
     def stateful_forward_backward(self, X_shards, y_shards):
@@ -155,7 +155,7 @@ class DataParallel(Strategy):
             scores = self.net.forward_group(X_shards, self.replicas, moments)
             losses = [cross_entropy(s, y) for s, y in zip(scores, y_shards)]
         autograd.backward(losses)
-        moments.fold(self.running)
+        moments.fold(self.running, self.allreduce_fn)
         return [(l.sum(), n_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)]
 
     def update(self, lr, n_examples):
