@@ -534,8 +534,8 @@ def test_two_horovod_processes_train_resnet_with_sync_batchnorm_as_one_process(d
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("horovod"), reason="horovod is not installed")
-@pytest.mark.parametrize("mode", [["--mode", "zero", "--zero-stage", "3"], ["--mode", "pipeline", "--micro-batches", "2"]],
-                         ids=["zero3", "pipeline"])
+@pytest.mark.parametrize("mode", [["--mode", "zero", "--zero-stage", "3"], ["--mode", "hybrid", "--micro-batches", "2"]],
+                         ids=["zero3", "hybrid"])
 def test_two_horovod_processes_train_the_transformer_as_one_process(data_dir, tmp_path, mode):
     """Horovod on a model other than LeNet: 2 processes x 2 contexts against one process with 4 (to
     float rounding: the cross-process sum adds the replicas' gradients in another order)."""
