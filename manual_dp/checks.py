@@ -4,7 +4,7 @@ one line; the defaults and tables they read are manual_dp.config's."""
 import math
 import re
 
-from .config import COMPRESSORS, GATHERED, MAX_STAGES, MESH_TP, MODELS, STAGES, TENSOR_PIECES
+from .config import COMPRESSORS, GATHERED, MAX_STAGES, MESH_TP, MODELS, STAGES
 from .errors import UsageError
 
 
@@ -12,7 +12,7 @@ def check(cfg):
     """Raise UsageError for values no run can use (before any device, file or MXNet is touched)."""
     for name in ("batch_size", "gpus", "cpus", "width", "train_size", "test_size", "micro_batches",
                  "grad_accum", "check_replicas", "tensor_parallel", "context_parallel", "virtual_stages",
-                 "layers", "d_model", "heads"):
+                 "layers", "d_model", "heads", "tensor_pieces"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -20,15 +20,9 @@ def check(cfg):
         value = getattr(cfg, name)
         if value is not None and value < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    if cfg.clip_norm is not None and cfg.mode == "tensor" and cfg.deterministic:
-        raise UsageError("--clip-norm with --deterministic --mode tensor: not yet (its fixed channel pieces "
-                         "keep their own gradient layout); use it with sync or zero")
     if cfg.precision == "fp16" and cfg.mode in ("async", "local"):
         raise UsageError(f"--precision fp16 needs one reduced gradient per update to unscale and check for "
                          f"overflow: not --mode {cfg.mode} (use bf16, which needs no loss scale)")
-    if cfg.precision != "fp32" and cfg.mode == "tensor" and cfg.deterministic:
-        raise UsageError(f"--precision {cfg.precision} with --deterministic --mode tensor: not yet (its fixed "
-                         f"channel pieces are LeNet's own products); use it with sync or zero")
     if cfg.precision != "fp32" and cfg.compress != "none":
         raise UsageError(f"--compress sends gradients in fewer bits its own way: not with --precision {cfg.precision}")
     if cfg.scale_window is not None and cfg.scale_window < 1:
@@ -65,6 +59,8 @@ def check(cfg):
                               cfg.bucket_mb is not None or cfg.trace or cfg.compress != "none"):
         raise UsageError("--deterministic adds the gradients in its own fixed order: without "
                          "--allreduce, --fuse-grads, --bucket-mb, --trace and --compress")
+    if cfg.tensor_pieces is not None and not cfg.deterministic:
+        raise UsageError("--tensor-pieces fixes the order of --deterministic's sums: give --deterministic too")
     if cfg.deterministic and cfg.backend == "dist_async":
         raise UsageError("--deterministic needs synchronous updates: --backend local, horovod or dist_sync")
     if cfg.no_autotune and cfg.deterministic:
@@ -108,9 +104,6 @@ def check_model(cfg):
     if cfg.mode == "context" and cfg.model != "transformer":
         raise UsageError(f"--mode context cuts a sequence of tokens over the contexts: --model transformer has "
                          f"one, --model {cfg.model} does not")
-    if cfg.mode == "tensor" and cfg.deterministic and cfg.model != "lenet":
-        raise UsageError(f"--deterministic --mode tensor cuts LeNet's channels into fixed pieces; not yet "
-                         f"--model {cfg.model} (use --deterministic with sync, zero, model, pipeline or hybrid)")
     if cfg.deterministic and cfg.mode in UNREACHED:
         raise UsageError(f"--deterministic --mode {cfg.mode}: {UNREACHED[cfg.mode]}")
 
@@ -172,7 +165,12 @@ def check_layout(cfg, n_contexts, n_processes=1):
     if cfg.mode == "tensor" and (cfg.model == "lenet" or n % (cfg.tensor_parallel or n)):
         check_tensor_layout(cfg.tensor_parallel or n, n, cfg.width)   # other models: Model.tensor_refusal
     if cfg.mode == "tensor" and cfg.deterministic:
-        check_tensor_pieces(cfg.tensor_parallel or n, cfg.width)
+        check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or n)
+    if (cfg.tensor_pieces or 1) > 1 and cfg.model == "lenet":
+        for what, size in tensor_split_sizes(cfg.width).items():
+            if size % cfg.tensor_pieces:
+                raise UsageError(f"--tensor-pieces {cfg.tensor_pieces} does not divide {what} ({size} at "
+                                 f"--width {cfg.width})")
 
 
 def tensor_split_sizes(width):
@@ -194,17 +192,14 @@ def check_tensor_layout(T, n, width):
 
 
 
-def check_tensor_pieces(T, width):
-    """Raise UsageError unless --deterministic's TENSOR_PIECES channel pieces divide every split size
-    and T divides them (strategies/tensor_deterministic.py)."""
-    for what, size in tensor_split_sizes(width).items():
-        if size % TENSOR_PIECES:
-            raise UsageError(f"--deterministic --mode tensor cuts {what} into {TENSOR_PIECES} pieces, "
-                             f"which do not divide {size} at --width {width}")
-    if TENSOR_PIECES % T:
-        fits = [t for t in range(1, TENSOR_PIECES + 1) if TENSOR_PIECES % t == 0]
-        raise UsageError(f"--deterministic --mode tensor cuts every split layer into {TENSOR_PIECES} channel "
-                         f"pieces: --tensor-parallel {T} does not divide them (use {' or '.join(map(str, fits))})")
+def check_tensor_pieces(Q, T):
+    """Raise UsageError unless T divides --deterministic's Q pieces of every split layer
+    (strategies/tensor_deterministic.py)."""
+    if Q % T:
+        fits = [t for t in range(1, Q + 1) if Q % t == 0]
+        raise UsageError(f"--deterministic --mode tensor cuts every split layer into {Q} pieces "
+                         f"(--tensor-pieces): --tensor-parallel {T} does not divide them (use "
+                         f"{' or '.join(map(str, fits))}, or give --tensor-pieces a multiple of {T})")
 
 
 BYTE_UNITS = {"": 1, "B": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "KB": 10 ** 3,

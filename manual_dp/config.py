@@ -30,7 +30,7 @@ LESSON_STEP = dict(allreduce="lesson", fuse_grads=False, graph=False)
 PLAN_TOP, PLAN_STEPS = 3, 3    # python -m manual_dp.plan --verify: layouts run, steps timed each
 PLAN_MAX_DEVICES, PLAN_MAX_BATCH = 4096, 1 << 22    # what the planner lays out at most (memory, time bounded)
 PIECE_ROWS = 32               # --deterministic: rows per piece, the unit whose gradient is computed whole
-TENSOR_PIECES = 4             # --deterministic --mode tensor: channel pieces of every split layer, whatever T
+TENSOR_PIECES = 4             # --deterministic --mode tensor's default --tensor-pieces: pieces of every split layer, whatever T
 
 
 def flag(default, help, group="training", **argparse):
@@ -73,6 +73,12 @@ class RunConfig:
                                       "zero, model, pipeline and hybrid alike: every batch cut into pieces of "
                                       f"{PIECE_ROWS} rows whose gradients are added in one fixed tree; one thread "
                                       "per op (manual_dp/strategies/fixed_sums.py)")
+    tensor_pieces: Optional[int] = flag(None, "--deterministic: every split layer (channels, heads, hidden units) "
+                                              "computed in Q fixed pieces whose partial sums are added in one tree, "
+                                              "in every layout: then --mode tensor with any --tensor-parallel dividing "
+                                              "Q has the bits of sync, zero and pipelines given the same Q (default "
+                                              f"{TENSOR_PIECES} in tensor mode, else 1: whole; "
+                                              "manual_dp/strategies/tensor_pieces.py)", "parallelism")
     sync_batchnorm: bool = flag(False, "sync, --model resnet: BatchNorm statistics over every context's "
                                        "shard (summed by hand), equal to one context; default: each "
                                        "context its own, as Gluon computes them", "parallelism")
@@ -214,7 +220,7 @@ class RunConfig:
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
 MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "stages": STAGES, "schedule": "gpipe", "zero_stage": 1,
                  "sync_every": 4, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.9,
-                 "attention": "ring"}
+                 "attention": "ring", "tensor_pieces": TENSOR_PIECES}
 APPLIES = {
     "staleness": ("async",),
     "micro_batches": ("pipeline", "hybrid", "mesh"),
@@ -224,6 +230,7 @@ APPLIES = {
     "no_autotune": ("sync",),
     "deterministic": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "sync_batchnorm": ("sync",),
+    "tensor_pieces": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
     "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
     "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "loss_scale": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
@@ -247,7 +254,7 @@ APPLIES = {
     "compress": ("sync",),
 }
 # Flags whose default holds only in some of the modes they apply to (elsewhere: off unless given).
-DEFAULT_ONLY_IN = {"zero_stage": ("zero",)}      # tensor, context and mesh: ZeRO over the data dimension if asked
+DEFAULT_ONLY_IN = {"zero_stage": ("zero",), "tensor_pieces": ("tensor",)}      # tensor, context and mesh: ZeRO over the data dimension if asked
 # The model each size flag applies to (given for another: refused), and its default there.
 MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer",), "d_model": ("transformer",),
                  "heads": ("transformer",), "patch": ("transformer",)}

@@ -108,8 +108,7 @@ def test_cli_logs_the_norm_and_refuses_what_does_not_clip(capsys, data_dir, tmp_
     for argv, message in ((["--mode", "async", "--clip-norm", "1"], "--clip-norm applies only to --mode sync"),
                           (["--mode", "local", "--clip-norm", "1"], "--clip-norm applies only to --mode sync"),
                           (["--clip-norm", "0"], "--clip-norm must be positive and finite"),
-                          (["--clip-norm", "nan"], "--clip-norm must be positive and finite"),
-                          (["--mode", "tensor", "--deterministic", "--clip-norm", "1"], "not yet")):
+                          (["--clip-norm", "nan"], "--clip-norm must be positive and finite")):
         code, _, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, *argv])
         assert code == 2 and len(err) == 1 and message in err[0], err
 

@@ -222,7 +222,6 @@ def test_cli_fp16_from_a_scale_of_1e30_skips_halves_and_then_learns(capsys, data
     (["--precision", "fp16", "--scale-window", "0"], "--scale-window must be >= 1"),
     (["--precision", "fp16", "--mode", "async"], "--precision fp16 needs one reduced gradient"),
     (["--precision", "fp16", "--mode", "local"], "--precision fp16 needs one reduced gradient"),
-    (["--precision", "bf16", "--mode", "tensor", "--deterministic"], "with --deterministic --mode tensor: not yet"),
     (["--precision", "bf16", "--model", "resnet"], "BatchNorm trains in fp32 only"),
 ])
 def test_cli_refuses_bad_precision_settings_in_one_line(capsys, data_dir, argv, message):

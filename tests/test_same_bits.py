@@ -14,6 +14,7 @@ from manual_dp import models
 from manual_dp.strategies.deterministic import DeterministicDataParallel
 from manual_dp.strategies.fixed_sums import FixedSums
 from manual_dp.strategies.pipeline import PipelineParallel
+from manual_dp.strategies.tensor_deterministic import TensorDeterministic
 from manual_dp.strategies.zero_deterministic import DeterministicZero
 from test_distributed import needs_horovod
 
@@ -46,7 +47,7 @@ def digest(strategy, net, steps=2):
 
 @pytest.fixture(scope="module")
 def nets():
-    return {"lenet": models.build("lenet"), "transformer": models.build("transformer", layers=2, d_model=16, heads=2)}
+    return {"lenet": models.build("lenet"), "transformer": models.build("transformer", layers=2, d_model=16, heads=4)}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,41 @@ def references(nets):
 def test_every_layout_has_one_contexts_bits(nets, references, layout, name, optimizer):
     net = nets[name]
     assert digest(LAYOUTS[layout](net.init_params(0), net, optimizer), net) == references[name, optimizer]
+
+
+PIECED = {     # --tensor-pieces 4: every split layer in 4 pieces, in every layout, tensor parallelism included
+    "sync x3": lambda P, net, opt: DeterministicDataParallel(P, cpus(3), opt, model=net, tensor_pieces=4),
+    "zero-3 x2": lambda P, net, opt: DeterministicZero(P, cpus(2), opt, 3, model=net, tensor_pieces=4),
+    "tensor T=1": lambda P, net, opt: TensorDeterministic(P, cpus(1), opt, 1, model=net),
+    "tensor T=2": lambda P, net, opt: TensorDeterministic(P, cpus(2), opt, 2, model=net),
+    "tensor T=2 x data 2": lambda P, net, opt: TensorDeterministic(P, cpus(4), opt, 2, model=net),
+    "tensor T=4": lambda P, net, opt: TensorDeterministic(P, cpus(4), opt, 4, model=net),
+    "1f1b 2 stages x 3 (layer-split models)": lambda P, net, opt: PipelineParallel(
+        P, cpus(2), opt, 3, stages=2, schedule="1f1b", model=net, sums=FixedSums(tensor_pieces=4)),
+}
+
+
+@pytest.fixture(scope="module")
+def pieced_references(nets):
+    return {(name, opt): digest(DeterministicDataParallel(net.init_params(0), cpus(1), opt, model=net, tensor_pieces=4), net)
+            for name, net in nets.items() for opt in ("sgd", "adam")}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("name", ["lenet", "transformer"])
+@pytest.mark.parametrize("layout", list(PIECED))
+def test_with_tensor_pieces_tensor_parallelism_joins_the_bits(nets, pieced_references, layout, name, optimizer):
+    net = nets[name]
+    if layout.startswith("1f1b") and not net.splits_by_layer():
+        pytest.skip("LeNet splits as a whole: a pipeline cannot cut its pairs (refused)")
+    assert digest(PIECED[layout](net.init_params(0), net, optimizer), net) == pieced_references[name, optimizer]
+
+
+def test_tensor_pieces_change_the_bits_and_lenet_pipelines_refuse_them(nets, references, pieced_references):
+    assert pieced_references["transformer", "adam"] != references["transformer", "adam"]
+    net = nets["lenet"]
+    with pytest.raises(ValueError, match="splits as a whole"):
+        PipelineParallel(net.init_params(0), cpus(2), "sgd", 2, stages=2, model=net, sums=FixedSums(tensor_pieces=4))
 
 
 def test_the_fast_layouts_do_not(nets, references):
@@ -96,6 +132,14 @@ def test_cli_pipelines_and_two_dist_sync_workers_of_hybrid_have_one_contexts_bit
     workers = run(tmp_path, "kv", launch_cmd(2, "dist_sync", "--mode", "hybrid", "--cpus", 4, "--micro-batches", 2,
                                              "--data-dir", data, *TINY))
     assert_same_run(*one, *workers, exact=True)
+
+
+def test_cli_tensor_parallelism_with_tensor_pieces_has_one_contexts_bits(data, tmp_path):
+    pieced = [a if a != "2" or TINY[i - 1] != "--heads" else "4" for i, a in enumerate(TINY)] + ["--clip-norm", "0.5"]
+    one = run(tmp_path, "one", train_cmd("--cpus", 1, "--data-dir", data, *pieced, "--tensor-pieces", 4))
+    for name, argv in (("t2", ["--mode", "tensor", "--cpus", 2]), ("t2x2", ["--mode", "tensor", "--cpus", 4,
+                                                                          "--tensor-parallel", 2])):
+        assert_same_run(*one, *run(tmp_path, name, train_cmd("--data-dir", data, *pieced, *argv)), exact=True)
 
 
 @needs_horovod

@@ -21,6 +21,7 @@ from manual_dp import DataParallel, GradAccum, init_lenet_params
 from manual_dp.strategies.deterministic import root_of, tree_sum
 from manual_dp.strategies.tensor import TensorParallel
 from manual_dp.strategies.tensor_deterministic import TensorDeterministic
+from manual_dp import models
 from manual_dp.strategies.tensor_pieces import TreeF, TreeG, cut, join, tree_reduce
 from test_distributed import needs_horovod
 
@@ -82,7 +83,8 @@ def test_tree_g_and_tree_f_are_conjugate_across_contexts(T):
 @pytest.mark.parametrize("T", [1, 2, 4])
 def test_cut_and_join_are_inverse(T):
     values = [p.asnumpy() for p in init_lenet_params(seed=1, width=2)]
-    back = join([cut(values, 4, T, j) for j in range(T)], 4 // T)
+    split = [p.split for p in models.build("lenet", width=2).param_table()]
+    back = join([cut(values, split, 4, T, j) for j in range(T)], split, 4 // T)
     for a, b in zip(back, values):
         np.testing.assert_array_equal(a, b)
 
@@ -147,7 +149,7 @@ def test_its_checkpoint_moves_to_and_from_sync_and_plain_tensor():
 
 
 def test_a_tensor_degree_that_does_not_divide_the_pieces_is_refused():
-    with pytest.raises(ValueError, match="must divide 3 contexts and the 4 channel pieces"):
+    with pytest.raises(ValueError, match="must divide 3 contexts and the 4 pieces"):
         TensorDeterministic(init_lenet_params(seed=0, width=3), cpus(3), "sgd", 3)
 
 

@@ -103,6 +103,12 @@ def build_model(cfg, params, ctx, world, policy=None):
     refusal = net.tensor_refusal(cfg.tensor_parallel or len(ctx)) if cfg.mode == "tensor" else None
     if refusal:
         raise UsageError(f"--tensor-parallel {refusal}")
+    refusal = net.tensor_refusal(cfg.tensor_pieces) if (cfg.tensor_pieces or 1) > 1 else None
+    if refusal:
+        raise UsageError(f"--tensor-pieces {refusal}")
+    if (cfg.tensor_pieces or 1) > 1 and cfg.mode in ("model", "pipeline", "hybrid") and not net.splits_by_layer():
+        raise UsageError(f"--tensor-pieces {cfg.tensor_pieces} in a pipeline needs a model whose layers split one "
+                         f"by one (the transformer, the MLP's pairs do not): --model {cfg.model} splits as a whole")
     T = mesh_tp(cfg) if cfg.mode == "mesh" else cfg.tensor_parallel or len(ctx)
     refusal = net.sequence_refusal(T, "ring") if cfg.sequence_parallel else None
     if refusal:
@@ -133,7 +139,8 @@ def build_model(cfg, params, ctx, world, policy=None):
         compressed = make_reducer(cfg.compress, reduce, [p.shape for p in params], world)
         sums = fixed_sums(cfg, world)
         model = DeterministicDataParallel(params, ctx, cfg.optimizer, graph=cfg.graph, rank=world.rank,
-                                          size=world.size, exchange=sums and sums.exchange, model=net) \
+                                          size=world.size, exchange=sums and sums.exchange, model=net,
+                                          tensor_pieces=sums and sums.tensor_pieces) \
             if cfg.deterministic else \
             DataParallel(params, ctx, cfg.optimizer, compressed or grad_reduce, cfg.fuse_grads, cfg.graph,
                          conv_pad=pad, bucket_mb=bucket_mb, model=net, sync_batchnorm=cfg.sync_batchnorm)
@@ -146,7 +153,8 @@ def build_model(cfg, params, ctx, world, policy=None):
         model = DeterministicZero(
             params, ctx, cfg.optimizer, cfg.zero_stage,
             rank=world.rank, size=world.size, exchange=lambda table, i: world.allreduce(
-                table, f"zero-tree{i}-" + "x".join(map(str, table.shape))), model=net)
+                table, f"zero-tree{i}-" + "x".join(map(str, table.shape))), model=net,
+            tensor_pieces=cfg.tensor_pieces or 1)
     elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
         model = ZeroRedundancy(params, ctx, cfg.optimizer, cfg.zero_stage,
                                cross_sum=world.allreduce if world.size > 1 else None, model=net)
@@ -155,7 +163,8 @@ def build_model(cfg, params, ctx, world, policy=None):
                          cfg.outer_momentum, reduce, model=net)
     elif cfg.mode == "tensor" and cfg.deterministic:   # every sum in a fixed tree; processes swap subtrees
         model = TensorDeterministic(
-            params, ctx, cfg.optimizer, cfg.tensor_parallel, rank=world.rank, size=world.size,
+            params, ctx, cfg.optimizer, cfg.tensor_parallel, pieces=cfg.tensor_pieces, rank=world.rank,
+            size=world.size, model=net,
             exchange=lambda table: world.allreduce(table, "tensortree" + "x".join(map(str, table.shape))))
     elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
         model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name), model=net,
@@ -197,7 +206,7 @@ def fixed_sums(cfg, world):
     swapped with the other processes' by the job's all-reduce."""
     if not cfg.deterministic:
         return None
-    return FixedSums(rank=world.rank, size=world.size,
+    return FixedSums(rank=world.rank, size=world.size, tensor_pieces=cfg.tensor_pieces or 1,
                      exchange=lambda table, key: world.allreduce(table, key + "x".join(map(str, table.shape))))
 
 

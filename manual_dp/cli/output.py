@@ -6,7 +6,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..config import TENSOR_PIECES
 
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1"}
 from ..errors import UsageError
@@ -89,8 +88,10 @@ def describe(cfg):
                  "of --deterministic --mode sync: its bits on any cut, schedule and replica count")
     if cfg.deterministic and cfg.mode == "tensor":
         line = (f"tensor, deterministic: layers split over {cfg.tensor_parallel or 'all'} context(s) per "
-                f"tensor group in {TENSOR_PIECES} fixed channel pieces, pieces of the batch and of the "
-                f"channels added in fixed trees, the same bits on any such layout and process count")
+                f"tensor group in {cfg.tensor_pieces} fixed pieces, pieces of the batch and of the split "
+                f"layers added in fixed trees: the bits of every layout given --tensor-pieces {cfg.tensor_pieces}")
+    line += (f", every split layer in {cfg.tensor_pieces} fixed pieces (--tensor-pieces: the bits of --mode tensor "
+             f"with any --tensor-parallel dividing it)" if (cfg.tensor_pieces or 1) > 1 and cfg.mode != "tensor" else "")
     line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel else ""
     line += ", optimiser state sharded over the data dimension (ZeRO-1)" if cfg.zero_stage and cfg.mode != "zero" else ""
     line += ", BatchNorm statistics over every context" if cfg.sync_batchnorm else ""

@@ -81,10 +81,23 @@ def g(xs, allreduce):
 
 class Join:
     """Megatron's f and g over one tensor group's contexts, with `allreduce` (fast.tensor_ops);
-    shard and unshard (entering and leaving a run of split layers) do nothing."""
+    shard and unshard (entering and leaving a run of split layers) do nothing.
+
+    A model's split layers see the group as pieces, each context holding k of them (here k = 1:
+    a piece a context; --deterministic's PieceJoin, strategies/tensor_pieces.py, holds several):
+    f takes one array per context to one per piece, g one per piece to one per context, `spread`
+    hands a context's array to each of its pieces (no gradient: the images), `leads` picks each
+    context's first piece (whose replicated parameters the context's unsplit layers use)."""
+    k = 1
 
     def __init__(self, allreduce):
         self.allreduce = allreduce
+
+    def spread(self, xs):
+        return list(xs)
+
+    def leads(self, per_piece):
+        return list(per_piece)
 
     def f(self, xs):
         return f(xs, self.allreduce)

@@ -211,7 +211,7 @@ class Model:
             if bool(layer.split_forward) != inside:
                 hs, inside = (join.unshard(hs) if inside else join.shard(hs)), not inside
             hs = layer.split_forward(hs, own, join, F) if layer.split_forward else \
-                [layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
+                [layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, join.leads(own))]
         return join.unshard(hs) if inside else hs
 
     def sequence_forward(self, Xs, params, seq, F=nd):
@@ -337,18 +337,19 @@ def pair_traffic(layers, roles, outputs):
 
 def split_pairs(hs, shards, join, layers, slices, roles, column, row, F=nd):
     """Class scores on a tensor group for a model of dense pairs (pair_roles): a column layer
-    entered through f, column(l, h, params, F=F) on each context's shard; a row layer's partial
+    entered through f, column(l, h, params, F=F) on each piece's shard; a row layer's partial
     products row(l, h, params, True, F=F) summed by g, then row(l, s, params, False, F=F) adds its
-    bias and activation; other layers whole on every context."""
+    bias and activation on each context; other layers whole on every context. shards: one per
+    piece (join.k a context)."""
     for l, (layer, s) in enumerate(zip(layers, slices)):
         own = [P[s] for P in shards]
         if roles.get(l) == "column":
-            hs = [column(l, h, q, F=F) for h, q in zip(join.f(hs) if l else hs, own)]
+            hs = [column(l, h, q, F=F) for h, q in zip(join.f(hs) if l else join.spread(hs), own)]
         elif roles.get(l) == "row":
             hs = [row(l, h, q, False, F=F)
-                  for h, q in zip(join.g([row(l, h, q, True, F=F) for h, q in zip(hs, own)]), own)]
+                  for h, q in zip(join.g([row(l, h, q, True, F=F) for h, q in zip(hs, own)]), join.leads(own))]
         else:
-            hs = [layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
+            hs = [layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, join.leads(own))]
     return hs
 
 

@@ -74,17 +74,17 @@ class LeNet(Model):
         by output channel, conv2 by input channel then g, + b2, ReLU, pool, f; dense1 by unit,
         dense2 by input then g, + b4. shards[j] = context j's [W1, b1, W2, b2, W3, b3, W4, b4]."""
         from mxnet import nd
-        F = F or nd
-        h = [conv_block(X, p[0], p[1], F) for X, p in zip(Xs, shards)]             # (B, c1/T, 13, 13)
+        F, lead = F or nd, join.leads(shards)                   # shards: one per piece; lead: per context
+        h = [conv_block(X, p[0], p[1], F) for X, p in zip(join.spread(Xs), shards)]   # (B, c1/Q, 13, 13)
         h = join.g([F.Convolution(hj, p[2], no_bias=True, kernel=p[2].shape[2:], num_filter=p[2].shape[0])
                     for hj, p in zip(h, shards)])                                   # (B, c2, 9, 9) summed
         h = [F.Pooling(relu(F.broadcast_add(hj, p[3].reshape((1, -1, 1, 1))), F), pool_type="avg",
-                       kernel=(2, 2), stride=(2, 2)) for hj, p in zip(h, shards)]   # (B, c2, 4, 4)
+                       kernel=(2, 2), stride=(2, 2)) for hj, p in zip(h, lead)]     # (B, c2, 4, 4)
         h = join.f(h)
-        h = [relu(dense(hj, p[4], p[5], F), F) for hj, p in zip(h, shards)]        # (B, hidden/T)
+        h = [relu(dense(hj, p[4], p[5], F), F) for hj, p in zip(h, shards)]        # (B, hidden/Q)
         s = join.g([F.FullyConnected(hj, F.transpose(p[6]), no_bias=True, num_hidden=p[6].shape[1])
                     for hj, p in zip(h, shards)])                                   # (B, 10) summed
-        return [F.broadcast_add(sj, p[7].reshape((1, -1))) for sj, p in zip(s, shards)]
+        return [F.broadcast_add(sj, p[7].reshape((1, -1))) for sj, p in zip(s, lead)]
 
     def tensor_traffic(self):
         """g on conv2's unpooled partial output, f on dense1's input gradient (conv2's pooled

@@ -133,7 +133,7 @@ def make_split_block(head_dim, site):
         its slice of the output projection's columns, g, + bo; LN, f, its MLP hidden units, its
         columns of w2, g, + b2. shards[j]: context j's pieces, in the block's parameter order."""
         shapes = [[x.shape for x in p] for p in shards]
-        a = join.f([layer_norm(h, p[0], p[1], F) for h, p in zip(hs, shards)])
+        a = join.f([layer_norm(h, p[0], p[1], F) for h, p in zip(hs, join.leads(shards))])   # a piece each
         heads = [attend(aj, p[2:8], F, s[2:8], head_dim) for aj, p, s in zip(a, shards, shapes)]
         starts = join.starts(len(hs))
         return split_mlp(split_output(hs, heads, shards, join, F, site, starts), shards, join, F, site + 1, starts)
@@ -141,19 +141,21 @@ def make_split_block(head_dim, site):
 
 
 def split_output(hs, heads, shards, join, F, site, starts):
-    """h + the attention output projection of each context's heads (B, T, nh/T * dh): row-parallel,
+    """h + the attention output projection of each piece's heads (B, T, nh/Q * dh): row-parallel,
     summed by g, + bo, dropout `site` (context j's tokens from starts[j])."""
     o = row_parallel(heads, [p[8] for p in shards], join, F)                   # (B, T, d) summed
-    return [h + dropout(F.broadcast_add(oj, p[9]), site, F, a) for h, oj, p, a in zip(hs, o, shards, starts)]
+    return [h + dropout(F.broadcast_add(oj, p[9]), site, F, a)
+            for h, oj, p, a in zip(hs, o, join.leads(shards), starts)]
 
 
 def split_mlp(hs, shards, join, F, site, starts):
     """h + MLP(LN(h)) on a tensor group: LN whole, f, this context's hidden units, its columns of w2,
     g, + b2, dropout `site` (shards: the block's pieces, in its parameter order)."""
-    m = join.f([layer_norm(h, p[10], p[11], F) for h, p in zip(hs, shards)])
-    m = [relu(fc(mj, p[12], p[13], F), F) for mj, p in zip(m, shards)]         # (B, T, hidden/T)
+    lead = join.leads(shards)                                                  # each context's
+    m = join.f([layer_norm(h, p[10], p[11], F) for h, p in zip(hs, lead)])     # a piece each
+    m = [relu(fc(mj, p[12], p[13], F), F) for mj, p in zip(m, shards)]         # (B, T, hidden/Q)
     m = row_parallel(m, [p[14] for p in shards], join, F)
-    return [h + dropout(F.broadcast_add(mj, p[15]), site, F, a) for h, mj, p, a in zip(hs, m, shards, starts)]
+    return [h + dropout(F.broadcast_add(mj, p[15]), site, F, a) for h, mj, p, a in zip(hs, m, lead, starts)]
 
 
 def make_grid_block(head_dim, site):

@@ -14,6 +14,7 @@ from ..lesson import forward_backward
 from ..optim import apply_update_and_clear
 from .data_parallel import DataParallel, graph_forward_backward
 from .fixed_sums import FixedSums, WholeBatch, cover, pieces, root_of, spans, tree_sum  # noqa: F401 (their home)
+from .tensor_pieces import piece_forward
 
 
 def piece_leaves(ctx, params, grads, graph, X, y, bounds, runs, net=None):
@@ -42,6 +43,8 @@ def piece_leaves(ctx, params, grads, graph, X, y, bounds, runs, net=None):
 class DeterministicDataParallel(WholeBatch, DataParallel):
     """Data parallelism whose every sum is in one fixed order (see the module docstring).
 
+    tensor_pieces Q > 1: every split layer in Q pieces added in the tree (strategies/tensor_pieces.py),
+    the leaves of --deterministic --mode tensor with any T dividing Q (no cached graph then).
     rank, size: this process's place among the job's processes; exchange(array, key): afterwards
     `array` holds the elementwise sum of every process's (the job's all-reduce; size > 1 only).
     The fused flat buffers and the cached graph of DataParallel (convolutions unpadded: the kernels
@@ -49,9 +52,10 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
     """
 
     def __init__(self, params, ctx, optimizer, piece=PIECE_ROWS, graph=True, rank=0, size=1, exchange=None,
-                 model=None):
+                 model=None, tensor_pieces=1):
         super().__init__(params, ctx, optimizer, allreduce_fn=lambda arrays: None, fuse_grads=True,
-                         graph=graph, conv_pad=1, model=model)
+                         graph=graph and tensor_pieces == 1, conv_pad=1, model=model)
+        self.leaf_forward = piece_forward(self.net, tensor_pieces)
         if self.running:
             raise ValueError("--deterministic cuts the batch into pieces of its own, whose BatchNorm "
                              "statistics would differ: not for models with running statistics")
@@ -74,7 +78,7 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
     def leaves(self, X, y, bounds, runs):
         """{piece: [gradient, loss sum, correct] (n + 2,)} on the context that owns the piece."""
         return {j: leaf for _, j, leaf in piece_leaves(self.ctx, self.replicas, [f.grad for f in self.flat],
-                                                       self.graph, X, y, bounds, runs, self.net.forward)}
+                                                       self.graph, X, y, bounds, runs, self.leaf_forward)}
 
     def update(self, lr, n_examples):
         """The tree's gradient on every replica, then the same elementwise update on each."""

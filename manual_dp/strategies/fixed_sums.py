@@ -112,12 +112,14 @@ def leaf(arrays):
 
 
 class FixedSums:
-    """The policy: the batch in pieces of `piece` rows added in the one tree. rank, size: this
-    process's place in the job; exchange(table, key): afterwards `table` holds the elementwise sum
-    of every process's table of that key (size > 1 only)."""
+    """The policy: the batch in pieces of `piece` rows added in the one tree; every split layer in
+    `tensor_pieces` pieces added in the tree too (strategies/tensor_pieces.py; 1: whole). rank,
+    size: this process's place in the job; exchange(table, key): afterwards `table` holds the
+    elementwise sum of every process's table of that key (size > 1 only)."""
 
-    def __init__(self, piece=PIECE_ROWS, rank=0, size=1, exchange=None):
+    def __init__(self, piece=PIECE_ROWS, rank=0, size=1, exchange=None, tensor_pieces=1):
         self.piece, self.rank, self.size, self.exchange = piece, rank, size, exchange
+        self.tensor_pieces = tensor_pieces
 
     def cut(self, n, k):
         """(bounds, runs, mine) of a global batch of n over this process's k places: every piece's

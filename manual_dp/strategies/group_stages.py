@@ -61,7 +61,7 @@ def tensor_stage(net, ids, join):
             if now != before:
                 hs = join.shard(hs) if now else join.unshard(hs)
             hs = layers[i].split_forward(hs, own, join, F) if now else \
-                [layers[i].forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, own)]
+                [layers[i].forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, join.leads(own))]
         return join.unshard(hs) if ids[-1] == len(layers) - 1 and layers[-1].split_forward else hs
     return run
 

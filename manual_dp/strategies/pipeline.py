@@ -17,6 +17,7 @@ from .schedules import bubbles, check_micro, check_name, held, plan, run_order, 
 from .pipeline_pass import ReplicaPass, SplitPass, cut, piece_actions, stage_params
 from .pipeline_sums import FixedPipeline
 from .stages import make_stages, param_slices, split_params
+from .tensor_pieces import piece_stage
 
 
 class PipelineParallel(FixedPipeline, Strategy):
@@ -52,7 +53,12 @@ class PipelineParallel(FixedPipeline, Strategy):
         self.ctx, self.optimizer, self.S, self.V = list(ctx), optimizer, stages, virtual_stages
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.micro_batches, self.schedule, self.recompute, self.measure = micro_batches, schedule, recompute, measure
-        self.stages, self.cuts = make_stages(n, self.net), self.net.cuts(n)
+        self.cuts = self.net.cuts(n)
+        Q = sums.tensor_pieces if sums else 1                 # --tensor-pieces: split layers in Q pieces
+        if Q > 1 and not self.net.splits_by_layer():
+            raise ValueError(f"--tensor-pieces {Q} in a pipeline needs a model whose layers split one by one "
+                             f"(the transformer); {self.net.name} splits as a whole")
+        self.stages = make_stages(n, self.net) if Q == 1 else [piece_stage(self.net, ids, Q) for ids in self.cuts]
         self.elems = [part_activation_elems(pieces, model=self.net) for pieces in self.cuts]
         self.grid = [self.ctx[r:r + stages] for r in range(0, len(ctx), stages)]   # grid[replica][device]
         self.places = [[row[k % stages] for k in range(n)] for row in self.grid]   # places[replica][stage]

@@ -1,33 +1,29 @@
-"""Tensor parallelism over a fixed number of channel pieces, every sum in one fixed tree: the layer
-arithmetic of --deterministic --mode tensor (strategies/tensor_deterministic.py).
+"""Tensor parallelism over a fixed number of pieces, every sum in one fixed tree: the split-layer
+arithmetic of --deterministic (strategies/tensor_deterministic.py, and every other layout's leaves
+under --tensor-pieces Q).
 
-strategies/tensor.py splits LeNet's split layers into T shards, so a row-parallel layer's output is
-a sum of T partial products, and T = 1 adds all channels inside one kernel. Here the split is fixed
-at Q channel pieces (config.TENSOR_PIECES) whatever T is: a context of a T-group holds Q/T
-consecutive pieces and runs each piece's layers on its own, the same kernels on the same shapes for
-any T, and the pieces' partial products are added in deterministic.py's binary tree over the piece
+strategies/tensor.py splits a model's split layers into T shards, so a row-parallel layer's output
+is a sum of T partial products, and T = 1 adds all of them inside one kernel. Here the split is
+fixed at Q pieces (channels, heads, hidden units: each Param.split axis cut in Q) whatever T is: a
+context of a T-group holds Q/T consecutive pieces and runs each piece's part of a split layer on its
+own, the same kernels on the same shapes for any T (one context included, holding all Q), and the
+pieces' partial products are added in strategies/fixed_sums.py's binary tree over the piece
 numbers; for Q = 4:  (p0 + p1) + (p2 + p3)  on T = 1, 2 or 4 alike (each context adds the whole
 subtrees of its own pieces, the first context of the group the rest, and copies the sum back).
 
-    per piece q: [W1_q, b1_q, W2_q, W3_q, b3_q, W4_q]     conv1's output channels, conv2's input
-                                                           channels, dense1's units, dense2's inputs
-    per context: its pieces' arrays, end to end, then b2 and b4 (whole on every context)
-
-    conv1_q, conv2_q  (B, c2, 9, 9) partial per piece -> TreeG: the tree's sum on every context
-    + b2, ReLU, pool                                     (B, c2, 4, 4) per context
-    TreeF             a copy per piece; backward: the pieces' input gradients added in the tree
-    dense1_q, dense2_q (B, 10) partial per piece        -> TreeG, then + b4
+    PieceJoin   the model's split_forward sees the group as Q pieces: f a copy per piece (backward:
+                the pieces' gradients added in the tree, TreeF), g the tree's sum of the pieces'
+                partials on every context (TreeG); the unsplit layers run once per context
+    per context its pieces' arrays of every split parameter, piece by piece, then the unsplit
+                parameters once (cut; join is its inverse; pieced gives each piece's view in the
+                model's order)
 """
 import numpy as np
 from mxnet import autograd, nd
 
-from ..lesson import conv_block, dense, relu
 from .fixed_sums import cover, root_of, tree_sum
-from .tensor import NAMES, SPLIT
+from .group_stages import tensor_stage
 from .tensor_layout import shard
-
-PIECED = [i for i, a in enumerate(SPLIT) if a is not None]     # W1, b1, W2, W3, b3, W4 (lenet indices)
-WHOLE = [i for i, a in enumerate(SPLIT) if a is None]          # b2, b4
 
 
 def add_on(ctx):
@@ -44,6 +40,11 @@ def tree_reduce(values, row, k):
             have[node] = tree_sum(node, m, leaves, add_on(c))
     total = tree_sum(root_of(m), m, have, add_on(row[0]))
     return total.copy() if m == 1 else total
+
+
+def as_list(out):
+    """An autograd Function's outputs as a list (one output comes back bare)."""
+    return [out] if isinstance(out, nd.NDArray) else list(out)
 
 
 class TreeG(autograd.Function):
@@ -78,49 +79,94 @@ class TreeF(autograd.Function):
         return tuple(total.copyto(c) for c in self.row)
 
 
-def piece_params(P, k):
-    """[[W1, b1, W2, W3, b3, W4] per piece] of one context's arrays P (its k pieces, then b2, b4)."""
-    n = len(PIECED)
-    return [P[p * n:(p + 1) * n] for p in range(k)]
+class PieceJoin:
+    """The Join (fast.tensor_ops) of a tensor group `row` whose every context holds k pieces."""
+
+    def __init__(self, row, k):
+        self.row, self.k = list(row), k
+
+    def f(self, xs):
+        return as_list(TreeF(self.row, self.k)(*xs))
+
+    def g(self, parts):
+        return as_list(TreeG(self.row, self.k)(*parts))
+
+    def spread(self, xs):
+        return [x for x in xs for _ in range(self.k)]
+
+    def leads(self, per_piece):
+        return list(per_piece[::self.k])
+
+    def shard(self, hs):
+        return hs
+
+    def unshard(self, hs):
+        return hs
+
+    def starts(self, n):
+        return [0] * n
 
 
-def group_scores(Xs, P, row, k):
-    """Class scores (B, 10) on every context of a tensor group `row` from its copies of the images
-    Xs (B, 1, 28, 28) and its arrays P[j] (context j's k pieces, then b2, b4)."""
-    pieces = [(X, w) for X, Pj in zip(Xs, P) for w in piece_params(Pj, k)]
-    parts = [nd.Convolution(conv_block(X, w[0], w[1]), w[2], no_bias=True, kernel=w[2].shape[2:],
-                            num_filter=w[2].shape[0]) for X, w in pieces]      # (B, c2, 9, 9) each
-    h = TreeG(row, k)(*parts)                                                   # summed, per context
-    h = [nd.Pooling(relu(nd.broadcast_add(hj, Pj[-2].reshape((1, -1, 1, 1)))), pool_type="avg",
-                    kernel=(2, 2), stride=(2, 2)) for hj, Pj in zip(h, P)]     # (B, c2, 4, 4)
-    h = TreeF(row, k)(*h)                                                       # a copy per piece
-    parts = [nd.FullyConnected(relu(dense(hq, w[3], w[4])), nd.transpose(w[5]), no_bias=True,
-                               num_hidden=w[5].shape[1]) for hq, (_, w) in zip(h, pieces)]  # (B, 10)
-    s = TreeG(row, k)(*parts)
-    return [nd.broadcast_add(sj, Pj[-1].reshape((1, -1))) for sj, Pj in zip(s, P)]
+def pieced(P, split, k):
+    """k lists, each the model's parameters in order as piece q of a context sees them, from the
+    context's arrays P (cut's layout: its k pieces of every split parameter, then the unsplit ones)."""
+    cut_at = [i for i, a in enumerate(split) if a is not None]
+    whole = dict(zip([i for i, a in enumerate(split) if a is None], P[len(cut_at) * k:]))
+    return [[P[q * len(cut_at) + cut_at.index(i)] if i in cut_at else whole[i] for i in range(len(split))]
+            for q in range(k)]
 
 
-def cut(values, Q, T, j):
-    """Context j's arrays (numpy) of T from lenet's 8 `values`: the pieced parameters' pieces
-    j*Q/T .. (j+1)*Q/T - 1 of Q, piece by piece, then b2 and b4."""
+def sliced(W, split, Q):
+    """Q lists of the model's parameters W (whole, on one context) as pieces 0..Q-1 see them: each
+    split parameter's piece a recorded slice (its gradient reaches W), the unsplit ones whole."""
+    def piece(w, axis, q):
+        n = w.shape[axis] // Q
+        return nd.slice_axis(w, axis=axis, begin=q * n, end=(q + 1) * n)
+    return [[w if a is None else piece(w, a, q) for w, a in zip(W, split)] for q in range(Q)]
+
+
+def cut(values, split, Q, T, j):
+    """Context j's arrays (numpy) of T from the model's `values`: the split parameters' pieces
+    j*Q/T .. (j+1)*Q/T - 1 of Q, piece by piece, then the unsplit parameters."""
     k = Q // T
-    return [shard(values[i], SPLIT[i], q, Q) for q in range(j * k, (j + 1) * k) for i in PIECED] + \
-        [values[i] for i in WHOLE]
+    return [shard(values[i], a, q, Q) for q in range(j * k, (j + 1) * k) for i, a in enumerate(split)
+            if a is not None] + [v for v, a in zip(values, split) if a is None]
 
 
-def join(per_context, k):
-    """lenet's 8 values (numpy) from every context's arrays in a group, in order (cut's inverse)."""
-    pieces = [w for P in per_context for w in piece_params(P, k)]
-    out = [None] * len(SPLIT)
-    for pos, i in enumerate(PIECED):
-        out[i] = np.concatenate([w[pos] for w in pieces], axis=SPLIT[i])
-    for pos, i in enumerate(WHOLE):
-        out[i] = per_context[0][len(PIECED) * k + pos]
-    return out
+def join(per_context, split, k):
+    """The model's values (numpy) from every context's arrays in a group, in order (cut's inverse)."""
+    pieces = [w for P in per_context for w in pieced(P, split, k)]
+    return [pieces[0][i] if a is None else np.concatenate([w[i] for w in pieces], axis=a)
+            for i, a in enumerate(split)]
 
 
-def names(Q, T, j):
-    """The names of context j's arrays, in cut's order ("W2 piece 3", ..., "b2", "b4")."""
+def names(all_names, split, Q, T, j):
+    """The names of context j's arrays, in cut's order ("block0_wq piece 3", ..., then unsplit)."""
     k = Q // T
-    return [f"{NAMES[i]} piece {q}" for q in range(j * k, (j + 1) * k) for i in PIECED] + \
-        [NAMES[i] for i in WHOLE]
+    return [f"{all_names[i]} piece {q}" for q in range(j * k, (j + 1) * k) for i, a in enumerate(split)
+            if a is not None] + [n for n, a in zip(all_names, split) if a is None]
+
+
+def piece_forward(net, Q):
+    """The forward --deterministic's leaves run under --tensor-pieces Q: net.forward for Q = 1; else
+    every split layer in Q pieces on the images' one context (a PieceJoin of one context holding
+    all Q), the arithmetic of a tensor group of any T dividing Q."""
+    if Q == 1:
+        return net.forward
+    split = [p.split for p in net.param_table()]
+
+    def forward(X, W):
+        return net.split_forward([X], sliced(W, split, Q), PieceJoin([X.context], Q))[0]
+    return forward
+
+
+def piece_stage(net, ids, Q):
+    """A pipeline stage of the model's layers `ids` in Q pieces on its context (piece_forward's
+    arithmetic, a stage at a time): the function (h, params, F=nd) of strategies/stages.py."""
+    split = [p.split for i in ids for p in net.layers[i].params]
+
+    def stage(h, params, F=nd):
+        run = tensor_stage(net, ids, PieceJoin([h.context], Q))
+        return run([h], sliced(params, split, Q), F)[0]
+    stage.__name__ = f"layers {ids[0]}..{ids[-1]} in {Q} pieces"
+    return stage

@@ -32,21 +32,24 @@ from ..fast.sharded import empty_shards
 from ..optim import apply_update_and_clear
 from .deterministic import piece_leaves
 from .fixed_sums import Fold, WholeBatch, cover, pieces, root_of, spans, tree_sum
+from .tensor_pieces import piece_forward
 from .zero import ZeroRedundancy
 
 
 class DeterministicZero(WholeBatch, ZeroRedundancy):
     """ZeRO stage 1, 2 or 3 over `ctx` whose every sum is deterministic.py's fixed tree.
 
-    piece, graph, conv_pad: as DeterministicDataParallel's (the same leaves, so the same bits);
+    piece, graph, tensor_pieces: as DeterministicDataParallel's (the same leaves, so the same bits);
     rank, size: this process's place in the job; exchange(table, shard): afterwards `table` holds
     the elementwise sum of every process's table of that shard (size > 1 only).
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, piece=PIECE_ROWS, graph=True,
-                 rank=0, size=1, exchange=None, model=None):
+                 rank=0, size=1, exchange=None, model=None, tensor_pieces=1):
         super().__init__(params, ctx, optimizer, stage, model=model)
-        self.graph = ModelGraph(1, self.shapes, model=self.net) if graph and self.net.noise is None else None
+        graph = graph and self.net.noise is None and tensor_pieces == 1
+        self.graph = ModelGraph(1, self.shapes, model=self.net) if graph else None
+        self.leaf_forward = piece_forward(self.net, tensor_pieces)
         self.piece, self.rank, self.size, self.exchange = piece, rank, size, exchange
         self.n = int(self.offsets[-1])
         self.ends = self.bounds[:-1] + [self.n + 2]          # shard i of a leaf; the last adds loss, correct
@@ -93,7 +96,7 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
         folds = [Fold(lo, hi, len(bounds)) for lo, hi in runs]
         transient = [] if self.stage == 1 else grads
         for i, j, leaf in piece_leaves(self.ctx, params, grads, self.graph, X, y, bounds, runs,
-                                         self.net.forward):
+                                         self.leaf_forward):
             folds[i].put(j, leaf)
             self.peak.note(gathered, transient + [v for f in folds for v in f.done.values()])
         return {node: value for f in folds for node, value in f.done.items()}
