@@ -59,13 +59,13 @@ def test_each_context_holds_only_what_its_stage_leaves_it(stage):
     shard = np.diff(chunk_bounds(N, 3))
     assert sorted(set(shard)) == [43022, 43023]
     held = model.arrays()
-    params, state = sizes_by_context(held["param"]), sizes_by_context(held["state"])
+    params, grads, state = (sizes_by_context(held[kind]) for kind in ("param", "grad", "state"))
     for i, c in enumerate(ctx):
         want_params = [shard[i]] if stage == 3 else [N]
         want_grads = [N] if stage == 1 else [shard[i]]
         assert params[str(c)] == want_params
-        assert state[str(c)] == want_grads + [shard[i], shard[i]]       # gradient, Adam's m and v
-    assert {a.context for a in held["param"] + held["state"]} == set(ctx)
+        assert grads[str(c)] == want_grads and state[str(c)] == [shard[i], shard[i]]   # Adam's m and v
+    assert {a.context for a in held["param"] + held["grad"] + held["state"]} == set(ctx)
 
 
 def test_stage3_peak_holds_its_shards_and_one_layers_parameters():
@@ -83,7 +83,8 @@ def test_stage3_peak_holds_its_shards_and_one_layers_parameters():
     shard = np.diff(chunk_bounds(N, 3))
     for i, c in enumerate(ctx):
         assert report[str(c)]["param_bytes"] == 4 * (shard[i] + end - start)
-        assert report[str(c)]["state_bytes"] == 4 * 3 * shard[i]          # gradient, Adam's m and v
+        assert report[str(c)]["grad_bytes"] == 4 * shard[i]
+        assert report[str(c)]["state_bytes"] == 4 * 2 * shard[i]          # Adam's m and v
 
 
 def test_stage3_gathers_each_layer_before_its_forward_and_again_before_its_backward():
