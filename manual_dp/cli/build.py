@@ -153,7 +153,7 @@ def build_model(cfg, params, ctx, world, policy=None):
         model = ZeroRedundancy(params, ctx, cfg.optimizer, cfg.zero_stage, cross_sum=cross_sum, model=net) \
             if policy.precision == "fp32" else \
             MixedZero(params, ctx, cfg.optimizer, cfg.zero_stage, cross_sum=cross_sum, model=net,
-                      precision=policy.precision)     # 16-bit parameters and gradients, float32 masters
+                      precision=policy.precision, native=policy.native)   # 16-bit parameters and gradients
     elif cfg.mode == "local":
         model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
                          cfg.outer_momentum, reduce, model=net)

@@ -119,15 +119,16 @@ class ZeroRedundancy(Strategy):
         start, end, _ = self.layer_range(l)
         bounds, pieces = self.overlap(start, end, self.grad_shards)
         for i, piece in enumerate(pieces):
-            if piece is None:
-                continue
-            lo, hi = bounds[i], bounds[i + 1]
-            local = grad_of(lo, hi)                                             # (hi - lo,) per context
-            total = [nd.empty((hi - lo,), ctx=c, dtype=piece.dtype) if j == i else None
-                     for j, c in enumerate(self.ctx)]
-            self.note([], local + [total[i]])
-            self.reduce_scatter(local, total, [0] * (i + 1) + [hi - lo] * (len(self.ctx) - i))
-            nd.elemwise_add(piece, total[i], out=piece)
+            if piece is not None:
+                self.add_sum(grad_of(bounds[i], bounds[i + 1]), piece, i)      # (hi - lo,) per context
+
+    def add_sum(self, local, piece, i):
+        """Afterwards `piece` (on context i) holds itself plus the sum of `local` (one array of its
+        size per context): a reduce-scatter whose other chunks are empty."""
+        total = [nd.empty(piece.shape, ctx=c, dtype=piece.dtype) if j == i else None for j, c in enumerate(self.ctx)]
+        self.note([], local + [total[i]])
+        self.reduce_scatter(local, total, [0] * (i + 1) + [piece.size] * (len(self.ctx) - i))
+        nd.elemwise_add(piece, total[i], out=piece)
 
     def note(self, params, grads):
         """What the step holds besides arrays(): gathered parameters (stage 3) and gradients."""

@@ -17,8 +17,10 @@ What moves, and in which dtype:
                  them, on float32 copies that live only as long as the step needs them
     backward     each cast's backward writes its parameter's gradient rounded to 16 bits into the
                  16-bit buffer (stage 1's replica gradient, stages 2 and 3 a layer's gradient); the
-                 reduce-scatter sums 16-bit arrays (elemwise_add, rounded to nearest on every add:
-                 checked bf16 and fp16 against numpy on an AVX2 CPU without native bf16)
+                 reduce-scatter sums the 16-bit arrays (2 bytes an element on the links; every add
+                 rounds to nearest: elemwise_add checked against numpy on an AVX-512 BF16 CPU), fp16
+                 always, bf16 where the CPU has native bf16 (as precision.LowReduce); elsewhere bf16
+                 is summed on float32 copies and the sum rounded (4 bytes an element on the links)
     update       each context's 16-bit owned gradient shard cast to float32 (summed across processes
                  in float32 and rounded once, as precision.Policy.rounding), clipped and unscaled
                  (strategies/clipping.py), the optimiser's step in float32 on the master shard, and
@@ -43,15 +45,15 @@ from .zero_layers import hand_made
 class MixedZero(ZeroRedundancy):
     """ZeroRedundancy keeping 16-bit parameters and gradients and float32 master shards (the module's
     table); precision: "bf16" or "fp16"; model: the network in that precision (models.precise.Precise,
-    whose layers all take their gradient from autograd)."""
+    whose layers all take their gradient from autograd); native: this CPU adds bf16 (sums in 16 bits)."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, collective="ring",
-                 cross_sum=None, model=None, precision="bf16"):
+                 cross_sum=None, model=None, precision="bf16", native=False):
         if precision not in STORED:
             raise ValueError(f"16-bit ZeRO keeps bf16 or fp16, not {precision}")
         if model is None or any(hand_made(layer, True) for layer in model.layers):
             raise ValueError("16-bit ZeRO needs the model in its precision (models.precise.Precise)")
-        self.precision, self.pending = precision, False
+        self.precision, self.pending, self.adds16 = precision, False, precision == "fp16" or native
         super().__init__(params, ctx, optimizer, stage, collective, cross_sum, reading_stored(model))
 
     def keep(self, params, flat):
@@ -80,6 +82,26 @@ class MixedZero(ZeroRedundancy):
             nd.elemwise_add(r.grad, h, out=r.grad)
         self.pending = True
         return metrics
+
+    def summed_here(self):
+        """ZeroRedundancy's, in 16 bits; without 16-bit adds stage 1's gradients are summed on
+        float32 copies (transient) and chunk i of replica i's gradient holds the sum rounded."""
+        if self.adds16 or self.stage > 1:
+            return super().summed_here()
+        wide = [widened(r.grad) for r in self.replicas]                             # (N,) float32 each
+        self.reduce_scatter(wide)
+        for r, w, a, b in zip(self.replicas, wide, self.bounds, self.bounds[1:]):
+            r.grad[a:b] = stored(w[a:b], self.precision)
+        return [r.grad[a:b] for r, a, b in zip(self.replicas, self.bounds, self.bounds[1:])]
+
+    def add_sum(self, local, piece, i):
+        """ZeroRedundancy's, in 16 bits; without 16-bit adds on float32 copies, `piece` then holds
+        itself plus the sum, rounded."""
+        if self.adds16:
+            return super().add_sum(local, piece, i)
+        wide = nd.zeros(piece.shape, ctx=piece.context)                              # float32
+        super().add_sum([widened(g) for g in local], wide, i)
+        piece[:] = stored(nd.elemwise_add(widened(piece), wide), self.precision)
 
     def owned_grads(self):
         """Per context, its shard's gradient as float32 (a transient copy): summed over this
