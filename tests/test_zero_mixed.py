@@ -149,3 +149,12 @@ def test_the_planner_prices_the_mixed_layout(stage):
     fp32 = per_device_bytes(layout("zero", 2, zero_stage=stage), Setting(1, 8, "adam"))
     assert [k for k, _ in got] == want and [m for _, m in got] == [m // 2 for _, m in fp32]
     assert [sum(c) for c in kept(stage, 2, 4, 8)] == [k for k, _ in fp32]
+
+
+def test_two_dist_sync_workers_keep_the_16_bit_layout_and_train_as_one_process(data_dir, tmp_path):
+    """The owned gradient shards cross the processes in float32 and are rounded once: 2 workers x 1
+    context as 1 process x 2 contexts (whose 16-bit sum of two 16-bit gradients rounds once too)."""
+    from jobs import two_workers_as_one_process
+    two_workers_as_one_process(tmp_path, 1, "--data-dir", data_dir, "--train-size", 128, "--test-size", 64,
+                               "--batch-size", 32, "--epochs", 2, "--mode", "zero", "--zero-stage", 3,
+                               "--precision", "bf16", "--check-replicas", 1)
