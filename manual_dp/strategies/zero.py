@@ -16,7 +16,8 @@ Every stage computes the sync step (the same sums, in another order). Stages 2 a
 a layer at a time (strategies.zero_layers). peak_arrays() adds to arrays() the transient arrays
 (gathered parameters, a layer's gradients) held at the step's largest moment. Across processes
 (cross_sum) each process holds the same shards and the owned gradient shards are summed across
-processes before the update: ZeRO inside a process, data parallel across them.
+processes before the update: ZeRO inside a process, data parallel across them. Under --precision
+bf16|fp16, strategies.zero_mixed keeps these shards in DeepSpeed's mixed-precision layout.
 """
 from collections import namedtuple
 
