@@ -12,6 +12,10 @@ MXNet's AMP divide it:
     float32         the master weights, the optimiser and its state, the loss, softmax, sums and
                     layer norms' statistics (the places low precision loses most)
 
+Kept between steps: float32 parameters, gradients and state (PyTorch AMP's layout), but under
+--mode zero 16-bit parameter and gradient copies beside float32 master shards (DeepSpeed's layout:
+STORED dtypes, `stored` and `widened`; strategies/zero_mixed.py).
+
 `Low(F, precision)` is the namespace a layer's forward sees instead of `nd` or `mx.sym` (every
 model's layers take F, models/contract.py), so every model and layout gets it without a line of
 its own. On a CPU with AVX-512 BF16, bf16 FullyConnected and Convolution run natively (oneDNN, in
