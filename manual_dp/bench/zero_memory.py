@@ -135,7 +135,8 @@ def main(argv=None):
     print(format_table(rows, n, args.width, args.cpus, args.optimizer, batch))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(width=args.width, cpus=args.cpus, optimizer=args.optimizer, n_params=n, rows=rows), f, indent=1)
+            json.dump(dict(width=args.width, cpus=args.cpus, optimizer=args.optimizer, n_params=n, rows=rows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

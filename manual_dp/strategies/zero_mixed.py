@@ -121,6 +121,7 @@ class MixedZero(ZeroRedundancy):
             low[:] = stored(m, self.precision)
 
     def clear_grads(self):
+        """Afterwards every kept 16-bit gradient is zero and no backward is pending."""
         super().clear_grads()
         self.pending = False
 
