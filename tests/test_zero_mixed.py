@@ -158,3 +158,11 @@ def test_two_dist_sync_workers_keep_the_16_bit_layout_and_train_as_one_process(d
     two_workers_as_one_process(tmp_path, 1, "--data-dir", data_dir, "--train-size", 128, "--test-size", 64,
                                "--batch-size", 32, "--epochs", 2, "--mode", "zero", "--zero-stage", 3,
                                "--precision", "bf16", "--check-replicas", 1)
+
+
+def test_the_bench_profiles_a_16_bit_zero_run_in_a_fresh_process():
+    """bench.zero_memory's "profiled" column: the run's memory report, measured by MXNet's profiler
+    in a process of its own, holds at least the kept bytes."""
+    from manual_dp.bench.zero_memory import profiled
+    peak = profiled("zero3", "bf16", 1, 2, "adam", 8)
+    assert peak is not None and peak >= max(sum(c) for c in kept(3, 2, 2, 12))
