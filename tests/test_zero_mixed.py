@@ -19,7 +19,7 @@ from manual_dp import memory
 from manual_dp.fast.collectives import chunk_bounds
 from manual_dp.models.precise import Precise
 from manual_dp.planner.layouts import layout
-from manual_dp.planner.predict import Setting, per_device_bytes
+from manual_dp.planner.predict import Setting, memory as memory_of, per_device_bytes
 from manual_dp.precision import STORED, Policy
 from manual_dp.strategies.data_parallel import DataParallel
 from manual_dp.strategies.loss_scaled import LossScaled
@@ -141,14 +141,16 @@ def test_cli_fp16_zero3_records_its_kept_bytes_and_resumes_exactly(capsys, data_
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_the_planner_prices_the_mixed_layout(stage):
-    """The kept bytes by the same formula; the transients (stage 2's pieces, stage 3's gathered
-    layer) at 2 bytes where float32 prices them at 4."""
-    want = [sum(c) for c in kept(stage, 2, 2, 12)]
-    got = per_device_bytes(layout("zero", 2, zero_stage=stage), Setting(1, 8, "adam", precision="bf16"))
-    fp32 = per_device_bytes(layout("zero", 2, zero_stage=stage), Setting(1, 8, "adam"))
-    assert [k for k, _ in got] == want and [m for _, m in got] == [m // 2 for _, m in fp32]
-    assert [sum(c) for c in kept(stage, 2, 4, 8)] == [k for k, _ in fp32]
+def test_the_planner_prices_the_mixed_layout_as_it_is_held(stage):
+    """The planner's kept bytes by the formula; with its transients (stage 2's pieces, stage 3's
+    gathered layer, each layer's gradient whole) the arrays MixedZero holds at its step's peak
+    (fp16: its sums are 16-bit on every CPU, as the planner prices them)."""
+    from manual_dp.bench.zero_memory import arrays_peak, stepped
+    setting, where = Setting(1, 8, "adam", precision="fp16"), layout("zero", 2, zero_stage=stage)
+    assert [k for k, _ in per_device_bytes(where, setting)] == [sum(c) for c in kept(stage, 2, 2, 12)]
+    net = small_model("lenet")
+    zero = MixedZero(net.init_params(0), cpus(2), "adam", stage, model=Precise(net, Policy("fp16")), precision="fp16")
+    assert memory_of(where, setting)["state"] == max(arrays_peak(stepped(zero)).values())
 
 
 def test_two_dist_sync_workers_keep_the_16_bit_layout_and_train_as_one_process(data_dir, tmp_path):

@@ -18,7 +18,9 @@ Memory, per device, in float32 bytes (4 a number), for a model of N parameters (
   zero under --precision bf16|fp16 (strategies/zero_mixed.py, DeepSpeed's layout): the parameters and
     gradients above in 2 bytes, the optimiser state c n_i beside a float32 master shard n_i, so
     2N + 2N + 4(1 + c) n_i, 2N + 2 n_i + 4(1 + c) n_i, 2 n_i + 2 n_i + 4(1 + c) n_i bytes
-    (adam: 2 + 2 + 12 a parameter, sharded as the stage says); transients in 2 bytes. Every other
+    (adam: 2 + 2 + 12 a parameter, sharded as the stage says); transients in 2 bytes, every layer's
+    gradient from autograd (models.precise runs dense layers as blocks; bf16 on a CPU without
+    native bf16 sums its pieces on float32 copies, more than priced). Every other
     layout keeps float32 parameters, gradients and state under any precision (PyTorch AMP's layout).
   ZeRO's transients are counted from strategies/zero_layers.py: the moments of a step (each
   layer's fetch; in the backward the layer fetched again, with its whole gradient unless a dense
@@ -101,14 +103,15 @@ def layer_sizes(net):
     return [sum(p.size for p in layer.params) for layer in net.layers]
 
 
-def zero_moments(stage, net, bounds):
+def zero_moments(stage, net, bounds, by_hand=True):
     """The transient elements each device holds at each moment of a ZeRO 2/3 step, in step order
-    (strategies/zero_layers.py): the largest moment over all devices."""
+    (strategies/zero_layers.py): the largest moment over all devices. by_hand False: no layer's
+    gradient is made by hand (a model in a precision: models.precise runs dense layers as blocks)."""
     layers, k, L = layer_sizes(net), len(bounds) - 1, len(net.layers)
     starts = [sum(layers[:l]) for l in range(L + 1)]
     moments = [[layers[l]] * k for l in range(L - 1)] if stage == 3 else []   # forward fetches
     for l in reversed(range(L)):
-        grad = not hand_made(net.layers[l], l == L - 1)    # autograd holds the layer's gradient whole
+        grad = not (by_hand and hand_made(net.layers[l], l == L - 1))   # autograd holds the layer's gradient whole
         if stage == 3 or grad:            # fetched parameters (stage 3), the gradient beside them
             moments.append([layers[l] * ((stage == 3) + grad)] * k)
         for i in range(k):               # one reduce per owner's piece: a piece everywhere, twice on i
@@ -149,11 +152,13 @@ def per_device_bytes(l, setting):
     low = BYTES[setting.precision]
     if l.kind != "zero" or low == FLOAT_BYTES:
         return [(kept * FLOAT_BYTES, moment * FLOAT_BYTES) for kept, moment in state]
-    n, c = sum(layer_sizes(net_of(setting))), OPT_COPIES[setting.optimizer]
+    net, c = net_of(setting), OPT_COPIES[setting.optimizer]
+    n = sum(layer_sizes(net))
     bounds = chunk_bounds(n, l.dp)
     held = {1: lambda s: 2 * n, 2: lambda s: n + s, 3: lambda s: 2 * s}[l.zero_stage]    # parameters + gradients
+    moments = zero_moments(l.zero_stage, net, bounds, by_hand=False) if l.zero_stage > 1 else [0] * l.dp
     return [(low * held(b - a) + FLOAT_BYTES * (1 + c) * (b - a), low * moment)
-            for a, b, (_, moment) in zip(bounds, bounds[1:], state)]
+            for a, b, moment in zip(bounds, bounds[1:], moments)]
 
 
 def activation_elems(l, setting):
