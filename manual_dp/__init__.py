@@ -31,6 +31,7 @@ _EXPORTS = {
     "schedule": ["make_lr", "scaled_lr", "Warmup", "lr_at", "updates_per_epoch"],
     "memory": ["per_context", "measure"],
     "strategies.zero": ["ZeroRedundancy"],
+    "strategies.zero_mixed": ["MixedZero"],
     "strategies.local_sgd": ["LocalSGD"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

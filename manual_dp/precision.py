@@ -12,6 +12,10 @@ MXNet's AMP divide it:
     float32         the master weights, the optimiser and its state, the loss, softmax, sums and
                     layer norms' statistics (the places low precision loses most)
 
+Kept between steps: float32 parameters, gradients and state (PyTorch AMP's layout), but under
+--mode zero 16-bit parameter and gradient copies beside float32 master shards (DeepSpeed's layout:
+STORED dtypes, `stored` and `widened`; strategies/zero_mixed.py).
+
 `Low(F, precision)` is the namespace a layer's forward sees instead of `nd` or `mx.sym` (every
 model's layers take F, models/contract.py), so every model and layout gets it without a line of
 its own. On a CPU with AVX-512 BF16, bf16 FullyConnected and Convolution run natively (oneDNN, in
@@ -37,6 +41,7 @@ from .errors import DivergedError
 BF16 = np.dtype([("bfloat16", np.uint16)])     # MXNet's bfloat16 (oneDNN)
 GEMMS = ("FullyConnected", "Convolution", "batch_dot", "dot")
 NATIVE_OPS = ("FullyConnected", "Convolution")  # bf16 kernels that MXNet 1.9.1 runs on CPU
+STORED = {"bf16": BF16, "fp16": np.float16}    # the dtype a precision keeps its 16-bit arrays in
 MIN_SCALE = 2.0 ** -24                          # below it fp16's smallest step: scaling cannot rescue
 
 
@@ -80,6 +85,18 @@ def float32_ops(F):
     """The namespace under F: F itself, or a Low's float32 one (for what must stay float32, such as
     a layer norm built of products, models/transformer.py)."""
     return F.F if isinstance(F, Low) else F
+
+
+def stored(x, precision):
+    """x (float32) as a new array of the precision's 16-bit dtype (STORED), rounded to nearest even:
+    what ZeRO keeps of a parameter between steps (strategies/zero_mixed.py)."""
+    return to_bf16(x) if precision == "bf16" else nd.cast(x, dtype="float16")
+
+
+def widened(x):
+    """A 16-bit x (STORED) as float32, exactly; recorded, its backward writes the float32 gradient
+    rounded to x's dtype (grad_req "write" only: MXNet 1.9.1's casts drop a gradient to add)."""
+    return nd.amp_cast(x, dtype="float32") if x.dtype == BF16 else nd.cast(x, dtype="float32")
 
 
 def to_bf16(x, F=nd):

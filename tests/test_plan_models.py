@@ -173,9 +173,10 @@ def test_models_that_cannot_be_built_are_refused(argv, says):
 
 def test_precision_halves_the_gradient_bytes_data_parallelism_and_pipelines_send():
     """--precision bf16|fp16 in the planner: the gradient all-reduces of data parallelism and of
-    pipeline stages cross the links in 2 bytes an element (what LowReduce sends); ZeRO's and
-    tensor parallelism's collectives, which stay float32, are unchanged; memory is unchanged
-    (master weights, gradients and state stay float32)."""
+    pipeline stages cross the links in 2 bytes an element (what LowReduce sends); tensor
+    parallelism's collectives, which stay float32, and its memory are unchanged; ZeRO keeps and
+    sends 16-bit parameters and gradients (strategies/zero_mixed.py): fewer bytes on the links,
+    its transients halved (test_zero_mixed.py checks the kept bytes)."""
     from manual_dp import costmodel
     from manual_dp.planner.predict import gpu, layer_sizes
     lenet = build("lenet", 4)
@@ -186,10 +187,12 @@ def test_precision_halves_the_gradient_bytes_data_parallelism_and_pipelines_send
         data = layout("data", 8)
         assert communication(data, low, dev) == pytest.approx(costmodel.allreduce_time("ring", 8, total / 2, dev.alpha, dev.beta))
         assert communication(data, low, dev) < communication(data, full, dev)
-        for kind, args in (("zero", dict(zero_stage=3)), ("tensor", dict(tp=2))):
-            other = layout(kind, 8, **args)
-            assert communication(other, low, dev) == communication(other, full, dev)
-            assert memory(other, low) == memory(other, full)
+        tensor, zero = layout("tensor", 8, tp=2), layout("zero", 8, zero_stage=3)
+        assert communication(tensor, low, dev) == communication(tensor, full, dev)
+        assert memory(tensor, low) == memory(tensor, full)
+        assert communication(zero, low, dev) < communication(zero, full, dev)
+        zero1 = layout("zero", 8, zero_stage=1)          # 2N + 2N + 12N/8 bytes kept, not 4N + 4N + 8N/8
+        assert memory(zero1, low)["state"] < memory(zero1, full)["state"]
     bad = subprocess.run([sys.executable, "-m", "manual_dp.plan", "--devices", "2", "--memory-per-device", "1G",
                           "--precision", "fp8"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "fp8" in bad.stderr

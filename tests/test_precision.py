@@ -25,6 +25,7 @@ from manual_dp.strategies.pipeline import PipelineParallel
 from manual_dp.strategies.tensor import TensorParallel
 from manual_dp.strategies.zero import ZeroRedundancy
 from manual_dp.strategies.zero_deterministic import DeterministicZero
+from manual_dp.strategies.zero_mixed import MixedZero
 
 EDGES = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -7 + 2 ** -9, 65504, 65519.9, 65520, 7e4, 1e-40,
                   -1e-40, 1.17e-38, 6e-8, 3e-8, 2.98e-8, np.inf, -np.inf, 0.0, -0.0, 3.14159], np.float32)
@@ -140,7 +141,10 @@ def test_deterministic_layouts_in_bf16_keep_one_bit_pattern_of_their_own(bf16_re
     lambda P, m: DataParallel(P, cpus(2), "sgd", model=m, conv_pad=1, bucket_mb=0),
     lambda P, m: ZeroRedundancy(P, cpus(2), "sgd", 2, model=m),
     lambda P, m: PipelineParallel(P, cpus(4), "sgd", 2, model=m),
-    lambda P, m: TensorParallel(P, cpus(4), "sgd", 2, model=m)], ids=["fast", "buckets", "zero2", "hybrid", "tensor"])
+    lambda P, m: TensorParallel(P, cpus(4), "sgd", 2, model=m),
+    lambda P, m: MixedZero(P, cpus(2), "sgd", 1, model=m, precision="fp16"),
+    lambda P, m: MixedZero(P, cpus(3), "sgd", 3, model=m, precision="fp16")],
+    ids=["fast", "buckets", "zero2", "hybrid", "tensor", "zero1 fp16-kept", "zero3 fp16-kept"])
 def test_an_overflow_on_one_context_skips_the_update_on_every_context(make):
     net = small("lenet")
     policy = Policy("fp16", loss_scale=256.0)

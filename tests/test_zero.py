@@ -59,13 +59,13 @@ def test_each_context_holds_only_what_its_stage_leaves_it(stage):
     shard = np.diff(chunk_bounds(N, 3))
     assert sorted(set(shard)) == [43022, 43023]
     held = model.arrays()
-    params, state = sizes_by_context(held["param"]), sizes_by_context(held["state"])
+    params, grads, state = (sizes_by_context(held[kind]) for kind in ("param", "grad", "state"))
     for i, c in enumerate(ctx):
         want_params = [shard[i]] if stage == 3 else [N]
         want_grads = [N] if stage == 1 else [shard[i]]
         assert params[str(c)] == want_params
-        assert state[str(c)] == want_grads + [shard[i], shard[i]]       # gradient, Adam's m and v
-    assert {a.context for a in held["param"] + held["state"]} == set(ctx)
+        assert grads[str(c)] == want_grads and state[str(c)] == [shard[i], shard[i]]   # Adam's m and v
+    assert {a.context for a in held["param"] + held["grad"] + held["state"]} == set(ctx)
 
 
 def test_stage3_peak_holds_its_shards_and_one_layers_parameters():
@@ -83,7 +83,8 @@ def test_stage3_peak_holds_its_shards_and_one_layers_parameters():
     shard = np.diff(chunk_bounds(N, 3))
     for i, c in enumerate(ctx):
         assert report[str(c)]["param_bytes"] == 4 * (shard[i] + end - start)
-        assert report[str(c)]["state_bytes"] == 4 * 3 * shard[i]          # gradient, Adam's m and v
+        assert report[str(c)]["grad_bytes"] == 4 * shard[i]
+        assert report[str(c)]["state_bytes"] == 4 * 2 * shard[i]          # Adam's m and v
 
 
 def test_stage3_gathers_each_layer_before_its_forward_and_again_before_its_backward():
@@ -143,14 +144,18 @@ def test_a_checkpoint_of_another_shape_is_refused():
 
 def test_zero_memory_table_orders_the_stages():
     """python -m manual_dp.bench.zero_memory's table, at width 1 (x16 in docs/design.md): every
-    stage holds less than the one before; stage 3 a quarter of sync plus one layer's parameters."""
+    stage holds less than the one before; stage 3 a quarter of sync plus one layer's parameters;
+    over the contexts ZeRO-3 keeps fp32 Adam's 4 + 4 + 8 bytes a parameter, in bf16 2 + 2 + 12."""
     from manual_dp.bench.zero_memory import format_table, table
-    rows, n = table(width=1, cpus=4, optimizer="adam")
-    totals = {name: total for name, _, _, total in rows}
-    assert totals["sync"] == 4 * 4 * n                        # parameters, gradients, Adam's m and v
-    assert totals["sync"] > totals["zero1"] > totals["zero2"] > totals["zero3"]
-    assert totals["zero3"] == 4 * (4 * 32267 + 800 * 128 + 128)        # 129068 / 4 = 32267
-    assert "zero3" in format_table(rows, n, 1, 4, "adam")
+    rows, n = table(1, 4, "adam", "bf16")
+    peaks = {(r["name"], r["precision"]): r["arrays"] for r in rows}
+    assert peaks["sync", "fp32"] == 4 * 4 * n                # parameters, gradients, Adam's m and v
+    assert peaks["sync", "fp32"] > peaks["zero1", "fp32"] > peaks["zero2", "fp32"] > peaks["zero3", "fp32"]
+    assert peaks["zero3", "fp32"] == 4 * (4 * 32267 + 800 * 128 + 128)        # 129068 / 4 = 32267
+    kept = {(r["name"], r["precision"]): r["all"] for r in rows}
+    assert kept["zero3", "fp32"] == [4 * n, 4 * n, 8 * n] and kept["zero3", "bf16"] == [2 * n, 2 * n, 12 * n]
+    assert kept["sync", "bf16"] == kept["sync", "fp32"] == [16 * n, 16 * n, 32 * n]    # 4 copies, float32
+    assert "2 + 2 + 12 = 16" in format_table(rows, n, 1, 4, "adam")
 
 
 TINY = ["--train-size", "96", "--test-size", "64", "--batch-size", "32", "--no-progress"]

@@ -1,82 +1,142 @@
-"""Bytes of parameters, gradients and optimiser state per context: sync against ZeRO stages 1, 2, 3.
+"""Bytes per context: sync against ZeRO stages 1, 2, 3, in fp32 and in a 16-bit precision, side by side.
 
-`python -m manual_dp.bench.zero_memory [--width 16] [--cpus 4] [--optimizer adam]` builds each
-strategy on fresh LeNet parameters, takes one step on one random image per context, and adds up
-the NDArrays each context holds at the step's largest moment (Strategy.peak_arrays: for ZeRO the
-shards it keeps plus the gathered parameters or gradient pieces it held at that moment; sync holds
-no more during a step than between steps). Not counted, for any strategy: activations (priced by
-manual_dp.memory from the layer shapes), the optimiser's and the collectives' own temporaries.
+`python -m manual_dp.bench.zero_memory [--width 16] [--cpus 4] [--optimizer adam] [--precision bf16]
+[--batch 64] [--no-profile]` builds each strategy on the same LeNet parameters in fp32 and in the
+precision, takes one step on one random image per context, and prints for the busiest context:
+
+    kept         the bytes of the arrays it keeps between steps (Strategy.arrays(): sizes times
+                 dtypes, the split of the memory report): parameters, gradients, optimiser state
+                 (ZeRO in 16 bits: with its float32 master shard, strategies/zero_mixed.py)
+    a parameter  those bytes over the model's N parameters, on that context and summed over every
+                 context: fp32 Adam's 4 + 4 + 8 (parameter, gradient, m, v), DeepSpeed's 2 + 2 + 12
+                 in 16 bits (parameter, gradient; master, m, v); sync holds one set per context
+    arrays       kept and the transient arrays held at the step's largest moment (peak_arrays:
+                 ZeRO's gathered layer and gradient pieces), as the planner prices them
+    profiled     the whole peak of a --batch step as MXNet's profiler counts it (manual_dp.memory.
+                 measure in a fresh process with one scratch buffer per device, as --memory-per-device
+                 measures): activations and temporaries too, among them the float32 copies that a
+                 layer casts its 16-bit parameters to where it reads them
+
+Under a 16-bit precision sync keeps what fp32 keeps (PyTorch AMP's layout: float32 master weights,
+gradients and state; its 16-bit copies are transient). Sizes do not depend on the machine.
 """
 import argparse
+import json
 
-import mxnet as mx
 import numpy as np
 
-from ..lesson import init_lenet_params
-from ..strategies.data_parallel import DataParallel
-from ..strategies.zero import ZeroRedundancy
+from ..config import ZERO_MEMORY, RunConfig, resolve
 
-STRATEGIES = {
-    "sync": lambda p, ctx, opt: DataParallel(p, ctx, opt, graph=False),
-    "zero1": lambda p, ctx, opt: ZeroRedundancy(p, ctx, opt, stage=1),
-    "zero2": lambda p, ctx, opt: ZeroRedundancy(p, ctx, opt, stage=2),
-    "zero3": lambda p, ctx, opt: ZeroRedundancy(p, ctx, opt, stage=3),
-}
+NAMES = ("sync", "zero1", "zero2", "zero3")
+KINDS = ("param", "grad", "state")
 
 
-def peak_bytes(model):
-    """{context name: [parameter bytes, gradient + optimiser-state bytes]} at the step's peak."""
-    out = {str(c): [0, 0] for c in model.ctx}
-    for kind, arrays in model.peak_arrays().items():          # "grad" (if listed apart) goes with "state"
+def strategy(name, precision, net, ctx, optimizer):
+    """The strategy `name` (NAMES) of `net` in `precision` on ctx, from net's parameters of seed 0."""
+    from ..models.precise import Precise
+    from ..precision import Policy
+    from ..strategies.data_parallel import DataParallel
+    from ..strategies.zero import ZeroRedundancy
+    from ..strategies.zero_mixed import MixedZero
+    params, policy = net.init_params(0), Policy(precision)
+    model = net if precision == "fp32" else Precise(net, policy)
+    if name == "sync":
+        return DataParallel(params, ctx, optimizer, graph=False, model=model)
+    if precision == "fp32":
+        return ZeroRedundancy(params, ctx, optimizer, int(name[-1]), model=net)
+    return MixedZero(params, ctx, optimizer, int(name[-1]), model=model, precision=precision, native=policy.native)
+
+
+def stepped(model, seed=0):
+    """`model` after one step on one random image per context."""
+    import mxnet as mx
+    rng = np.random.default_rng(seed)
+    X = rng.random((len(model.ctx), 1, 28, 28), dtype=np.float32)
+    model.step(X, rng.integers(0, 10, len(model.ctx)).astype(np.int32), 0.01)
+    mx.nd.waitall()
+    return model
+
+
+def arrays_peak(model):
+    """{context name: bytes of peak_arrays() on it}."""
+    out = {str(c): 0 for c in model.ctx}
+    for arrays in model.peak_arrays().values():
         for a in arrays:
-            out[str(a.context)][0 if kind == "param" else 1] += a.size * np.dtype(a.dtype).itemsize
+            out[str(a.context)] += a.size * np.dtype(a.dtype).itemsize
     return out
 
 
-def measure(name, ctx, width, optimizer, seed=0):
-    """peak_bytes of strategy `name` after one step of one random image per context."""
-    model = STRATEGIES[name](init_lenet_params(seed, width=width), ctx, optimizer)
-    rng = np.random.default_rng(seed)
-    X = rng.random((len(ctx), 1, 28, 28), dtype=np.float32)
-    y = rng.integers(0, 10, len(ctx)).astype(np.int32)
-    model.step(X, y, 0.01)
-    mx.nd.waitall()
-    return peak_bytes(model)
+def row(name, precision, net, ctx, optimizer):
+    """{"name", "precision", "kept": [param, grad, state] bytes of the busiest context, "all": the
+    same summed over the contexts, "arrays": the largest peak_arrays bytes}."""
+    from ..memory import held_bytes
+    model = stepped(strategy(name, precision, net, ctx, optimizer))
+    held = [[r[f"{k}_bytes"] for k in KINDS] for r in held_bytes(model).values()]
+    return {"name": name, "precision": precision, "kept": max(held, key=sum),
+            "all": [sum(h[i] for h in held) for i in range(3)], "arrays": max(arrays_peak(model).values())}
 
 
-def table(width=16, cpus=4, optimizer="adam", names=tuple(STRATEGIES)):
-    """Rows (strategy, largest per-context parameter bytes, gradient + state bytes, total), and
-    the parameter count."""
-    ctx = [mx.cpu(i) for i in range(cpus)]
-    rows = []
-    for name in names:
-        per_ctx = measure(name, ctx, width, optimizer)
-        param, state = max(per_ctx.values(), key=sum)
-        rows.append((name, param, state, param + state))
-    n = sum(p.size for p in init_lenet_params(0, width=width))
-    return rows, n
+def profiled(name, precision, width, cpus, optimizer, batch):
+    """The largest peak_bytes of the run's memory report, measured in a fresh process (None if it failed)."""
+    from ..cli.memcheck import read_probe, start_probe
+    cfg = resolve(RunConfig(mode="zero" if name != "sync" else "sync", zero_stage=int(name[-1]) if name != "sync"
+                            else None, precision=precision, cpus=cpus, width=width, optimizer=optimizer,
+                            batch_size=batch))
+    report = read_probe(start_probe(cfg, "cpu", cpus))
+    return max(r["peak_bytes"] for r in report.values()) if report else None
 
 
-def format_table(rows, n, width, cpus, optimizer):
-    """The rows as text, in MiB, each total also as a fraction of sync's."""
-    sync = dict((r[0], r[3]) for r in rows).get("sync")
-    lines = [f"LeNet x{width} ({n:,} parameters), {optimizer}, {cpus} contexts: the busiest context "
-             f"at the step's peak, MiB",
-             f"{'strategy':8} {'params':>9} {'grads+state':>12} {'total':>9} {'of sync':>8}"]
-    for name, param, state, total in rows:
-        share = f"{total / sync:8.2f}" if sync else ""
-        lines.append(f"{name:8} {param / 2**20:9.1f} {state / 2**20:12.1f} {total / 2**20:9.1f} {share}")
+def table(width, cpus, optimizer, precision, names=NAMES, batch=None):
+    """(rows, N): a row (see `row`) per strategy in fp32 and in `precision`, with "profiled" (the
+    fresh process's peak of a `batch` step; None: not measured, `batch` None)."""
+    import mxnet as mx
+    from ..models import build
+    net, ctx = build("lenet", width), [mx.cpu(i) for i in range(cpus)]
+    rows = [row(name, p, net, ctx, optimizer) for name in names for p in ("fp32", precision)]
+    for r in rows:
+        r["profiled"] = batch and profiled(r["name"], r["precision"], width, cpus, optimizer, batch)
+    return rows, net.n_params()
+
+
+def split(values, n):
+    """Bytes per parameter, "p + g + s = total"."""
+    return " + ".join(f"{v / n:.3g}" for v in values) + f" = {sum(values) / n:.3g}"
+
+
+def format_table(rows, n, width, cpus, optimizer, batch=None):
+    """The rows as text: MiB of the busiest context, bytes a parameter, the peaks."""
+    mib = lambda b: f"{b / 2 ** 20:8.1f}" if b else f"{'-':>8}"
+    lines = [f"LeNet x{width} ({n:,} parameters), {optimizer}, {cpus} contexts; the busiest context, MiB; "
+             f"bytes a parameter (param + grad + state)" + (f"; profiled: batch {batch}" if batch else ""),
+             f"{'strategy':8} {'prec.':5} {'params':>8} {'grads':>8} {'state':>8} {'kept':>8}  "
+             f"{'a parameter, per context':26} {'all contexts':22} {'arrays':>8} {'profiled':>8}"]
+    for r in rows:
+        lines.append(f"{r['name']:8} {r['precision']:5} " + " ".join(mib(b) for b in r["kept"]) +
+                     f" {mib(sum(r['kept']))}  {split(r['kept'], n):26} {split(r['all'], n):22} "
+                     f"{mib(r['arrays'])} {mib(r['profiled'])}")
     return "\n".join(lines)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m manual_dp.bench.zero_memory", description=__doc__.split("\n")[0])
-    p.add_argument("--width", type=int, default=16, help="LeNet's width (default 16: 32.6M parameters)")
-    p.add_argument("--cpus", type=int, default=4, help="contexts cpu(0..N-1) (default 4)")
-    p.add_argument("--optimizer", default="adam", choices=("sgd", "momentum", "adam"))
+    d = ZERO_MEMORY
+    p.add_argument("--width", type=int, default=d["width"], help=f"LeNet's width (default {d['width']})")
+    p.add_argument("--cpus", type=int, default=d["cpus"], help=f"contexts cpu(0..N-1) (default {d['cpus']})")
+    p.add_argument("--optimizer", default=d["optimizer"], choices=("sgd", "momentum", "adam"),
+                   help=f"(default {d['optimizer']})")
+    p.add_argument("--precision", default=d["precision"], choices=("bf16", "fp16"),
+                   help=f"the 16-bit precision beside fp32 (default {d['precision']})")
+    p.add_argument("--batch", type=int, default=d["batch"], help=f"the profiled step's batch (default {d['batch']})")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled peaks (fresh processes)")
+    p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
-    rows, n = table(args.width, args.cpus, args.optimizer)
-    print(format_table(rows, n, args.width, args.cpus, args.optimizer))
+    batch = None if args.no_profile else args.batch
+    rows, n = table(args.width, args.cpus, args.optimizer, args.precision, batch=batch)
+    print(format_table(rows, n, args.width, args.cpus, args.optimizer, batch))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(width=args.width, cpus=args.cpus, optimizer=args.optimizer, n_params=n, rows=rows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from ..strategies.tensor import TensorParallel
 from ..strategies.tensor_deterministic import TensorDeterministic
 from ..strategies.zero import ZeroRedundancy
 from ..strategies.zero_deterministic import DeterministicZero
+from ..strategies.zero_mixed import MixedZero
 from .output import describe
 
 
@@ -156,8 +157,11 @@ def build_model(cfg, params, ctx, world, policy=None):
                 table, f"zero-tree{i}-" + "x".join(map(str, table.shape))), model=net,
             tensor_pieces=cfg.tensor_pieces or 1)
     elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
-        model = ZeroRedundancy(params, ctx, cfg.optimizer, cfg.zero_stage,
-                               cross_sum=world.allreduce if world.size > 1 else None, model=net)
+        cross_sum = world.allreduce if world.size > 1 else None
+        model = ZeroRedundancy(params, ctx, cfg.optimizer, cfg.zero_stage, cross_sum=cross_sum, model=net) \
+            if policy.precision == "fp32" else \
+            MixedZero(params, ctx, cfg.optimizer, cfg.zero_stage, cross_sum=cross_sum, model=net,
+                      precision=policy.precision, native=policy.native)   # 16-bit parameters and gradients
     elif cfg.mode == "local":
         model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
                          cfg.outer_momentum, reduce, model=net)

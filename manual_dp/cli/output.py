@@ -94,6 +94,9 @@ def describe(cfg):
              f"with any --tensor-parallel dividing it)" if (cfg.tensor_pieces or 1) > 1 and cfg.mode != "tensor" else "")
     line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel else ""
     line += ", optimiser state sharded over the data dimension (ZeRO-1)" if cfg.zero_stage and cfg.mode != "zero" else ""
+    line += (f", {cfg.precision} parameters and gradients kept, float32 master weights beside the optimiser "
+             f"state (strategies/zero_mixed.py)") if cfg.mode == "zero" and cfg.precision != "fp32" \
+        and not cfg.deterministic else ""
     line += ", BatchNorm statistics over every context" if cfg.sync_batchnorm else ""
     line += f", gradients clipped to a global norm of {cfg.clip_norm:g}" if cfg.clip_norm else ""
     return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (

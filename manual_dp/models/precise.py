@@ -6,12 +6,16 @@ ZeRO 1-3, pipelines, hybrid, local SGD, async, the deterministic ones) computes 
 without a line of its own. Under fp16 the last layer's output carries the loss scale into the
 backward (precision.scaled). A "dense" layer becomes a "block": ZeRO-3's hand-made dense gradient
 (strategies/zero_layers.py) would compute in float32.
+
+reading_stored(model) is the model reading 16-bit stored parameters (ZeRO's mixed-precision layout,
+strategies/zero_mixed.py): each layer casts its parameters to float32 where it reads them.
 """
+import copy
 import dataclasses
 
 from mxnet import nd
 
-from ..precision import scaled
+from ..precision import scaled, widened
 from .contract import Model
 
 
@@ -90,3 +94,19 @@ class Precise(Model):
 
     def tensor_traffic(self):
         return self.inner.tensor_traffic()
+
+
+def reading_stored(model):
+    """`model` whose layers take their parameters as 16-bit arrays (precision.STORED) and read
+    float32 copies of them, made at use and dropped with the step (transient); recorded, each
+    cast's backward writes its parameter's gradient in the 16-bit dtype. Imperative (nd) only."""
+    out = copy.copy(model)
+    out.layers = tuple(dataclasses.replace(layer, forward=widening(layer.forward)) for layer in model.layers)
+    return out
+
+
+def widening(forward):
+    """`forward` (a layer's) fed float32 copies of its 16-bit parameters."""
+    def forward_widened(h, params, F=nd, shapes=None):
+        return forward(h, [widened(p) for p in params], F, shapes)
+    return forward_widened

@@ -4,7 +4,8 @@ sizes from Layer.params, stages from Model.cuts, tensor shards from each Param's
 Layer.flops, activations from Layer.inputs and Layer.acts (manual_dp.memory), tensor traffic from
 Model.tensor_traffic.
 
-Memory, per device, in float32 bytes (4 a number), for a model of N parameters:
+Memory, per device, in float32 bytes (4 a number), for a model of N parameters (ZeRO under a 16-bit
+--precision below):
   parameters + gradients + optimiser state (sgd 0, momentum 1, adam 2 copies of the parameters),
     data       N + N + cN on every device (and the running statistics of a model with BatchNorm)
     zero 1     N + N + c n_i        (n_i: device i's shard of the flat vector, fast.collectives.chunk_bounds)
@@ -14,6 +15,13 @@ Memory, per device, in float32 bytes (4 a number), for a model of N parameters:
     context    N + N + cN on every context (whole parameters, 1/C of the tokens)
     pipeline   P_d + P_d + c P_d    (P_d: the parameters of device d's stages, Model.cuts)
     mesh       (2 + c) x (device d's stages' split parameters / T + their unsplit ones)
+  zero under --precision bf16|fp16 (strategies/zero_mixed.py, DeepSpeed's layout): the parameters and
+    gradients above in 2 bytes, the optimiser state c n_i beside a float32 master shard n_i, so
+    2N + 2N + 4(1 + c) n_i, 2N + 2 n_i + 4(1 + c) n_i, 2 n_i + 2 n_i + 4(1 + c) n_i bytes
+    (adam: 2 + 2 + 12 a parameter, sharded as the stage says); transients in 2 bytes, every layer's
+    gradient from autograd (models.precise runs dense layers as blocks; bf16 on a CPU without
+    native bf16 sums its pieces on float32 copies, more than priced). Every other
+    layout keeps float32 parameters, gradients and state under any precision (PyTorch AMP's layout).
   ZeRO's transients are counted from strategies/zero_layers.py: the moments of a step (each
   layer's fetch; in the backward the layer fetched again, with its whole gradient unless a dense
   layer's is made by hand, a piece at a time; each reduce of a shard's piece) and what each device
@@ -34,7 +42,8 @@ Time, per step, no overlap of compute and communication:
   recompute each stage once more; context 1/C of the group's); pipelines planner/pipelines.py
   (M ticks of the slowest device, the bubble from the schedule's simulation). Communication
   priced by costmodel's alpha-beta terms:
-  data one ring all-reduce of 4N bytes; ZeRO 1 a reduce-scatter and an all-gather (each half a
+  data one ring all-reduce of 4N bytes (2N under a 16-bit --precision, as ZeRO's collectives below);
+  ZeRO 1 a reduce-scatter and an all-gather (each half a
   ring all-reduce); ZeRO 2 one reduce-scatter per layer and an all-gather; ZeRO 3 an all-gather per
   layer in forward (but the last) and backward and a reduce-scatter per layer; tensor one ring
   all-reduce over the tensor group of n x elements x 4 bytes per entry of Model.tensor_traffic
@@ -94,14 +103,15 @@ def layer_sizes(net):
     return [sum(p.size for p in layer.params) for layer in net.layers]
 
 
-def zero_moments(stage, net, bounds):
+def zero_moments(stage, net, bounds, by_hand=True):
     """The transient elements each device holds at each moment of a ZeRO 2/3 step, in step order
-    (strategies/zero_layers.py): the largest moment over all devices."""
+    (strategies/zero_layers.py): the largest moment over all devices. by_hand False: no layer's
+    gradient is made by hand (a model in a precision: models.precise runs dense layers as blocks)."""
     layers, k, L = layer_sizes(net), len(bounds) - 1, len(net.layers)
     starts = [sum(layers[:l]) for l in range(L + 1)]
     moments = [[layers[l]] * k for l in range(L - 1)] if stage == 3 else []   # forward fetches
     for l in reversed(range(L)):
-        grad = not hand_made(net.layers[l], l == L - 1)    # autograd holds the layer's gradient whole
+        grad = not (by_hand and hand_made(net.layers[l], l == L - 1))   # autograd holds the layer's gradient whole
         if stage == 3 or grad:            # fetched parameters (stage 3), the gradient beside them
             moments.append([layers[l] * ((stage == 3) + grad)] * k)
         for i in range(k):               # one reduce per owner's piece: a piece everywhere, twice on i
@@ -135,6 +145,22 @@ def per_device_state(l, setting):
     return [(keep(s), m) for s, m in zip(shards, moment)]
 
 
+def per_device_bytes(l, setting):
+    """[(parameter + gradient + state bytes, transient bytes)] per device of one replica: float32
+    (per_device_state), but ZeRO under a 16-bit precision in its mixed layout (the module's table)."""
+    state = per_device_state(l, setting)
+    low = BYTES[setting.precision]
+    if l.kind != "zero" or low == FLOAT_BYTES:
+        return [(kept * FLOAT_BYTES, moment * FLOAT_BYTES) for kept, moment in state]
+    net, c = net_of(setting), OPT_COPIES[setting.optimizer]
+    n = sum(layer_sizes(net))
+    bounds = chunk_bounds(n, l.dp)
+    held = {1: lambda s: 2 * n, 2: lambda s: n + s, 3: lambda s: 2 * s}[l.zero_stage]    # parameters + gradients
+    moments = zero_moments(l.zero_stage, net, bounds, by_hand=False) if l.zero_stage > 1 else [0] * l.dp
+    return [(low * held(b - a) + FLOAT_BYTES * (1 + c) * (b - a), low * moment)
+            for a, b, moment in zip(bounds, bounds[1:], moments)]
+
+
 def activation_elems(l, setting):
     """Activation elements held at the peak by each device of replica 0 (the largest shard)."""
     net, n = net_of(setting), shard_sizes(setting.batch, l.dp)[0]
@@ -153,8 +179,8 @@ def activation_elems(l, setting):
 def memory(l, setting):
     """Predicted bytes of the busiest device: {"state", "activations", "total"} (state: parameters,
     gradients, optimiser state and ZeRO's transients)."""
-    state, acts = per_device_state(l, setting), activation_elems(l, setting)
-    per = [((kept + moment) * FLOAT_BYTES, a * FLOAT_BYTES) for (kept, moment), a in zip(state, acts)]
+    state, acts = per_device_bytes(l, setting), activation_elems(l, setting)
+    per = [(kept + moment, a * FLOAT_BYTES) for (kept, moment), a in zip(state, acts)]
     s, a = max(per, key=sum)
     return {"state": int(s), "activations": int(a), "total": int(s + a)}
 
@@ -190,7 +216,7 @@ def communication(l, setting, dev):
     if l.kind == "zero":
         gathers = {1: [total], 2: [total], 3: layers[:-1] + layers}[l.zero_stage]
         scatters = [total] if l.zero_stage == 1 else layers
-        return sum(half(k, b, dev) for b in gathers + scatters)
+        return sum(half(k, b * low, dev) for b in gathers + scatters)     # 16-bit parameters and gradients
     n = shard_sizes(setting.batch, k)[0]
     if l.kind == "tensor":      # each f and g: one all-reduce over the tensor group, as the step sends it
         pairs = sum(costmodel.allreduce_time("ring", l.tp, n * elems * FLOAT_BYTES, dev.alpha, dev.beta)

@@ -27,7 +27,10 @@ from ..strategies.data_parallel import DataParallel
 from ..strategies.mesh_parallel import MeshParallel
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.tensor import TensorParallel
+from ..models.precise import Precise
+from ..precision import Policy
 from ..strategies.zero import ZeroRedundancy
+from ..strategies.zero_mixed import MixedZero
 from .predict import net_of, stage_flops
 
 
@@ -55,6 +58,16 @@ BUILDERS = {
     "mesh": (lambda p, ctx, opt, l, net: MeshParallel(p, ctx, opt, l.pp, l.tp, l.micro, l.schedule, l.virtual,
                                                       model=net, sequence_parallel=l.sp), shape_activations),
 }
+
+
+def mixed_zero(precision):
+    """The zero builder under a 16-bit --precision: MixedZero on the model in that precision (the
+    layout the planner prices for it; every other kind keeps float32 arrays in any precision)."""
+    def build(p, ctx, opt, l, net):
+        policy = Policy(precision)
+        return MixedZero(p, ctx, opt, stage=l.zero_stage, model=Precise(net, policy), precision=precision,
+                         native=policy.native)
+    return build
 
 
 def random_batch(batch, seed=0):
@@ -97,6 +110,7 @@ def measure(l, setting, steps=3):
     (ceil(batch / devices) examples) over its time. The contexts' work is taken to run one after
     another (measured here: 8 contexts on a batch of 64 took as long as 8 one-context steps of 8)."""
     build, activations = BUILDERS[l.kind]
+    build = mixed_zero(setting.precision) if l.kind == "zero" and setting.precision != "fp32" else build
     net = net_of(setting)
     ctx = [mx.cpu(i) for i in range(l.dp * l.tp * l.pp * l.cp)]
     params = net.init_params(0)

@@ -8,6 +8,7 @@
     pipeline       PipelineParallel: model, pipeline (GPipe) and hybrid parallelism
     zero           ZeroRedundancy: ZeRO stages 1-3, state, gradients, parameters sharded
     zero_layers    LeNet a layer at a time, for ZeRO stages 2 and 3
+    zero_mixed     MixedZero: ZeRO under bf16/fp16, 16-bit parameters and gradients, float32 masters
     tensor         TensorParallel: Megatron-style split layers, tensor groups data parallel
     zero_deterministic  DeterministicZero: --deterministic's fixed tree in ZeRO stages 1-3
 """

@@ -16,7 +16,8 @@ Every stage computes the sync step (the same sums, in another order). Stages 2 a
 a layer at a time (strategies.zero_layers). peak_arrays() adds to arrays() the transient arrays
 (gathered parameters, a layer's gradients) held at the step's largest moment. Across processes
 (cross_sum) each process holds the same shards and the owned gradient shards are summed across
-processes before the update: ZeRO inside a process, data parallel across them.
+processes before the update: ZeRO inside a process, data parallel across them. Under --precision
+bf16|fp16, strategies.zero_mixed keeps these shards in DeepSpeed's mixed-precision layout.
 """
 from collections import namedtuple
 
@@ -71,15 +72,22 @@ class ZeroRedundancy(Strategy):
             raise ValueError(f"{len(self.ctx)} contexts cannot each own a shard of {self.offsets[-1]} parameters")
         self.bounds = chunk_bounds(int(self.offsets[-1]), len(self.ctx))
         self.reduce_scatter, self.all_gather = REDUCE_SCATTER[collective], ALL_GATHER[collective]
-        flat = np.concatenate([p.asnumpy().reshape(-1) for p in params])    # (N,)
+        self.keep(params, np.concatenate([p.asnumpy().reshape(-1) for p in params]))    # (N,)
+        self.peak = Peak()
+
+    def keep(self, params, flat):
+        """Make what the stage keeps (the module's table): replicas (stage 1) or flats (stage 2),
+        parameter shards (views of those, or arrays of their own in stage 3), gradient shards and
+        the optimiser state of `masters`, the shards the update steps (here the parameter shards)."""
+        stage, parts = self.stage, list(zip(self.ctx, self.bounds, self.bounds[1:]))
         self.replicas = [FlatReplica(params, c) for c in self.ctx] if stage == 1 else None
         self.flats = [r.flat for r in self.replicas] if stage == 1 else (
             [nd.array(flat, ctx=c) for c in self.ctx] if stage == 2 else None)
-        self.shards = [f[a:b] for f, a, b in zip(self.flats, self.bounds, self.bounds[1:])] if self.flats \
-            else [nd.array(flat[a:b], ctx=c) for c, a, b in zip(self.ctx, self.bounds, self.bounds[1:])]
+        self.shards = [f[a:b] for f, (_, a, b) in zip(self.flats, parts)] if self.flats \
+            else [nd.array(flat[a:b], ctx=c) for c, a, b in parts]
         self.grad_shards = None if stage == 1 else empty_shards(len(flat), self.ctx)
-        self.states = [init_states([s], optimizer)[0] for s in self.shards]
-        self.peak = Peak()
+        self.masters = self.shards
+        self.states = [init_states([s], self.optimizer)[0] for s in self.masters]
 
     def layer_range(self, l):
         """[start, end) of layer l's parameters in the flat vector, and their shapes."""
@@ -100,7 +108,7 @@ class ZeroRedundancy(Strategy):
             return [[] for _ in self.ctx]
         if self.stage == 2:
             return [views(f[start:end], shapes) for f in self.flats]
-        full = [nd.empty((end - start,), ctx=c) for c in self.ctx]      # (layer size,) per context
+        full = [nd.empty((end - start,), ctx=c, dtype=self.shards[0].dtype) for c in self.ctx]   # (layer size,)
         bounds, pieces = self.overlap(start, end, self.shards)
         self.all_gather(full, pieces, bounds)
         return [views(f, shapes) for f in full]
@@ -112,14 +120,16 @@ class ZeroRedundancy(Strategy):
         start, end, _ = self.layer_range(l)
         bounds, pieces = self.overlap(start, end, self.grad_shards)
         for i, piece in enumerate(pieces):
-            if piece is None:
-                continue
-            lo, hi = bounds[i], bounds[i + 1]
-            local = grad_of(lo, hi)                                             # (hi - lo,) per context
-            total = [nd.empty((hi - lo,), ctx=c) if j == i else None for j, c in enumerate(self.ctx)]
-            self.note([], local + [total[i]])
-            self.reduce_scatter(local, total, [0] * (i + 1) + [hi - lo] * (len(self.ctx) - i))
-            nd.elemwise_add(piece, total[i], out=piece)
+            if piece is not None:
+                self.add_sum(grad_of(bounds[i], bounds[i + 1]), piece, i)      # (hi - lo,) per context
+
+    def add_sum(self, local, piece, i):
+        """Afterwards `piece` (on context i) holds itself plus the sum of `local` (one array of its
+        size per context): a reduce-scatter whose other chunks are empty."""
+        total = [nd.empty(piece.shape, ctx=c, dtype=piece.dtype) if j == i else None for j, c in enumerate(self.ctx)]
+        self.note([], local + [total[i]])
+        self.reduce_scatter(local, total, [0] * (i + 1) + [piece.size] * (len(self.ctx) - i))
+        nd.elemwise_add(piece, total[i], out=piece)
 
     def note(self, params, grads):
         """What the step holds besides arrays(): gathered parameters (stage 3) and gradients."""
@@ -131,30 +141,46 @@ class ZeroRedundancy(Strategy):
             return forward_backward(X_shards, y_shards, [r.params for r in self.replicas], self.net.forward)
         return zero_layers.forward_backward(X_shards, y_shards, self)
 
-    def owned_grads(self):
-        """Per context, the gradient of its shard summed over every context (and process)."""
+    def grads(self):
+        """The gradient arrays kept: every replica's (stage 1), else the gradient shards."""
+        return [r.grad for r in self.replicas] if self.stage == 1 else self.grad_shards
+
+    def summed_here(self):
+        """Per context, the gradient of its shard summed over this process's contexts."""
         if self.stage == 1:
             self.reduce_scatter([r.grad for r in self.replicas])        # in place: chunk i on context i
-            grads = [r.grad[a:b] for r, a, b in zip(self.replicas, self.bounds, self.bounds[1:])]
-        else:
-            grads = self.grad_shards
-        if self.cross_sum:
-            for i, g in enumerate(grads):
-                self.cross_sum(g, f"zero-grad-{i}")
+            return [r.grad[a:b] for r, a, b in zip(self.replicas, self.bounds, self.bounds[1:])]
+        return self.grad_shards
+
+    def owned_grads(self):
+        """Per context, the gradient of its shard summed over every context (and process)."""
+        grads = self.summed_here()
+        for i, g in enumerate(grads) if self.cross_sum else ():
+            self.cross_sum(g, f"zero-grad-{i}")
         return grads
 
     def update(self, lr, n_examples):
         """Each context updates its shard; stages 1 and 2 then all-gather the parameters."""
         self.t += 1
-        _, rule = OPTIMIZERS[self.optimizer]
         self.owned = self.owned_grads()
         n_examples = self.counted(n_examples)
-        for p, g, state in zip(self.shards, self.owned, self.states) if n_examples is not None else ():
-            rule(p, g / n_examples, state, lr, self.t)
-        for g in ([r.grad for r in self.replicas] if self.stage == 1 else self.grad_shards):
-            g[:] = 0
+        if n_examples is not None:
+            self.apply(lr, n_examples)
+        self.clear_grads()
         if self.flats:
             self.all_gather(self.flats)                                 # in place: shard i from context i
+        self.owned = None
+
+    def apply(self, lr, n_examples):
+        """Afterwards each master shard and its optimiser state took the optimiser's step."""
+        _, rule = OPTIMIZERS[self.optimizer]
+        for p, g, state in zip(self.masters, self.owned, self.states):
+            rule(p, g / n_examples, state, lr, self.t)
+
+    def clear_grads(self):
+        """Afterwards every kept gradient is zero, ready for the next backward to add into."""
+        for g in self.grads():
+            g[:] = 0
 
     def reduced_grads(self):
         """The owned gradient shards: together the flat gradient, once, in the model's order."""
@@ -175,7 +201,7 @@ class ZeroRedundancy(Strategy):
         if self.flats:
             return {"replica": [fingerprint(c, views(f, self.shapes), self.net.names()) for c, f in zip(self.ctx, self.flats)]}
         where = f"shards on {self.ctx[0]}..{self.ctx[-1]}"
-        return {"shards": [fingerprint(where, [nd.array(p) for p in self.host_split(self.shards)], self.net.names())]}
+        return {"shards": [fingerprint(where, [nd.array(p) for p in self.host_split(self.masters)], self.net.names())]}
 
     def layout(self, batch_size):
         """Every context runs both stages on its shard of the batch."""
@@ -184,14 +210,13 @@ class ZeroRedundancy(Strategy):
     def arrays(self):
         """What each context keeps between steps: its parameters (full, or its shard in stage 3), its
         gradients (full in stage 1, else its shard) and its shard of the optimiser state."""
-        state = [s for st in self.states for s in st]
-        grads = [r.grad for r in self.replicas] if self.stage == 1 else self.grad_shards
-        return {"param": self.flats or self.shards, "state": grads + state}
+        return {"param": self.flats or self.shards, "grad": self.grads(),
+                "state": [s for st in self.states for s in st]}
 
     def peak_arrays(self):
         """arrays() and the transient arrays held at the largest moment of the steps so far."""
         held = self.arrays()
-        return {kind: held[kind] + self.peak.held[kind] for kind in held}
+        return {kind: held[kind] + self.peak.held.get(kind, []) for kind in held}
 
     def host_split(self, shards):
         """Host copies of the model's arrays from per-context shards of a flat vector."""
@@ -201,7 +226,7 @@ class ZeroRedundancy(Strategy):
     def state_dict(self):
         """The full, unsharded parameters and optimiser state, as every strategy gives them."""
         per_state = [self.host_split([st[j] for st in self.states]) for j in range(len(self.states[0]))]
-        return {"params": self.host_split(self.shards), "t": self.t, "extra": {},
+        return {"params": self.host_split(self.masters), "t": self.t, "extra": {},
                 "opt_state": [[values[p] for values in per_state] for p in range(len(self.shapes))]}
 
     def load_state_dict(self, state):
@@ -210,14 +235,20 @@ class ZeroRedundancy(Strategy):
         if [np.shape(p) for p in state["params"]] != self.shapes or len(state["opt_state"]) != len(self.shapes) \
                 or any(len(st) != n_states for st in state["opt_state"]):
             raise CheckpointError("the checkpoint's parameters or optimiser state do not fit this run")
-        flat = np.concatenate([np.asarray(p, np.float32).reshape(-1) for p in state["params"]])
+        self.load_params(np.concatenate([np.asarray(p, np.float32).reshape(-1) for p in state["params"]]))
+        for j in range(n_states):
+            self.scatter([st[j] for st in self.states],
+                         np.concatenate([np.asarray(st[j]).reshape(-1) for st in state["opt_state"]]))
+        self.t = state["t"]
+
+    def load_params(self, flat):
+        """Afterwards the parameters this run keeps hold the flat vector `flat` (N,)."""
         for f in self.flats or []:
             f[:] = nd.array(flat, ctx=f.context)
-        targets = [] if self.flats else [(self.shards, flat)]
-        for j in range(n_states):
-            targets.append(([st[j] for st in self.states],
-                            np.concatenate([np.asarray(st[j]).reshape(-1) for st in state["opt_state"]])))
-        for shards, values in targets:
-            for s, a, b in zip(shards, self.bounds, self.bounds[1:]):
-                s[:] = nd.array(values[a:b], ctx=s.context)
-        self.t = state["t"]
+        if not self.flats:
+            self.scatter(self.shards, flat)
+
+    def scatter(self, shards, values):
+        """Afterwards shards[i] holds chunk i of the host vector `values`."""
+        for s, a, b in zip(shards, self.bounds, self.bounds[1:]):
+            s[:] = nd.array(values[a:b], ctx=s.context)

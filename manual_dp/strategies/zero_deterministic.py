@@ -138,4 +138,4 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
     def arrays(self):
         """ZeroRedundancy's, and in stage 1 the gradient shards the tree's sums are held in."""
         held = super().arrays()
-        return dict(held, state=held["state"] + self.grad_shards) if self.stage == 1 else held
+        return dict(held, grad=held["grad"] + self.grad_shards) if self.stage == 1 else held
