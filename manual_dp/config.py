@@ -284,6 +284,8 @@ def resolve(cfg):
         default = MODE_DEFAULTS.get(name, FAST_STEP.get(name, defaults[name]))
         default = default if cfg.mode in DEFAULT_ONLY_IN.get(name, modes) else None
         values[name] = given if given is not None else default
+    if not cfg.deterministic:                                # --tensor-pieces orders --deterministic's sums only
+        values["tensor_pieces"] = None
     for name, default in LOSS_SCALE.items():                 # fp16's loss scale, and only fp16's
         given = getattr(cfg, name)
         if given is not None and cfg.precision != "fp16":

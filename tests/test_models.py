@@ -354,7 +354,8 @@ def test_cli_model_file_errors_are_one_line(capsys, data_dir, tmp_path, source, 
     (["--model", "transformer", "--patch", "5"], "--patch must be 0"),
     (["--model", "transformer", "--mode", "tensor", "--cpus", "3"], "3 does not divide the transformer's 4 heads"),
     (["--model", "mlp", "--mode", "pipeline", "--stages", "4", "--cpus", "4"], "--model mlp has 3 layers"),
-    (["--model", "mlp", "--mode", "tensor", "--deterministic"], "not yet --model mlp"),
+    (["--model", "mlp", "--mode", "tensor", "--deterministic", "--tensor-pieces", "3", "--cpus", "3"],
+     "3 does not divide the split axis of W1"),
 ])
 def test_cli_model_flags_refused_in_one_line(capsys, data_dir, argv, message):
     code, _, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, *argv])
