@@ -57,6 +57,16 @@ def stepped(model, seed=0):
     return model
 
 
+def peak_bytes(model):
+    """{context name: [parameter bytes, gradient + optimiser-state bytes]} of peak_arrays() (what
+    notebook 07 draws per mode)."""
+    out = {str(c): [0, 0] for c in model.ctx}
+    for kind, arrays in model.peak_arrays().items():
+        for a in arrays:
+            out[str(a.context)][0 if kind == "param" else 1] += a.size * np.dtype(a.dtype).itemsize
+    return out
+
+
 def arrays_peak(model):
     """{context name: bytes of peak_arrays() on it}."""
     out = {str(c): 0 for c in model.ctx}
