@@ -11,7 +11,7 @@ import numpy as np
 from .. import checkpoint, checks, config, memory
 from ..data import load_fashion_mnist, locate_data
 from ..digests import DigestFile, header as digest_header
-from ..errors import (CheckpointError, DataError, DistributedError, DivergedError, OutputError,
+from ..errors import (PEER_LOST, CheckpointError, DataError, DistributedError, DivergedError, OutputError,
                       ReplicaMismatchError, Terminated, UsageError)
 from ..fast.trace import TRACE_UPDATES
 from ..loop import fit
@@ -178,11 +178,11 @@ def train_in(cfg, world, ctx):
 
 
 def give_up(message):
-    """The watchdog's verdict: one line, then the process ends at once. Its main thread may be
-    waiting inside MXNet's engine for a peer that is gone, where no exception can reach it."""
+    """The watchdog's verdict: one line, then the process ends at once with PEER_LOST. Its main
+    thread may be waiting inside MXNet's engine for a peer that is gone, where no exception can reach it."""
     sys.stderr.write(f"manual_dp.train: error: {message}\n")
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(PEER_LOST)
 
 
 def run(cfg):
@@ -193,13 +193,15 @@ def run(cfg):
 
 def run_or_exit(cfg):
     """run(cfg); bad input ends with one line and exit status 2, missing or broken data,
-    checkpoints, outputs or peers with 1, divergence with 3."""
+    checkpoints or outputs with 1, divergence with 3, a lost peer with PEER_LOST (4)."""
     try:
         return run(cfg)
     except UsageError as e:
         sys.exit(fail(e, 2))
-    except (DataError, CheckpointError, DistributedError, OutputError, ReplicaMismatchError) as e:
+    except (DataError, CheckpointError, OutputError, ReplicaMismatchError) as e:
         sys.exit(fail(e, 1))
+    except DistributedError as e:
+        sys.exit(fail(e, PEER_LOST))
     except DivergedError as e:
         saved = cfg.checkpoint_dir and (Path(cfg.checkpoint_dir) / checkpoint.NAME).is_file()
         kept = " (the checkpoint of the last good epoch is kept)" if saved else ""
