@@ -184,3 +184,82 @@ def test_ctrl_c_in_a_long_command_is_one_line_and_130(tmp_path, command):
     _, err = proc.communicate(timeout=120)
     lines = [l for l in err.strip().splitlines() if not l.startswith("[")]
     assert proc.returncode == 130 and lines == [f"{command[0]}: error: interrupted"], (proc.returncode, err)
+
+
+# The memory probe dies with the trainer (item 2) -------------------------------------------------------
+
+def children(pid, text):
+    """The process ids of `pid`'s live children whose command line holds `text`."""
+    found = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{d}/stat").read().rsplit(") ", 1)[1].split()
+            if stat[1] == str(pid) and stat[0] != "Z" and text in open(f"/proc/{d}/cmdline").read():
+                found.append(int(d))
+        except (OSError, IndexError):
+            pass
+    return found
+
+
+def running(pid):
+    """True while `pid` exists and is not a zombie (an orphan's zombie waits for its reaper)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+def test_the_memory_probe_ends_with_the_trainer_however_it_is_stopped(data_dir, sig):
+    """--width 16 --memory-per-device: the probe measures for about 11 s; signalled 0.5 s into it,
+    the trainer ends and its probe within 2 s (it outlived SIGTERM's and SIGKILL's trainer by 30 s)."""
+    proc = subprocess.Popen([sys.executable, "-m", "manual_dp.train", "--data-dir", str(data_dir), "--cpus", "2",
+                             "--width", "16", "--memory-per-device", "64GiB", *TINY], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not children(proc.pid, "manual_dp.cli.memprobe") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        probe, = children(proc.pid, "manual_dp.cli.memprobe")
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 2
+    while running(probe) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outlived = running(probe)
+    if outlived:
+        os.kill(probe, signal.SIGKILL)                # no leftover when the test fails
+    assert not outlived, f"the probe {probe} outlived the trainer ({sig.name})"
+    assert proc.returncode == (-sig if sig == signal.SIGKILL else 130 if sig == signal.SIGINT else 128 + sig), err
+
+
+def test_an_interrupted_read_of_probes_ends_them(data_dir):
+    """In a process that lives on (a notebook catching Ctrl-C), read_probes kills its probes."""
+    from manual_dp.cli import memcheck
+    from manual_dp.config import RunConfig, resolve
+    started = []
+    real = memcheck.start_probe
+    cfg = resolve(RunConfig(cpus=1, width=16))
+
+    def start(*a):
+        started.append(real(*a))
+        return started[-1]
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    memcheck.start_probe = start
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            memcheck.read_probes({"a": (cfg, 1), "b": (cfg, 1)}, "cpu")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        memcheck.start_probe = real
+    assert len(started) == 2 and all(p.poll() is not None for p in started)

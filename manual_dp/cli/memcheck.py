@@ -18,6 +18,7 @@ import sys
 from .. import checks, config, memory
 from ..errors import UsageError
 from ..multiprocess.world import World
+from .memprobe import PARENT_ENV
 
 PROBE_ENV = {"MXNET_CPU_TEMP_COPY": "1"}    # one scratch buffer per device, as on a GPU
 
@@ -49,23 +50,48 @@ def as_mode(cfg, mode):
 
 
 def start_probe(cfg, kind, n, env=None):
-    """A fresh process measuring `cfg` on n contexts of `kind` (read it with read_probe)."""
+    """A fresh process measuring `cfg` on n contexts of `kind`, which dies with this one (read it
+    with read_probe, or read_probes)."""
     cmd = [sys.executable, "-m", "manual_dp.cli.memprobe", json.dumps(dataclasses.asdict(cfg)), kind, str(n)]
-    env = dict(os.environ if env is None else env, **PROBE_ENV)
+    env = dict(os.environ if env is None else env, **PROBE_ENV, **{PARENT_ENV: str(os.getpid())})
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
 
 
+def end(proc):
+    """Afterwards `proc` has ended: killed if it still ran."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def read_probe(proc):
-    """The report a start_probe process printed; None if it failed."""
-    out, _ = proc.communicate()
+    """The report a start_probe process printed; None if it failed. Afterwards it has ended:
+    killed if reading it was interrupted (Ctrl-C, SIGTERM, SIGHUP)."""
+    try:
+        out, _ = proc.communicate()
+    finally:
+        end(proc)
     return json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 else None
+
+
+def read_probes(probes, kind):
+    """{key: report or None} of `probes` ({key: (cfg, n)}), each measured in a fresh process,
+    started together and read in turn; afterwards, or on an interruption, none of them runs."""
+    procs = {}
+    try:
+        for key, (cfg, n) in probes.items():
+            procs[key] = start_probe(cfg, kind, n)
+        return {key: read_probe(proc) for key, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            end(proc)
 
 
 def probe_modes(cfg, kind, n):
     """{mode: report} for every mode that can be laid out on n contexts and run cfg's model (a
     model with running statistics: sync alone), each measured in its own fresh process (started
     together, read in turn)."""
-    procs = {}
+    probes = {}
     for mode in config.MODES:
         other = as_mode(cfg, mode)
         try:
@@ -75,9 +101,8 @@ def probe_modes(cfg, kind, n):
         except UsageError:
             other = None
         if other:
-            procs[mode] = start_probe(other, kind, n)
-    reports = {mode: read_probe(proc) for mode, proc in procs.items()}
-    return {mode: r for mode, r in reports.items() if r}
+            probes[mode] = (other, n)
+    return {mode: r for mode, r in read_probes(probes, kind).items() if r}
 
 
 def run_report(cfg, params, ctx, build, n_processes=1):
@@ -90,7 +115,7 @@ def run_report(cfg, params, ctx, build, n_processes=1):
     kind, n = ctx[0].device_type, len(ctx)
     share = dataclasses.replace(cfg, batch_size=max(1, cfg.batch_size // n_processes), trace=None,
                                 backend="local")
-    report = read_probe(start_probe(share, kind, n)) or measure_run(cfg, params, ctx, build, n_processes)
+    report = read_probes({0: (share, n)}, kind)[0] or measure_run(cfg, params, ctx, build, n_processes)
     check_limit(cfg, report, kind, n)
     return report
 
