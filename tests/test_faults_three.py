@@ -237,16 +237,16 @@ def test_the_memory_probe_ends_with_the_trainer_however_it_is_stopped(data_dir, 
     assert proc.returncode == (-sig if sig == signal.SIGKILL else 130 if sig == signal.SIGINT else 128 + sig), err
 
 
-def test_an_interrupted_read_of_probes_ends_them(data_dir):
-    """In a process that lives on (a notebook catching Ctrl-C), read_probes kills its probes."""
+def test_an_interrupted_read_of_probes_ends_them():
+    """In a process that lives on (a notebook catching Ctrl-C), run_probes kills its probes."""
     from manual_dp.cli import memcheck
     from manual_dp.config import RunConfig, resolve
     started = []
     real = memcheck.start_probe
     cfg = resolve(RunConfig(cpus=1, width=16))
 
-    def start(*a):
-        started.append(real(*a))
+    def start(*a, **k):
+        started.append(real(*a, **k))
         return started[-1]
 
     def interrupt(*_):
@@ -257,7 +257,7 @@ def test_an_interrupted_read_of_probes_ends_them(data_dir):
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.5)
         with pytest.raises(KeyboardInterrupt):
-            memcheck.read_probes({"a": (cfg, 1), "b": (cfg, 1)}, "cpu")
+            memcheck.run_probes({"a": (cfg, 1), "b": (cfg, 1)}, "cpu")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

@@ -3,7 +3,7 @@ measured in this fresh process (manual_dp.cli.memcheck starts it), printed as on
 
 The process dies with the one that started it ($MANUAL_DP_PROBE_PARENT), however that one ends:
 on Linux the kernel sends it SIGKILL when its parent ends, even by SIGKILL (prctl's
-PR_SET_PDEATHSIG); elsewhere, and on an interruption anywhere, memcheck.read_probes kills it.
+PR_SET_PDEATHSIG); elsewhere, and on an interruption anywhere, memcheck.run_probes kills it.
 """
 import ctypes
 import json
@@ -41,7 +41,7 @@ def main(argv):
     cfg = RunConfig(**fields)
     ctx = [mx.cpu(i) if kind == "cpu" else mx.gpu(i) for i in range(n)]
     params = network(cfg).init_params(cfg.seed, cfg.init_scale)
-    print(json.dumps(measure_run(cfg, params, ctx, build_model)))
+    print(json.dumps(measure_run(cfg, params, ctx, build_model, where="a fresh process")))
 
 
 if __name__ == "__main__":

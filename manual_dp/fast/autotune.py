@@ -23,6 +23,7 @@ from .graph import ModelGraph
 from .runtime import machine
 
 CONV_PADS = (1, 8, 16)
+PAD_ENV = "MANUAL_DP_CONV_PAD"       # names the padding outright
 
 
 def machine_key():
@@ -88,7 +89,7 @@ def cpu_ms_per_image(conv_pad, batch=128, steps=4, repeats=3):
 def conv_pad(enabled=True, measure=cpu_ms_per_image, say=print):
     """The conv_pad to use: $MANUAL_DP_CONV_PAD if set; 1 if not `enabled`; else this machine's
     cached choice, measured (and said, and cached) the first time."""
-    given = os.environ.get("MANUAL_DP_CONV_PAD")
+    given = os.environ.get(PAD_ENV)
     if given:
         if not given.isdigit() or int(given) < 1:
             raise ValueError(f"$MANUAL_DP_CONV_PAD must be a positive integer, got {given!r}")
