@@ -105,8 +105,9 @@ class Elastic:
                   file=sys.stderr, flush=True)
 
     def interrupt(self, signum, frame):
-        """SIGTERM, SIGINT: KeyboardInterrupt, once every process being started is in self.job
-        (a process started but not yet recorded would outlive the launcher)."""
+        """SIGTERM, SIGINT, SIGHUP (a closed terminal or ssh session): KeyboardInterrupt, once every
+        process being started is in self.job (a process started but not yet recorded would outlive
+        the launcher; each runs in a session of its own, so a hang-up reaches none of them)."""
         self.interrupted = True
         if not self.starting:
             raise KeyboardInterrupt
@@ -138,7 +139,7 @@ def main(argv=None):
         return 2
 
     elastic = Elastic(args, command)
-    previous = {s: signal.signal(s, elastic.interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, elastic.interrupt) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         code = elastic.run()
     except KeyboardInterrupt:
