@@ -14,7 +14,7 @@ import json
 import time
 
 from ..cli.options import OneLineParser, positive
-from ..cli.output import parsed_or_exit
+from ..cli.output import ends_on_signals, parsed_or_exit
 from ..config import RunConfig
 
 
@@ -54,6 +54,7 @@ def train(ctx, epochs, threshold, lr, batch_size, seed, data):
                "images_per_sec": seen / seconds}
 
 
+@ends_on_signals("python -m manual_dp.bench.kvstore_compress")   # Ctrl-C, SIGTERM, SIGHUP: one line
 def main(argv=None):
     d = RunConfig()
     prog = "python -m manual_dp.bench.kvstore_compress"
