@@ -102,9 +102,9 @@ def run_probes(probes, kind, pad=None):
 
 def probe_key(cfg, kind, n, pad):
     """All a fresh process's report depends on: cfg less the flags no measured step reads, the
-    contexts, the padding and MXNet's variables."""
+    contexts, the padding and the variables MXNet or the padding read."""
     unread = {f.name: f.default for f in config.fields() if f.name in UNREAD}
-    mxnet_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("MXNET_"))
+    mxnet_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("MXNET_") or k == autotune.PAD_ENV)
     return json.dumps([dataclasses.asdict(dataclasses.replace(cfg, **unread)), kind, n, pad, mxnet_env])
 
 
