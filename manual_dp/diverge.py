@@ -14,10 +14,18 @@ for files without a header, runs of different models or data, an update too far 
 import argparse
 import sys
 
+from .cli.output import ends_on_signals
 from .digests import DigestError, compare, read_lines
 
 
 def main(argv=None):
+    """The exit status of the docstring's; Ctrl-C, SIGTERM or SIGHUP end it with one line and 130
+    or 128 + signal, a replay's worker process killed."""
+    with ends_on_signals("manual_dp.diverge"):
+        compare_files(argv)
+
+
+def compare_files(argv):
     parser = argparse.ArgumentParser(prog="python -m manual_dp.diverge", description=__doc__.split("\n")[0])
     parser.add_argument("a", help="the first run's --digests file")
     parser.add_argument("b", help="the second run's --digests file")

@@ -1,8 +1,12 @@
 """The errors a run can end with, for the library and the command line alike.
 
 The command line reports each as one line: UsageError with exit status 2, the others with 1
-(DivergedError with 3, so that a script can tell a diverged run from a broken one).
+(DivergedError with 3, so that a script can tell a diverged run from a broken one; DistributedError
+with PEER_LOST, so that a launcher can tell a process that lost a peer, and may run again without
+it, from one whose own input is bad, which would fail again).
 """
+
+PEER_LOST = 4     # exit status of a process whose peer failed or vanished (a collective failed, the watchdog)
 
 
 class UsageError(Exception):

@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from .cli.output import ends_on_signals
 from .multiprocess.flight import FORMAT
 
 MAX_BYTES = 16 << 20                  # a record holds a few hundred entries: about 100 kB
@@ -159,14 +160,12 @@ def main(argv=None):
     parser.add_argument("dir", help="the directory of the flight records (--flight-record DIR, or the one "
                                     "a failed job's error line names)")
     try:
-        records, notes = read_dumps(parser.parse_args(argv).dir)
-        status, lines = compare(records)
+        with ends_on_signals("manual_dp.flight"):
+            records, notes = read_dumps(parser.parse_args(argv).dir)
+            status, lines = compare(records)
     except FlightError as e:
         sys.stderr.write(f"manual_dp.flight: error: {e}\n")
         sys.exit(2)
-    except KeyboardInterrupt:
-        sys.stderr.write("manual_dp.flight: error: interrupted\n")
-        sys.exit(130)
     print("\n".join(notes + lines))
     sys.exit(status)
 

@@ -12,7 +12,8 @@ Limits (see memtrack, docs/design.md): the bytes are those MXNet reserves, which
 backs only where touched; MXNet's CPU scratch space is one pool registered on cpu(0), so cpu(0)
 carries every CPU context's scratch; bytes outside MXNet's storage (oneDNN's own buffers) are
 not counted; scratch space grown earlier in the same process is not counted again, so the figure
-is exact only in a fresh process (the command line measures before any other MXNet work).
+is exact only in a fresh process (the command line measures in one of its own, with one scratch
+buffer per device: manual_dp.cli.memcheck).
 
 Where the profiler cannot count a context (cpu(i) past the processors + 2) `per_context`
 computes activations from the layer shapes instead (`stage_activation_elems`, the hand count of
@@ -149,10 +150,18 @@ def format_bytes(n):
     return f"{n} B"
 
 
+def counted(r):
+    """What a context's report counts, in words: how it was measured and with which scratch pool."""
+    if r["method"] == "shapes":
+        return "activations computed from the layer shapes"
+    pool = ("one scratch buffer per device, as a GPU has" if r["scratch_buffers"] == 1 else
+            f"{r['scratch_buffers']} scratch buffers shared by the CPU contexts: those drawn so far count on cpu(0)")
+    return f"one step's MXNet allocations, measured in {r.get('process', 'this process')} with {pool}"
+
+
 def format_report(report):
-    """One line: per context, the peak and its split."""
+    """One line: per context, the peak and its split, then what the figures count."""
     return "; ".join(f"{c}: peak {format_bytes(r['peak_bytes'])} = {format_bytes(r['param_bytes'])} params + "
                      f"{format_bytes(r['grad_bytes'])} grads + {format_bytes(r['state_bytes'])} optimiser state "
                      f"+ {format_bytes(r['activation_bytes'])} activations/temporaries"
-                     for c, r in report.items()) + " ({method}, {scratch_buffers} scratch buffers)".format(
-        **next(iter(report.values())))
+                     for c, r in report.items()) + f" ({counted(next(iter(report.values())))})"

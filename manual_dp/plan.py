@@ -17,7 +17,7 @@ from pathlib import Path
 from . import config
 from .checks import check_model, parse_bytes
 from .cli.options import OneLineParser
-from .cli.output import interrupted, parsed_or_exit
+from .cli.output import ends_on_signals, parsed_or_exit
 from .config import (MODEL_APPLIES, MODELS, OPTIMIZERS, PRECISIONS, PLAN_MAX_BATCH, PLAN_MAX_DEVICES, PLAN_STEPS, PLAN_TOP,
                      TRANSFORMER, RunConfig)
 from .errors import UsageError
@@ -107,15 +107,14 @@ def network(args):
 
 
 def main(argv=None):
-    """Ctrl-C (during --verify's measurements) ends the plan with one line and exit 130."""
-    args = parsed_or_exit(parse, argv, "manual_dp.plan")
-    configure(args.devices)                     # thread settings before MXNet loads
-    net = parsed_or_exit(network, args, "manual_dp.plan")
-    from .planner.report import run
-    try:
+    """Ctrl-C, SIGTERM or SIGHUP (during --verify's measurements) end the plan with one line and
+    exit 130 or 128 + signal."""
+    with ends_on_signals("manual_dp.plan"):
+        args = parsed_or_exit(parse, argv, "manual_dp.plan")
+        configure(args.devices)                     # thread settings before MXNet loads
+        net = parsed_or_exit(network, args, "manual_dp.plan")
+        from .planner.report import run
         print(run(args, machine(), net))
-    except KeyboardInterrupt:
-        interrupted(prog="manual_dp.plan")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import costmodel
 from .cli.options import OneLineParser
+from .cli.output import ends_on_signals
 from .errors import UsageError
 
 # MXNet's names of the operators the all-reduce algorithms run (fast/collectives.py)
@@ -226,6 +227,12 @@ def summary(trace, link=None):
 
 
 def main(argv=None):
+    """Draws the trace; Ctrl-C, SIGTERM or SIGHUP end it with one line and 130 or 128 + signal."""
+    with ends_on_signals("manual_dp.timeline"):
+        draw_trace(argv)
+
+
+def draw_trace(argv):
     p = OneLineParser(prog="python -m manual_dp.timeline", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="a trace written by python -m manual_dp.train --trace")
     p.add_argument("-o", "--out", default="timeline.png", help="the PNG to write")

@@ -8,20 +8,16 @@ import signal
 import sys
 
 from .cli.options import parse
-from .cli.output import fail, interrupted
+from .cli.output import fail, interrupted, terminate
 from .config import device_request
 from .errors import Terminated, UsageError
 from .fast.runtime import configure, environment_problem
 
 
-def terminate(signum, frame):
-    """SIGTERM, SIGHUP: raise Terminated in the main thread (manual_dp.cli.run ends the run)."""
-    raise Terminated(signum)
-
-
 def main(argv=None):
-    """Exits 0, or with one line on stderr: 2 for bad input, 1 for bad data, checkpoints or peers,
-    3 for divergence, 130 for Ctrl-C, 128 + N for signal N (SIGTERM, SIGHUP)."""
+    """Exits 0, or with one line on stderr: 2 for bad input, 1 for bad data or checkpoints, 3 for
+    divergence, 4 for a lost peer, 130 for Ctrl-C, 128 + N for signal N (SIGTERM, SIGHUP); SIGTERM
+    and SIGHUP raise Terminated (output.terminate), which manual_dp.cli.run ends the run with."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, terminate)
     try:

@@ -51,9 +51,10 @@ def test_the_environment_and_no_autotune_win(fresh, monkeypatch):
     monkeypatch.setenv("MANUAL_DP_CONV_PAD", "16")
     assert autotune.conv_pad(measure=fake(fresh)) == 16
     assert fresh == []
-    monkeypatch.setenv("MANUAL_DP_CONV_PAD", "eight")
-    with pytest.raises(ValueError, match="MANUAL_DP_CONV_PAD must be a positive integer"):
-        autotune.conv_pad(measure=fake(fresh))
+    for bad in ("eight", "0", "100000"):               # 100000 overflowed a shape inside MXNet (issue 25)
+        monkeypatch.setenv("MANUAL_DP_CONV_PAD", bad)
+        with pytest.raises(ValueError, match="MANUAL_DP_CONV_PAD must be a whole number from 1 to 64"):
+            autotune.conv_pad(measure=fake(fresh))
 
 
 def test_a_damaged_cache_is_measured_again(fresh, tmp_path):

@@ -17,9 +17,10 @@ import pytest
 from conftest import write_dataset
 from jobs import Job, assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, train_cmd, trainer_pids, wait_for
 from manual_dp import checkpoint
+from manual_dp.errors import PEER_LOST
 from manual_dp.multiprocess.board import Board, Reporter, verdict
 from manual_dp.multiprocess import launcher as launch
-from manual_dp.multiprocess.elastic import Elastic
+from manual_dp.multiprocess.elastic import Elastic, lost
 from test_launch import launcher, leftovers
 
 # A synchronous step that keeps learning (plain SGD, small lr) over 3 epochs of 37 batches.
@@ -69,12 +70,12 @@ def test_reports_reach_the_board_and_come_back():
 
 # The launcher's restarts, with stand-ins ---------------------------------------------------------
 
-def test_a_failed_worker_restarts_the_job_on_the_others(tmp_path):
+def test_a_lost_worker_restarts_the_job_on_the_others(tmp_path):
     cmd, marker = launcher(tmp_path, "--workers", "3", "--max-restarts", "2", "--grace", "1",
-                           behaviour=["worker1=0.5,1", "worker=2", "server=2", "scheduler=2"])
+                           behaviour=["worker1=0.5,-9", "worker=2", "server=2", "scheduler=2"])
     code, out = run_job(cmd, tmp_path / "out.txt", timeout=60)
     assert code == 0, out
-    assert ("manual_dp.launch: worker 1 exited with status 1; restart 1 of 2 without worker 1: "
+    assert ("manual_dp.launch: worker 1 was killed by SIGKILL; restart 1 of 2 without worker 1: "
             "2 worker(s) resume from the last checkpoint") in out.splitlines(), out
     # the second job: 2 workers (DMLC_NUM_WORKER), worker 1 left out, the others as before
     second = out.split("restart 1 of 2")[1].splitlines()
@@ -86,11 +87,11 @@ def test_a_failed_worker_restarts_the_job_on_the_others(tmp_path):
 
 def test_restarts_run_out(tmp_path):
     cmd, marker = launcher(tmp_path, "--workers", "3", "--max-restarts", "1", "--grace", "1",
-                           behaviour=["worker1=0.3,1", "worker0=1,1", "worker=5", "server=5", "scheduler=5"])
+                           behaviour=["worker1=0.3,4", "worker0=1,4", "worker=5", "server=5", "scheduler=5"])
     code, out = run_job(cmd, tmp_path / "out.txt", timeout=60)
-    assert code == 1, out
-    assert "restart 1 of 1 without worker 1: 2 worker(s)" in out, out
-    assert ("manual_dp.launch: error: worker 0 exited with status 1; stopping the job after 1 "
+    assert code == PEER_LOST, out
+    assert "manual_dp.launch: worker 1 exited with status 4; restart 1 of 1 without worker 1: 2 worker(s)" in out, out
+    assert ("manual_dp.launch: error: worker 0 exited with status 4; stopping the job after 1 "
             "restart(s)") in out.splitlines(), out
     assert not leftovers(marker)
 
@@ -105,8 +106,9 @@ def test_a_failed_server_restarts_the_job_with_every_worker(tmp_path):
     assert "stopping the job after 1 restart(s)" in out and not leftovers(marker)
 
 
-@pytest.mark.parametrize("status", [2, 3])
-def test_bad_input_and_divergence_are_not_restarted(tmp_path, status):
+@pytest.mark.parametrize("status", [1, 2, 3, 143])
+def test_a_workers_own_error_is_not_restarted(tmp_path, status):
+    """Bad data or checkpoint (1), bad flags (2), divergence (3), SIGTERM handled (143)."""
     cmd, marker = launcher(tmp_path, "--workers", "2", "--max-restarts", "3", "--grace", "1",
                            behaviour=[f"worker1=0.3,{status}", "worker=5", "server=5", "scheduler=5"])
     code, out = run_job(cmd, tmp_path / "out.txt", timeout=60)
@@ -116,10 +118,42 @@ def test_bad_input_and_divergence_are_not_restarted(tmp_path, status):
 
 def test_the_last_worker_lost_ends_the_job(tmp_path):
     cmd, _ = launcher(tmp_path, "--workers", "1", "--max-restarts", "2", "--grace", "1",
-                      behaviour=["worker=0.3,1", "server=5", "scheduler=5"])
+                      behaviour=["worker=0.3,-9", "server=5", "scheduler=5"])
     code, out = run_job(cmd, tmp_path / "out.txt", timeout=60)
-    assert code == 1 and ("manual_dp.launch: error: worker 0 exited with status 1; no worker left to "
+    assert code == 1 and ("manual_dp.launch: error: worker 0 was killed by SIGKILL; no worker left to "
                           "restart on; stopping the job") in out, out
+
+
+@pytest.mark.parametrize("label,status,expected", [
+    ("worker 1", -9, True), ("worker 1", PEER_LOST, True), ("worker 1", None, True),
+    ("worker 1", 1, False), ("worker 1", 2, False), ("worker 1", 3, False), ("worker 1", 137, False),
+    ("server 0", 1, True), ("scheduler", -6, True), ("server 0", 2, False), ("scheduler", 130, False),
+    ("worker 1 on h", 255, True), ("worker 1 on h", 137, True), ("worker 1 on h", 143, False),
+    ("worker 1 on h", 1, False),
+])
+def test_a_lost_part_is_told_from_a_workers_own_error(label, status, expected):
+    assert lost(label, status) is expected
+
+
+class Ended:
+    def __init__(self, code):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+def test_a_worker_that_lost_its_peer_is_not_named_when_the_peer_failed_too():
+    """Both ended before the launcher looked: the peer's own error is the cause, not the loss."""
+    job = launch.Job()
+    job.procs = [("worker 0", Ended(PEER_LOST)), ("worker 1", Ended(1)), ("server 0", Ended(None))]
+    assert job.failure(None) == ("worker 1", 1)
+    job.procs = [("worker 0", Ended(PEER_LOST)), ("worker 1", Ended(None)), ("server 0", Ended(-9))]
+    assert job.failure(None) == ("server 0", -9)
+    job.procs = [("worker 0", Ended(0)), ("worker 1", Ended(PEER_LOST)), ("server 0", Ended(1))]
+    assert job.failure(None) == ("server 0", 1) and job.failure(1.0) == ("worker 1", PEER_LOST)
+    job.procs = [("worker 0", Ended(0)), ("server 0", Ended(0))]
+    assert job.failure(None) is None
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -159,6 +193,19 @@ def start_then_signal(tmp_path, data, sig, *extra):
 
 def resumed_epoch(out):
     return int(re.search(r"\[worker 0\] resumed from \S+ after epoch (\d+)", out).group(1))
+
+
+def test_a_workers_bad_data_ends_the_job_at_once(tmp_path):
+    """--data-dir missing: every worker's own one-line error, exit 1, no restart (issue 25): a
+    restart would fail the same way, and did, until no worker was left."""
+    cmd = launch_cmd(2, "dist_sync", "--cpus", 1, "--data-dir", tmp_path / "nodata", "--checkpoint-dir",
+                     tmp_path / "ck", "--resume")
+    cmd[cmd.index("--workers"):cmd.index("--workers")] = ["--max-restarts", "1", "--grace", "1"]
+    code, out = run_job(cmd, tmp_path / "out.txt", timeout=120)
+    assert code == 1 and "restart" not in out, out
+    named = [l for l in out.splitlines() if f"error: --data-dir {tmp_path / 'nodata'} does not exist" in l]
+    assert named and all(l.startswith("[worker ") and "manual_dp.train: error: " in l for l in named), out
+    assert re.search(r"^manual_dp\.launch: error: worker \d exited with status 1; stopping the job$", out, re.M), out
 
 
 def test_a_killed_worker_restarts_the_job_which_ends_as_an_uninterrupted_one(data, tmp_path):

@@ -37,10 +37,30 @@ def test_collisions_and_combinations_end_in_one_line(capsys, data_dir, tmp_path,
 
 
 @pytest.mark.parametrize("name,value", [("OMP_NUM_THREADS", "abc"), ("MXNET_CPU_TEMP_COPY", "abc"),
-                                        ("OPENBLAS_NUM_THREADS", "0"), ("OMP_NUM_THREADS", "-2")])
+                                        ("OPENBLAS_NUM_THREADS", "0"), ("OMP_NUM_THREADS", "-2"),
+                                        ("OMP_NUM_THREADS", "100000")])
 def test_thread_variables_mxnet_would_abort_on_are_refused(name, value):
     assert name in environment_problem({name: value})
     assert environment_problem({name: "4"}) is None and environment_problem({}) is None
+
+
+@pytest.mark.parametrize("env,problem", [
+    ({"MXNET_ENGINE_TYPE": "ThreadedEnginePooled"}, "names no engine of MXNet"),
+    ({"MXNET_EXEC_BULK_EXEC_INFERENCE": "yes"}, "must be 0, 1, true or false"),
+    ({"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "127.0.0.1"}, "DMLC_PS_ROOT_PORT, DMLC_NUM_WORKER, DMLC_NUM_SERVER are unset"),
+    ({"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "h", "DMLC_PS_ROOT_PORT": "9", "DMLC_NUM_WORKER": "two",
+      "DMLC_NUM_SERVER": "1"}, "DMLC_NUM_WORKER='two' must be a whole number"),
+])
+def test_engine_and_role_variables_mxnet_would_fail_on_are_refused(env, problem):
+    assert problem in environment_problem(env)
+
+
+@pytest.mark.parametrize("env", [{"MXNET_ENGINE_TYPE": "NaiveEngine", "MXNET_EXEC_BULK_EXEC_TRAIN": "False"},
+                                 {"DMLC_ROLE": "worker"},
+                                 {"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "h", "DMLC_PS_ROOT_PORT": "9",
+                                  "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1"}])   # as the launcher gives it
+def test_engine_and_role_variables_that_work_pass(env):
+    assert environment_problem(env) is None
 
 
 @pytest.mark.parametrize("command", [["manual_dp.train"], ["manual_dp.plan", "--devices", "2", "--memory-per-device", "1G"]])
@@ -146,13 +166,31 @@ CASES = [   # (command, expected exit status, expected text in the output)
     (["manual_dp.bench", "--local-sgd", "--compress"], 2, "--local-sgd and --compress are separate runs"),
     (["manual_dp.bench", "--tiny", "--only", "train", "--data-dir", "missing"], 2, "--data-dir missing: no such directory"),
     (["manual_dp.bench", "--wait-for-cores", "100"], 2, "--wait-for-cores 100.0: this machine has"),
+    # the sweep of issue 25's case kinds (item 4): tracebacks and a hang it found
+    (["manual_dp.bench.stages", "--micro-batches", "0"], 2, "argument --micro-batches: invalid positive value: '0'"),
+    (["manual_dp.bench.tensor", "--widths", "0"], 2, "argument --widths: invalid positive value: '0'"),
+    (["manual_dp.bench.tensor", "--contexts", "3"], 2, "--contexts must be even (tensor groups of 2), got 3"),
+    (["manual_dp.bench.zero_memory", "--width", "-1"], 2, "argument --width: invalid positive value: '-1'"),
+    (["manual_dp.bench.kvstore_compress", "--workers", "0"], 2, "unrecognized arguments: --workers 0"),
+    (["manual_dp.train", "--cpus", "1"], 2, "MANUAL_DP_CONV_PAD must be a whole number from 1 to 64, got '100000'",
+     {"MANUAL_DP_CONV_PAD": "100000"}),
+    (["manual_dp.train"], 2, "DMLC_ROLE='server' makes this process a parameter server's server, but "
+     "DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DMLC_NUM_WORKER, DMLC_NUM_SERVER are unset", {"DMLC_ROLE": "server"}),
+    (["manual_dp.train"], 2, "MXNET_ENGINE_TYPE='Bogus' names no engine of MXNet", {"MXNET_ENGINE_TYPE": "Bogus"}),
+    (["manual_dp.train"], 2, "MXNET_EXEC_BULK_EXEC_TRAIN='x' must be 0, 1, true or false",
+     {"MXNET_EXEC_BULK_EXEC_TRAIN": "x"}),
+    (["manual_dp.plan", "--devices", "2", "--memory-per-device", "1G"], 2,
+     "OMP_NUM_THREADS='100000' must be a whole number from 1 to 1024", {"OMP_NUM_THREADS": "100000"}),
 ]
 
 
-@pytest.mark.parametrize("argv,code,text", CASES, ids=[" ".join(c[0][:2]) + f" {i}" for i, c in enumerate(CASES)])
-def test_case_table(tmp_path, argv, code, text):
+@pytest.mark.parametrize("argv,code,text,env", [c if len(c) == 4 else (*c, {}) for c in CASES],
+                         ids=[" ".join(c[0][:2]) + f" {i}" for i, c in enumerate(CASES)])
+def test_case_table(data_dir, tmp_path, argv, code, text, env):
     (tmp_path / "trace.json").write_text("{}")
-    done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    argv = argv + ["--data-dir", str(data_dir), *TINY] if argv[0] == "manual_dp.train" else argv
+    done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, **env))
     assert done.returncode == code and text in done.stdout + done.stderr, (done.returncode, done.stdout, done.stderr)
     if code:
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -184,3 +222,4 @@ def test_ctrl_c_in_a_long_command_is_one_line_and_130(tmp_path, command):
     _, err = proc.communicate(timeout=120)
     lines = [l for l in err.strip().splitlines() if not l.startswith("[")]
     assert proc.returncode == 130 and lines == [f"{command[0]}: error: interrupted"], (proc.returncode, err)
+

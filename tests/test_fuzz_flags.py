@@ -1,6 +1,6 @@
 """A fuzz test over every command's flags (issue 25): random values of the wrong type, range and
 combination. Whatever a case gives, the command ends with a documented exit code (0; 1 data,
-checkpoints, outputs, peers; 2 bad input; 3 divergence), and when it fails, with one line and no
+checkpoints, outputs; 2 bad input; 3 divergence; 4, a lost peer, needs a job of processes), and when it fails, with one line and no
 traceback. Bounded: a fixed seed, a fixed number of cases, tiny data, every subprocess on a timeout.
 
 The values are hostile, not huge: a valid but enormous size (--epochs 10**9) is a long run, not bad

@@ -19,10 +19,12 @@ print(role, os.environ["DMLC_NODE_HOST"], os.environ["DMLC_PS_ROOT_URI"],
       os.environ["DMLC_PS_ROOT_PORT"], os.environ["DMLC_NUM_WORKER"],
       os.environ["DMLC_NUM_SERVER"], os.environ.get("MANUAL_DP_LOCAL_RANK"), flush=True)
 behaviour = dict(arg.split("=") for arg in sys.argv[1:])
-# "SECONDS[,STATUS]": sleep, then exit with STATUS (default 0)
+# "SECONDS[,STATUS]": sleep, then exit with STATUS (default 0); a negative STATUS: killed by signal -STATUS
 what = behaviour.get(role + os.environ.get("MANUAL_DP_LOCAL_RANK", ""), behaviour.get(role, "0.3"))
 seconds, _, status = what.partition(",")
 time.sleep(float(seconds))
+if int(status or 0) < 0:
+    os.kill(os.getpid(), -int(status))
 sys.exit(int(status or 0))
 """
 

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli.options import OneLineParser
-from ..cli.output import fail, interrupted, parsed_or_exit
+from ..cli.options import OneLineParser, positive
+from ..cli.output import ends_on_signals, fail, parsed_or_exit
 from ..config import RunConfig
 from ..errors import UsageError
 from ..fast.runtime import machine, thread_env, usable_cores
@@ -246,12 +246,9 @@ def check_values(args):
 
 
 def main(argv=None):
-    """Ctrl-C ends the bench with one line and exit 130."""
-    args = parsed_or_exit(parse, argv, "manual_dp.bench")
-    try:
-        bench(args)
-    except KeyboardInterrupt:
-        interrupted(prog="manual_dp.bench")
+    """Ctrl-C, SIGTERM or SIGHUP end the bench with one line and exit 130 or 128 + signal."""
+    with ends_on_signals("manual_dp.bench"):
+        bench(parsed_or_exit(parse, argv, "manual_dp.bench"))
 
 
 def bench(args):
@@ -289,14 +286,6 @@ def bench(args):
 def report_model(out, records=None):
     from .report import model_section
     return model_section(out, records)
-
-
-def positive(text):
-    """An int >= 1 (argparse type)."""
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
 
 
 def build_parser():

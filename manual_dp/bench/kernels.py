@@ -19,7 +19,7 @@ import sys
 from collections import defaultdict
 
 from ..cli.options import OneLineParser
-from ..cli.output import parsed_or_exit
+from ..cli.output import ends_on_signals, parsed_or_exit
 
 BEGIN, END = "== measured steps begin", "== measured steps end"
 
@@ -115,6 +115,7 @@ def parse(argv):
     return args
 
 
+@ends_on_signals("python -m manual_dp.bench.kernels")   # Ctrl-C, SIGTERM, SIGHUP: one line
 def main(argv=None):
     args = parsed_or_exit(parse, argv, "python -m manual_dp.bench.kernels")
     if args.child:

@@ -10,10 +10,11 @@ gap to the uncompressed run belongs to the 2bit scheme, not to this project's co
 
     python -m manual_dp.bench.kvstore_compress --cpus 2 --epochs 10 --threshold 0.5
 """
-import argparse
 import json
 import time
 
+from ..cli.options import OneLineParser, positive
+from ..cli.output import ends_on_signals, parsed_or_exit
 from ..config import RunConfig
 
 
@@ -53,22 +54,23 @@ def train(ctx, epochs, threshold, lr, batch_size, seed, data):
                "images_per_sec": seen / seconds}
 
 
+@ends_on_signals("python -m manual_dp.bench.kvstore_compress")   # Ctrl-C, SIGTERM, SIGHUP: one line
 def main(argv=None):
     d = RunConfig()
-    p = argparse.ArgumentParser(prog="python -m manual_dp.bench.kvstore_compress",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--cpus", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=d.epochs)
+    prog = "python -m manual_dp.bench.kvstore_compress"
+    p = OneLineParser(prog=prog, description=__doc__.split("\n")[0])
+    p.add_argument("--cpus", type=positive, default=2)
+    p.add_argument("--epochs", type=positive, default=d.epochs)
     p.add_argument("--threshold", type=float, default=0.5, help="2bit's T (MXNet's default 0.5)")
     p.add_argument("--uncompressed", action="store_true", help="the same run without compression")
     p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--batch-size", type=positive, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--train-size", type=int)
-    p.add_argument("--test-size", type=int)
+    p.add_argument("--train-size", type=positive)
+    p.add_argument("--test-size", type=positive)
     p.add_argument("--data-dir")
     p.add_argument("--log-json", help="also write the records here, one JSON object per line")
-    args = p.parse_args(argv)
+    args = parsed_or_exit(p.parse_args, argv, prog)
     import mxnet as mx
     from ..data import load_fashion_mnist
     data = load_fashion_mnist(args.data_dir, args.train_size, args.test_size)

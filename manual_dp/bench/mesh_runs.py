@@ -17,7 +17,7 @@ import numpy as np
 from mxnet import nd
 
 from ..cli.build import build_model, network
-from ..cli.memcheck import read_probe, start_probe
+from ..cli.memcheck import read_probes
 from ..cli.options import trainer_config
 from ..errors import UsageError
 from ..memory import random_batch
@@ -76,9 +76,9 @@ def activations(model_flags, batch, at_once, names=None):
         except UsageError as e:
             out[name] = {"contexts": n, "left_out": str(e)}
     for i in range(0, len(ready), at_once):
-        procs = [(name, n, start_probe(cfg, "cpu", n)) for name, n, cfg in ready[i:i + at_once]]
-        for name, n, proc in procs:
-            report = read_probe(proc)
+        reports = read_probes({name: (cfg, n) for name, n, cfg in ready[i:i + at_once]}, "cpu")
+        for name, n, _ in ready[i:i + at_once]:
+            report = reports[name]
             out[name] = {"contexts": n, "left_out": "its measuring process failed"} if report is None else {
                 "contexts": n, "method": next(iter(report.values()))["method"],
                 "activation_bytes": {c: r["activation_bytes"] for c, r in report.items()},

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from ..cli.options import OneLineParser, trainer_config
-from ..cli.output import parsed_or_exit
+from ..cli.output import ends_on_signals, parsed_or_exit
 from ..errors import UsageError
 from ..fast.runtime import configure, machine, usable_cores
 
@@ -166,6 +166,7 @@ def print_meshes(m):
                                     if "loss_rel_diff" in r else "")))
 
 
+@ends_on_signals("python -m manual_dp.bench.meshes")   # Ctrl-C, SIGTERM, SIGHUP: one line
 def main(argv=None):
     args = parsed_or_exit(parse, argv, "python -m manual_dp.bench.meshes")
     configure(args.cpus)                             # thread settings before MXNet loads

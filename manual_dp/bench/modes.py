@@ -16,7 +16,7 @@ import numpy as np
 
 from ..checks import check_model
 from ..cli.options import OneLineParser
-from ..cli.output import parsed_or_exit
+from ..cli.output import ends_on_signals, parsed_or_exit
 from ..config import TRANSFORMER, RunConfig
 from ..errors import UsageError
 from ..fast.runtime import configure, machine
@@ -139,6 +139,7 @@ def network(args):
         raise UsageError(f"--model {args.model}: {e}") from None
 
 
+@ends_on_signals("python -m manual_dp.bench.modes")   # Ctrl-C, SIGTERM, SIGHUP: one line
 def main(argv=None):
     args = parsed_or_exit(parse, argv, "python -m manual_dp.bench.modes")
     configure(args.cpus)                            # thread settings before MXNet loads

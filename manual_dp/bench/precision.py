@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cli.output import parsed_or_exit
+from ..cli.output import ends_on_signals, parsed_or_exit
 from ..fast.runtime import configure, machine
 from .modes import network, parse_bench, take_turns
 
@@ -58,6 +58,7 @@ def parse(argv):
     return parse_bench(argv, "python -m manual_dp.bench.precision", __doc__, "precision.json", cpus=2, least=1)
 
 
+@ends_on_signals("python -m manual_dp.bench.precision")   # Ctrl-C, SIGTERM, SIGHUP: one line
 def main(argv=None):
     args = parsed_or_exit(parse, argv, "python -m manual_dp.bench.precision")
     configure(args.cpus)                               # thread settings before MXNet loads

@@ -5,22 +5,25 @@ interleaved step by step in one run (on a shared machine: noisy, compare the rat
 
     python -m manual_dp.bench.stages [--stages 4] [--micro-batches 8] [--batch-size 256] [--width 1]
 """
-import argparse
 import statistics
 import time
 
+from ..cli.options import OneLineParser, positive
+from ..cli.output import ends_on_signals, parsed_or_exit
 from ..fast.runtime import configure, machine
+
+PROG = "python -m manual_dp.bench.stages"
 
 CONFIGS = [("gpipe", False), ("gpipe", True), ("1f1b", False), ("1f1b", True)]
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m manual_dp.bench.stages", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, default=4, choices=(1, 2, 3, 4), help="pipeline stages (default 4)")
-    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per batch (default 8)")
-    p.add_argument("--batch-size", type=int, default=256, help="examples per step (default 256)")
-    p.add_argument("--width", type=int, default=1, help="LeNet's width multiplier (default 1)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (default 5)")
+    p.add_argument("--micro-batches", type=positive, default=8, help="micro-batches per batch (default 8)")
+    p.add_argument("--batch-size", type=positive, default=256, help="examples per step (default 256)")
+    p.add_argument("--width", type=positive, default=1, help="LeNet's width multiplier (default 1)")
+    p.add_argument("--steps", type=positive, default=5, help="timed steps per configuration (default 5)")
     return p
 
 
@@ -65,7 +68,13 @@ def table(models, seconds, args):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    """The report; bad flags end with one line and exit 2, Ctrl-C, SIGTERM or SIGHUP with one line."""
+    with ends_on_signals(PROG):
+        report(parsed_or_exit(build_parser().parse_args, argv, PROG))
+
+
+def report(args):
+    """Measure the configurations of `args` and print the tables."""
     configure(args.stages)
     import mxnet as mx   # loads here, with the thread settings for S contexts
     import numpy as np

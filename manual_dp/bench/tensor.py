@@ -8,14 +8,17 @@ data parallelism on the same contexts.
 
 Writes DIR/tensor.json (with the machine and commit) and DIR/tensor.png.
 """
-import argparse
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 
+from ..cli.options import OneLineParser, positive
+from ..cli.output import ends_on_signals, parsed_or_exit
 from ..fast.runtime import configure, machine
+
+PROG = "python -m manual_dp.bench.tensor"
 
 PARTS = ("params", "grads", "optimiser state")
 
@@ -94,16 +97,30 @@ def plot(results, out):
     plt.close(fig)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m manual_dp.bench.tensor", description=__doc__.split("\n")[0])
+def parse(argv):
+    """The checked flags; UsageError (one line) for values no run can use."""
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench_out", help="directory for tensor.json and tensor.png")
-    parser.add_argument("--contexts", type=int, default=4, help="CPU contexts (even, >= 2)")
-    parser.add_argument("--memory-width", type=int, default=16)
-    parser.add_argument("--widths", type=int, nargs="+", default=[1, 4], help="widths timed")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3, help="steps per strategy per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--contexts", type=positive, default=4, help="CPU contexts (even, >= 2)")
+    parser.add_argument("--memory-width", type=positive, default=16)
+    parser.add_argument("--widths", type=positive, nargs="+", default=[1, 4], help="widths timed")
+    parser.add_argument("--batch", type=positive, default=256)
+    parser.add_argument("--steps", type=positive, default=3, help="steps per strategy per round")
+    parser.add_argument("--rounds", type=positive, default=3)
     args = parser.parse_args(argv)
+    if args.contexts % 2:
+        parser.error(f"--contexts must be even (tensor groups of 2), got {args.contexts}")
+    return args
+
+
+def main(argv=None):
+    """The results; bad flags end with one line and exit 2, Ctrl-C, SIGTERM or SIGHUP with one line."""
+    with ends_on_signals(PROG):
+        return measure(parsed_or_exit(parse, argv, PROG))
+
+
+def measure(args):
+    """Memory and speed of the strategies, written to OUT/tensor.json and .png, and printed."""
     configure(args.contexts)                         # thread settings before MXNet loads
     from .command import commit
     out = Path(args.out)

@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from ..cli.options import OneLineParser
+from ..cli.options import OneLineParser, positive
 from ..cli.output import parsed_or_exit
 from ..config import TRANSFORMER
 from ..fast.runtime import machine, usable_cores
@@ -231,14 +231,6 @@ def run(args):
 
 
 # --- the command line -------------------------------------------------------------------------------
-def positive(text):
-    """An int >= 1 (argparse type)."""
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
-
-
 def parse(argv):
     """The checked arguments; UsageError (one line) for values no run can use."""
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])

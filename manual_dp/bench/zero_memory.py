@@ -20,11 +20,12 @@ precision, takes one step on one random image per context, and prints for the bu
 Under a 16-bit precision sync keeps what fp32 keeps (PyTorch AMP's layout: float32 master weights,
 gradients and state; its 16-bit copies are transient). Sizes do not depend on the machine.
 """
-import argparse
 import json
 
 import numpy as np
 
+from ..cli.options import OneLineParser, positive
+from ..cli.output import ends_on_signals, parsed_or_exit
 from ..config import ZERO_MEMORY, RunConfig, resolve
 
 NAMES = ("sync", "zero1", "zero2", "zero3")
@@ -88,11 +89,11 @@ def row(name, precision, net, ctx, optimizer):
 
 def profiled(name, precision, width, cpus, optimizer, batch):
     """The largest peak_bytes of the run's memory report, measured in a fresh process (None if it failed)."""
-    from ..cli.memcheck import read_probe, start_probe
+    from ..cli.memcheck import default_pad, read_probes
     cfg = resolve(RunConfig(mode="zero" if name != "sync" else "sync", zero_stage=int(name[-1]) if name != "sync"
                             else None, precision=precision, cpus=cpus, width=width, optimizer=optimizer,
                             batch_size=batch))
-    report = read_probe(start_probe(cfg, "cpu", cpus))
+    report = read_probes({0: (cfg, cpus)}, "cpu", default_pad(cfg))[0]
     return max(r["peak_bytes"] for r in report.values()) if report else None
 
 
@@ -127,19 +128,20 @@ def format_table(rows, n, width, cpus, optimizer, batch=None):
     return "\n".join(lines)
 
 
+@ends_on_signals("python -m manual_dp.bench.zero_memory")   # Ctrl-C, SIGTERM, SIGHUP: one line
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m manual_dp.bench.zero_memory", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m manual_dp.bench.zero_memory", description=__doc__.split("\n")[0])
     d = ZERO_MEMORY
-    p.add_argument("--width", type=int, default=d["width"], help=f"LeNet's width (default {d['width']})")
-    p.add_argument("--cpus", type=int, default=d["cpus"], help=f"contexts cpu(0..N-1) (default {d['cpus']})")
+    p.add_argument("--width", type=positive, default=d["width"], help=f"LeNet's width (default {d['width']})")
+    p.add_argument("--cpus", type=positive, default=d["cpus"], help=f"contexts cpu(0..N-1) (default {d['cpus']})")
     p.add_argument("--optimizer", default=d["optimizer"], choices=("sgd", "momentum", "adam"),
                    help=f"(default {d['optimizer']})")
     p.add_argument("--precision", default=d["precision"], choices=("bf16", "fp16"),
                    help=f"the 16-bit precision beside fp32 (default {d['precision']})")
-    p.add_argument("--batch", type=int, default=d["batch"], help=f"the profiled step's batch (default {d['batch']})")
+    p.add_argument("--batch", type=positive, default=d["batch"], help=f"the profiled step's batch (default {d['batch']})")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled peaks (fresh processes)")
     p.add_argument("--json", help="also write the rows to this file")
-    args = p.parse_args(argv)
+    args = parsed_or_exit(p.parse_args, argv, "python -m manual_dp.bench.zero_memory")
     batch = None if args.no_profile else args.batch
     rows, n = table(args.width, args.cpus, args.optimizer, args.precision, batch=batch)
     print(format_table(rows, n, args.width, args.cpus, args.optimizer, batch))

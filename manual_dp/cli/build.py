@@ -62,6 +62,14 @@ def conv_pad(cfg):
         raise UsageError(str(e)) from None
 
 
+def graph_pad(cfg, world):
+    """The padding of the convolutions of the cached graph this run builds (rank 0's choice), or
+    None if it pads none: LeNet's sync step with its graph (--deterministic runs it unpadded)."""
+    if cfg.model == "lenet" and cfg.mode == "sync" and cfg.graph and not cfg.deterministic:
+        return world.share(lambda: conv_pad(cfg))
+    return None
+
+
 @functools.lru_cache(maxsize=4)
 def network_of(model, width, layers, d_model, heads, patch, seed, dropout=0.0):
     try:
@@ -131,11 +139,11 @@ def build_model(cfg, params, ctx, world, policy=None):
     grad_reduce = world.reducer(policy.reducer(make_allreduce(name), name))   # gradients: in the precision
     grad_reduce = policy.rounding(grad_reduce) if world.size > 1 else grad_reduce
     if cfg.mode == "sync":
-        padded = cfg.graph and cfg.model == "lenet" and not cfg.deterministic   # --deterministic: unpadded
-        pad = world.share(lambda: conv_pad(cfg)) if padded else 1               # rank 0's
-        if padded:
+        pad = graph_pad(cfg, world)                                              # rank 0's
+        if pad is not None:
             print(f"cached graph: convolution channels padded to multiples of {pad}" if pad > 1 else
                   "cached graph: convolutions unpadded" + (" (--no-autotune)" if cfg.no_autotune else ""))
+        pad = pad or 1
         bucket_mb = float("inf") if cfg.trace and cfg.bucket_mb is None else cfg.bucket_mb  # inf: one buffer
         compressed = make_reducer(cfg.compress, reduce, [p.shape for p in params], world)
         sums = fixed_sums(cfg, world)

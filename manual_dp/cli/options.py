@@ -26,6 +26,14 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def positive(text):
+    """An int >= 1 (argparse type)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
 def base_type(t):
     """int for int and Optional[int]; likewise float, str, bool."""
     args = [a for a in typing.get_args(t) if a is not type(None)]

@@ -1,4 +1,5 @@
 """What the command line shows and writes: progress bar, one line per epoch, the JSON log."""
+import contextlib
 import json
 import os
 import signal
@@ -8,7 +9,7 @@ from pathlib import Path
 
 
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1"}
-from ..errors import UsageError
+from ..errors import Terminated, UsageError
 from ..fast.runtime import environment_problem
 
 
@@ -148,6 +149,28 @@ def interrupted(signum=None, prog="manual_dp.train"):
     print(f"{prog}: error: {what}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(130 if signum is None else 128 + signum)
+
+
+def terminate(signum, frame):
+    """SIGTERM, SIGHUP: raise Terminated in the main thread."""
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def ends_on_signals(prog):
+    """Inside, SIGTERM and SIGHUP raise Terminated; Ctrl-C, SIGTERM or SIGHUP end the command with
+    one line and exit 130 or 128 + signal, once every `with` block inside has closed (a child
+    process killed, no file half-written). Afterwards the previous handlers are back."""
+    previous = {s: signal.signal(s, terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    except KeyboardInterrupt:
+        interrupted(prog=prog)
+    except Terminated as e:
+        interrupted(e.signum, prog=prog)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def fail(message, code, prog="manual_dp.train"):

@@ -11,7 +11,7 @@ import numpy as np
 from .. import checkpoint, checks, config, memory
 from ..data import load_fashion_mnist, locate_data
 from ..digests import DigestFile, header as digest_header
-from ..errors import (CheckpointError, DataError, DistributedError, DivergedError, OutputError,
+from ..errors import (PEER_LOST, CheckpointError, DataError, DistributedError, DivergedError, OutputError,
                       ReplicaMismatchError, Terminated, UsageError)
 from ..fast.trace import TRACE_UPDATES
 from ..loop import fit
@@ -21,7 +21,7 @@ from ..multiprocess.connect import connect
 from ..schedule import updates_per_epoch
 from ..strategies.digested import Digested
 from . import memcheck
-from .build import build_model, contexts, degree, dry_run, learning_rate, network, policy_of
+from .build import build_model, contexts, degree, dry_run, graph_pad, learning_rate, network, policy_of
 from .output import Progress, describe, fail, format_record, interrupted, write_log
 
 
@@ -121,9 +121,10 @@ def train_in(cfg, world, ctx):
     """run_in's training, its outputs checked and its checkpoint directory ours."""
     net = network(cfg)
     params = net.init_params(cfg.seed, cfg.init_scale)
-    mem = memcheck.run_report(cfg, params, ctx, build_model, world.size)   # before anything else runs
     data_dir, data_label = locate_data(cfg.data_dir)
     train_data, test_data = load_fashion_mnist(data_dir, cfg.train_size, cfg.test_size)
+    pad = graph_pad(cfg, world) if world.size == 1 else None       # autotune's timing is no part of a step
+    mem = memcheck.run_report(cfg, params, ctx, build_model, world.size, pad)   # before MXNet's own work
     policy = policy_of(cfg)
     model = build_model(cfg, params, ctx, world, policy)
     if len(train_data[0]) < model.min_batch:
@@ -178,11 +179,11 @@ def train_in(cfg, world, ctx):
 
 
 def give_up(message):
-    """The watchdog's verdict: one line, then the process ends at once. Its main thread may be
-    waiting inside MXNet's engine for a peer that is gone, where no exception can reach it."""
+    """The watchdog's verdict: one line, then the process ends at once with PEER_LOST. Its main
+    thread may be waiting inside MXNet's engine for a peer that is gone, where no exception can reach it."""
     sys.stderr.write(f"manual_dp.train: error: {message}\n")
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(PEER_LOST)
 
 
 def run(cfg):
@@ -193,13 +194,15 @@ def run(cfg):
 
 def run_or_exit(cfg):
     """run(cfg); bad input ends with one line and exit status 2, missing or broken data,
-    checkpoints, outputs or peers with 1, divergence with 3."""
+    checkpoints or outputs with 1, divergence with 3, a lost peer with PEER_LOST (4)."""
     try:
         return run(cfg)
     except UsageError as e:
         sys.exit(fail(e, 2))
-    except (DataError, CheckpointError, DistributedError, OutputError, ReplicaMismatchError) as e:
+    except (DataError, CheckpointError, OutputError, ReplicaMismatchError) as e:
         sys.exit(fail(e, 1))
+    except DistributedError as e:
+        sys.exit(fail(e, PEER_LOST))
     except DivergedError as e:
         saved = cfg.checkpoint_dir and (Path(cfg.checkpoint_dir) / checkpoint.NAME).is_file()
         kept = " (the checkpoint of the last good epoch is kept)" if saved else ""

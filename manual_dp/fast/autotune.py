@@ -23,6 +23,8 @@ from .graph import ModelGraph
 from .runtime import machine
 
 CONV_PADS = (1, 8, 16)
+PAD_ENV = "MANUAL_DP_CONV_PAD"       # names the padding outright
+PAD_MAX = 64                         # at most (AVX-512's block is 16; 100000 overflowed a shape inside MXNet)
 
 
 def machine_key():
@@ -88,10 +90,10 @@ def cpu_ms_per_image(conv_pad, batch=128, steps=4, repeats=3):
 def conv_pad(enabled=True, measure=cpu_ms_per_image, say=print):
     """The conv_pad to use: $MANUAL_DP_CONV_PAD if set; 1 if not `enabled`; else this machine's
     cached choice, measured (and said, and cached) the first time."""
-    given = os.environ.get("MANUAL_DP_CONV_PAD")
+    given = os.environ.get(PAD_ENV)
     if given:
-        if not given.isdigit() or int(given) < 1:
-            raise ValueError(f"$MANUAL_DP_CONV_PAD must be a positive integer, got {given!r}")
+        if not given.isdigit() or not 1 <= int(given) <= PAD_MAX:
+            raise ValueError(f"$MANUAL_DP_CONV_PAD must be a whole number from 1 to {PAD_MAX}, got {given!r}")
         return int(given)
     if not enabled:
         return 1

@@ -28,6 +28,7 @@ import os
 import sys
 import warnings
 
+THREADS_MAX = 1024               # OMP_NUM_THREADS and the like at most (100000 ran for ever; 2048: 50 s on 2 cores)
 OURS = "MANUAL_DP_SETTINGS"      # "pid:NAME,NAME": what manual_dp put in this process's environment
 
 
@@ -76,17 +77,51 @@ def thread_env(cpu_contexts, cores=None, flags=None, per_op=None):
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MXNET_CPU_TEMP_COPY",
                     "MXNET_GPU_TEMP_COPY")
+ENGINES = ("NaiveEngine", "ThreadedEngine", "ThreadedEnginePerDevice")     # MXNet 1.9.1's MXNET_ENGINE_TYPE
+BOOLEANS = ("MXNET_EXEC_BULK_EXEC_TRAIN", "MXNET_EXEC_BULK_EXEC_INFERENCE")
+PS_LITE = ("DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER")
 
 
 def environment_problem(environ=None):
-    """What is wrong with the thread variables MXNet reads when it loads (one line), or None: each
-    must be a whole number >= 1, or MXNet's C++ aborts the process (OMP_NUM_THREADS=abc)."""
+    """What is wrong with the variables MXNet reads when it loads (one line), or None: each would
+    otherwise end the process inside MXNet, with a traceback or an abort, or run it for ever."""
     environ = os.environ if environ is None else environ
+    return thread_problem(environ) or engine_problem(environ) or role_problem(environ)
+
+
+def thread_problem(environ):
+    """Each thread variable a whole number from 1 to THREADS_MAX (OMP_NUM_THREADS=abc aborts)."""
     for name in THREAD_VARIABLES:
         value = environ.get(name)
-        if value is not None and not (value.strip().isdigit() and int(value) >= 1):
-            return f"the environment variable {name}={value!r} must be a whole number >= 1 (or unset)"
+        if value is not None and not (value.strip().isdigit() and 1 <= int(value) <= THREADS_MAX):
+            return f"the environment variable {name}={value!r} must be a whole number from 1 to {THREADS_MAX} (or unset)"
     return None
+
+
+def engine_problem(environ):
+    """MXNET_ENGINE_TYPE one of MXNet's engines; its bulk-execution switches booleans."""
+    engine = environ.get("MXNET_ENGINE_TYPE")
+    if engine is not None and engine not in ENGINES:
+        return f"the environment variable MXNET_ENGINE_TYPE={engine!r} names no engine of MXNet: {', '.join(ENGINES)}"
+    for name in BOOLEANS:
+        value = environ.get(name)
+        if value is not None and value.strip().lower() not in ("0", "1", "true", "false"):
+            return f"the environment variable {name}={value!r} must be 0, 1, true or false (or unset)"
+    return None
+
+
+def role_problem(environ):
+    """A parameter server's role (DMLC_ROLE server or scheduler, which MXNet takes up as it loads)
+    only with the rest of its job's environment, as the launcher gives it."""
+    if environ.get("DMLC_ROLE") not in ("server", "scheduler"):
+        return None
+    missing = [name for name in PS_LITE if not environ.get(name)]
+    if missing:
+        return (f"the environment variable DMLC_ROLE={environ['DMLC_ROLE']!r} makes this process a parameter "
+                f"server's {environ['DMLC_ROLE']}, but {', '.join(missing)} are unset: unset DMLC_ROLE, or start "
+                f"the job with python -m manual_dp.launch")
+    bad = [name for name in PS_LITE[1:] if not environ[name].strip().isdigit()]
+    return f"the environment variable {bad[0]}={environ[bad[0]]!r} must be a whole number" if bad else None
 
 
 def visible_gpus():

@@ -4,13 +4,16 @@
         --backend dist_sync --cpus 1 --checkpoint-dir runs/ck --resume
 
 ps-lite fixes the number of workers when a job starts, so a job that lost a worker cannot go on
-as it is. With --max-restarts R, when a part fails (a worker killed or exiting with status 1, a
-server or the scheduler ending early, a host not starting) the launcher stops every part, says so
-in one line and starts a new job, scheduler and servers as before and the workers that remain,
-running the same COMMAND; at most R times. The failed worker is left out: the one that failed
-first, unless the progress board (manual_dp.multiprocess.board) shows workers that had gone
-silent, stopped rather than dead, whose peers then gave up through their watchdogs: those are
-left out instead. Bad input (status 2), divergence (3) or an interruption end the job at once.
+as it is. With --max-restarts R, when a part is lost (a worker killed by a signal, or exiting with
+PEER_LOST, 4, because a collective failed or its watchdog gave up on a hung peer; a server or the
+scheduler exiting 1 or ending early; a host not starting; on a host, ssh's 255 or the remote
+shell's 128 + signal) the launcher stops every part, says so in one line and starts a new job,
+scheduler and servers as before and the workers that remain, running the same COMMAND; at most R
+times. The failed worker is left out: the one that failed first, unless the progress board
+(manual_dp.multiprocess.board) shows workers that had gone silent, stopped rather than dead, whose
+peers then gave up through their watchdogs: those are left out instead. A worker's own error ends
+the job at once, since it would fail again: its input (status 1: data, checkpoint, outputs), bad
+flags (2), divergence (3) or an interruption.
 
 The trainer must then continue from its checkpoint: --checkpoint-dir DIR --resume (refused
 otherwise, before anything starts). Checkpoints hold the full, unsharded state, so they load on
@@ -21,12 +24,12 @@ its sums taken in another order (equal to float rounding; bit for bit with --det
 import signal
 import sys
 
-from ..errors import UsageError
+from ..errors import PEER_LOST, UsageError
 from .board import ENV, Board
 from .launcher import LOOPBACK, Job, check_port_free, parse, plan
 
 SILENT = 2.5              # seconds without a heartbeat after which a worker counts as stopped
-RESTARTABLE = 1           # the status of a part that died, hung or could not start
+INTERRUPTED = (128 + signal.SIGINT, 128 + signal.SIGTERM)   # a trainer's (or shell's) Ctrl-C, SIGTERM
 
 
 def check_resumes(args, command):
@@ -44,6 +47,16 @@ def worker_number(label):
     return int(parts[1]) if len(parts) > 1 and parts[0] == "worker" else None
 
 
+def lost(label, status):
+    """True if the part `label` that ended with Popen's `status` (None: it did not start, or
+    ended early) was lost, so that a job without it may succeed; False for its own error."""
+    if status is None or status < 0 or status == PEER_LOST:
+        return True
+    if " on " in label and status > 128:
+        return status not in INTERRUPTED      # ssh's 255 (connection lost), the remote shell's 128 + signal
+    return status == 1 and worker_number(label) is None     # a server or the scheduler failed
+
+
 class Elastic:
     """The jobs of one launch: the first, and the restarts on the workers that remain."""
 
@@ -54,7 +67,8 @@ class Elastic:
         self.board = Board(LOOPBACK if not args.hosts else "0.0.0.0")
 
     def attempt(self):
-        """One job on self.workers to its end; returns (status, reason or None, workers to leave out)."""
+        """One job on self.workers to its end; returns (status, reason or None, whether a part was
+        lost, workers to leave out)."""
         procs = plan(self.args, self.workers)
         for name, _, env in procs:
             if name.startswith("worker"):
@@ -72,27 +86,28 @@ class Elastic:
         silent = [worker_number(slot) for slot in self.board.silent(SILENT)]
         failed = worker_number(self.job.failed)
         self.job.stop()
-        return code, reason, [w for w in silent if w in self.workers] or (
-            [failed] if failed is not None else [])
+        return code, reason, code != 0 and lost(self.job.failed, self.job.status), [
+            w for w in silent if w in self.workers] or ([failed] if failed is not None else [])
 
     def run(self):
         """Jobs until one succeeds, fails for good or the restarts run out; the launch's status."""
         while True:
-            code, reason, lost = self.attempt()
-            if code != RESTARTABLE or self.restarts == self.args.max_restarts:
+            code, reason, restartable, left_out = self.attempt()
+            if not restartable or self.restarts == self.args.max_restarts:
                 return self.end(code, reason)
-            remaining = [w for w in self.workers if w not in lost]
+            remaining = [w for w in self.workers if w not in left_out]
             if not remaining:
                 return self.end(code, f"{reason}; no worker left to restart on")
             self.restarts, self.workers = self.restarts + 1, remaining
-            without = f" without {', '.join(f'worker {w}' for w in lost)}" if lost else ""
+            without = f" without {', '.join(f'worker {w}' for w in left_out)}" if left_out else ""
             print(f"manual_dp.launch: {reason}; restart {self.restarts} of {self.args.max_restarts}"
                   f"{without}: {len(remaining)} worker(s) resume from the last checkpoint",
                   file=sys.stderr, flush=True)
 
     def interrupt(self, signum, frame):
-        """SIGTERM, SIGINT: KeyboardInterrupt, once every process being started is in self.job
-        (a process started but not yet recorded would outlive the launcher)."""
+        """SIGTERM, SIGINT, SIGHUP (a closed terminal or ssh session): KeyboardInterrupt, once every
+        process being started is in self.job (a process started but not yet recorded would outlive
+        the launcher; each runs in a session of its own, so a hang-up reaches none of them)."""
         self.interrupted = True
         if not self.starting:
             raise KeyboardInterrupt
@@ -124,7 +139,7 @@ def main(argv=None):
         return 2
 
     elastic = Elastic(args, command)
-    previous = {s: signal.signal(s, elastic.interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, elastic.interrupt) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         code = elastic.run()
     except KeyboardInterrupt:

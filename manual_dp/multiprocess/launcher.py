@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import PEER_LOST, UsageError
 
 LOOPBACK = "127.0.0.1"
 STARTED = "manual_dp.launch: remote command started"  # a remote shell's first own line
@@ -207,7 +207,7 @@ class Job:
     def __init__(self, start_timeout=60.0):
         self.procs, self.readers, self.lock = [], [], threading.Lock()
         self.start_timeout, self.pending, self.started_at = start_timeout, [], None
-        self.failed = None                            # the label of the part that failed the job
+        self.failed = self.status = None              # the label of the part that failed the job, its status
 
     def start(self, procs, command, ssh):
         """Every process of `procs` runs, its output forwarded; remote ones wait in `pending`."""
@@ -233,25 +233,33 @@ class Job:
         return next((label for label, p, started in self.pending
                      if not started.is_set() and p.poll() is None), None)
 
+    def failure(self, done_at):
+        """(label, Popen status) of a part that has failed, else None: a worker's non-zero exit, a
+        server's or the scheduler's before the workers are done. A worker that lost a peer
+        (PEER_LOST) is named only if no other part failed too: that part's failure is the cause."""
+        failed = [(name, code) for name, p in self.procs for code in [p.poll()]
+                  if code not in (None, 0) and (name.startswith("worker") or done_at is None)]
+        return min(failed, key=lambda f: f[1] == PEER_LOST, default=None)
+
     def supervise(self, grace):
         """Wait until every worker has ended; returns (exit status, what went wrong or None).
 
         A server or the scheduler may end cleanly while the last workers finalise; if the
         workers have not all ended `grace` seconds after that, the job has lost a part. A
-        remote process not started after start_timeout s fails the job.
+        remote process not started after start_timeout s fails the job. Afterwards self.failed
+        names the part that failed, self.status holds its Popen status (None: it did not start,
+        or ended early).
         """
         workers = [p for name, p in self.procs if name.startswith("worker")]
         done_at = early = None
         while True:
-            for name, p in self.procs:
-                code = p.poll()
-                if code is None or code == 0 and name.startswith("worker"):
-                    continue
-                if code != 0 and (name.startswith("worker") or done_at is None):
-                    self.failed = name
-                    return (code if code > 0 else 1), f"{name} {describe(code)}"
-                if done_at is None and early is None:
-                    early = (name, time.monotonic())
+            failed = self.failure(done_at)
+            if failed:
+                self.failed, self.status = failed
+                return (self.status if self.status > 0 else 1), f"{self.failed} {describe(self.status)}"
+            if done_at is None and early is None:
+                early = next(((name, time.monotonic()) for name, p in self.procs
+                              if p.poll() == 0 and not name.startswith("worker")), None)
             late = self.late()
             if late:
                 self.failed = late
