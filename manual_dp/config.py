@@ -30,7 +30,8 @@ LESSON_STEP = dict(allreduce="lesson", fuse_grads=False, graph=False)
 PLAN_TOP, PLAN_STEPS = 3, 3    # python -m manual_dp.plan --verify: layouts run, steps timed each
 PLAN_MAX_DEVICES, PLAN_MAX_BATCH = 4096, 1 << 22    # what the planner lays out at most (memory, time bounded)
 ZERO_MEMORY = dict(width=16, cpus=4, optimizer="adam", precision="bf16", batch=64)   # python -m manual_dp.bench.zero_memory
-PIECE_ROWS = 32               # --deterministic: rows per piece, the unit whose gradient is computed whole
+PIECE_ROWS = 64               # --deterministic: rows per piece, the unit whose gradient is computed whole
+                              # (64, not 32: half the calls; measured in docs/performance.md, 2026-11-26)
 TENSOR_PIECES = 4             # --deterministic --mode tensor's default --tensor-pieces: pieces of every split layer, whatever T
 
 

@@ -128,7 +128,7 @@ def run(tmp_path, name, cmd):
 
 
 def test_cli_the_same_bits_on_1_and_3_contexts_and_on_2_dist_sync_workers_x_2(data, tmp_path):
-    """Batches of 67 in pieces of 32 (32, 32, 3): 1 context, 3 contexts, and 2 dist_sync workers
+    """Batches of 67 in pieces of 64 (64, 3): 1 context, 3 contexts, and 2 dist_sync workers
     x 2 contexts log the same losses and accuracies and save the same bits."""
     one = run(tmp_path, "one", train_cmd("--cpus", 1, "--data-dir", data, *SMALL))
     three = run(tmp_path, "three", train_cmd("--cpus", 3, "--data-dir", data, *SMALL))

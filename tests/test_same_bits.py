@@ -36,9 +36,9 @@ LAYOUTS = {
 
 
 def digest(strategy, net, steps=2):
-    """The SHA-256 of the parameters and optimiser state after `steps` steps on 100 rows (4 pieces:
-    32, 32, 32, 4), and of the losses."""
-    X, y = batch(100, 0)
+    """The SHA-256 of the parameters and optimiser state after `steps` steps on 200 rows (4 pieces:
+    64, 64, 64, 8), and of the losses."""
+    X, y = batch(200, 0)
     losses = [float(strategy.step(X, y, 0.05)[0][0].asscalar()) for _ in range(steps)]
     state = strategy.state_dict()
     arrays = state["params"] + [s for st in state["opt_state"] for s in st]

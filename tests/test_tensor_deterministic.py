@@ -179,7 +179,7 @@ def run(tmp_path, name, cmd):
 
 
 def test_cli_the_same_bits_on_1_context_4_contexts_t2_and_2_dist_sync_workers(data, one, tmp_path):
-    """Batches of 67 in pieces of 32 (32, 32, 3): --cpus 1, --cpus 4 --tensor-parallel 2, and 2
+    """Batches of 67 in pieces of 64 (64, 3): --cpus 1, --cpus 4 --tensor-parallel 2, and 2
     dist_sync workers x 2 contexts --tensor-parallel 2 log the same losses and accuracies and save
     the same bits."""
     four = run(tmp_path, "four_t2", train_cmd("--cpus", 4, "--tensor-parallel", 2, "--data-dir", data, *SMALL))

@@ -125,7 +125,7 @@ def checksum(ck):
 
 
 def test_cli_zero_stage_2_the_same_bits_on_1_and_3_contexts_and_as_sync(one, data, tmp_path):
-    """Batches of 67 in pieces of 32 (32, 32, 3): stage 2 on 3 contexts and --mode sync on 2 log
+    """Batches of 67 in pieces of 64 (64, 3): stage 2 on 3 contexts and --mode sync on 2 log
     the same losses and accuracies and save the same bits as stage 2 on 1 context."""
     three = run(tmp_path, "three", train_cmd("--cpus", 3, "--data-dir", data, "--mode", "zero",
                                              "--zero-stage", 2, "--epochs", 2, *SMALL))

@@ -8,7 +8,7 @@ through it, unchanged (MXNet cannot attach_grad to an array in the middle of a r
 A copy forward and a copy backward change no value, so the step computes the bits it would.
 
 Strategies call a layer once per piece of the batch they hold: data parallelism once per
-context's shard, --deterministic once per piece of 32 rows, a pipeline once per micro-batch,
+context's shard, --deterministic once per piece of PIECE_ROWS rows, a pipeline once per micro-batch,
 tensor parallelism once per context of a group on the same rows (layers it does not split).
 `Recorder.whole` puts the pieces back in the batch's row order: the rows of a call to the first
 layer are found by their content (its input is the images), and the k-th call of every other layer
