@@ -1,6 +1,7 @@
 """One training run from a RunConfig: devices, data, strategy, resume, then an epoch at a time with
 a checkpoint, a log record and one printed line after each. Rank 0 alone prints and writes."""
 import contextlib
+import faulthandler
 import os
 import sys
 import tempfile
@@ -194,7 +195,10 @@ def run(cfg):
 
 def run_or_exit(cfg):
     """run(cfg); bad input ends with one line and exit status 2, missing or broken data,
-    checkpoints or outputs with 1, divergence with 3, a lost peer with PEER_LOST (4)."""
+    checkpoints or outputs with 1, divergence with 3, a lost peer with PEER_LOST (4). A crash in
+    native code (SIGSEGV, SIGABRT...) first prints every thread's Python stack (faulthandler, after
+    MXNet's own handler is in place, which it then calls), so that it says where it happened."""
+    faulthandler.enable(all_threads=True)
     try:
         return run(cfg)
     except UsageError as e:
