@@ -8,14 +8,15 @@ import hashlib
 
 import pytest
 
-from conftest import batch, cpus, write_dataset
-from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, train_cmd
+from conftest import batch, cpus
+from jobs import assert_same_run, horovod_cmd, launch_cmd, train_cmd
 from manual_dp import models
 from manual_dp.strategies.deterministic import DeterministicDataParallel
 from manual_dp.strategies.fixed_sums import FixedSums
 from manual_dp.strategies.pipeline import PipelineParallel
 from manual_dp.strategies.tensor_deterministic import TensorDeterministic
 from manual_dp.strategies.zero_deterministic import DeterministicZero
+from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
 from test_distributed import needs_horovod
 
 
@@ -110,18 +111,6 @@ def test_the_fast_layouts_do_not(nets, references):
 TINY = ["--train-size", "300", "--batch-size", "100", "--optimizer", "adam", "--lr", "0.002", "--epochs", "2",
         "--test-size", "64", "--deterministic", "--model", "transformer", "--layers", "1", "--d-model", "16",
         "--heads", "2"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_dataset(tmp_path_factory.mktemp("bits_data"))
-
-
-def run(tmp_path, name, cmd):
-    log, ck = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ck"
-    code, out = run_job([*cmd, "--log-json", log, "--checkpoint-dir", ck], tmp_path / f"{name}.txt")
-    assert code == 0, out
-    return log, ck
 
 
 def test_cli_pipelines_and_two_dist_sync_workers_of_hybrid_have_one_contexts_bits(data, tmp_path):

@@ -21,6 +21,7 @@ subtrees of its own pieces, the first context of the group the rest, and copies 
 import numpy as np
 from mxnet import autograd, nd
 
+from ..fast.tensor_ops import Join
 from .fixed_sums import cover, root_of, tree_sum
 from .group_stages import tensor_stage
 from .tensor_layout import shard
@@ -79,10 +80,12 @@ class TreeF(autograd.Function):
         return tuple(total.copyto(c) for c in self.row)
 
 
-class PieceJoin:
-    """The Join (fast.tensor_ops) of a tensor group `row` whose every context holds k pieces."""
+class PieceJoin(Join):
+    """The Join (fast.tensor_ops) of a tensor group `row` whose every context holds k pieces, joined
+    in the tree (its shard, unshard and starts are Join's: no sequence cut)."""
 
     def __init__(self, row, k):
+        super().__init__(allreduce=None)
         self.row, self.k = list(row), k
 
     def f(self, xs):
@@ -96,15 +99,6 @@ class PieceJoin:
 
     def leads(self, per_piece):
         return list(per_piece[::self.k])
-
-    def shard(self, hs):
-        return hs
-
-    def unshard(self, hs):
-        return hs
-
-    def starts(self, n):
-        return [0] * n
 
 
 def pieced(P, split, k):
