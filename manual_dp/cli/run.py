@@ -198,7 +198,8 @@ def run_or_exit(cfg):
     checkpoints or outputs with 1, divergence with 3, a lost peer with PEER_LOST (4). A crash in
     native code (SIGSEGV, SIGABRT...) first prints every thread's Python stack (faulthandler, after
     MXNet's own handler is in place, which it then calls), so that it says where it happened."""
-    faulthandler.enable(all_threads=True)
+    with contextlib.suppress(AttributeError, ValueError, OSError):      # no file descriptor 2: no dump
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     try:
         return run(cfg)
     except UsageError as e:
