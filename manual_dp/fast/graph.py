@@ -20,24 +20,28 @@ done: fewer engine pushes, but no gradient is ready before its segment ends. bul
 every backward operator on its own, so that gradient buckets can be all-reduced while the rest
 of the backward runs (manual_dp.fast.buckets).
 """
+import functools
+
 import mxnet as mx
 import numpy as np
 from mxnet import nd
 
 from ..lesson import cross_entropy
 from ..models import as_model
+from ..models.dropout import Sites, row_keys
 
 FLAGS = [("static_alloc", "true"), ("static_shape", "true")]
 UNBULKED = [("backward_bulk_size", "0")]
 
 
-def loss_symbol(model, conv_pad=1, shapes=None):
+def loss_symbol(model, conv_pad=1, shapes=None, F=mx.sym):
     """Outputs (sum of the batch's losses, number correct), of inputs X, y and the model's
-    parameters of `shapes` (default: the model's table), as `model.graph_params` lays them out."""
+    parameters of `shapes` (default: the model's table), as `model.graph_params` lays them out.
+    F: mx.sym, or models.dropout.Sites over it (then the dropout masks are inputs too)."""
     X, y = mx.sym.var("X"), mx.sym.var("y")
     params = [mx.sym.var(name) for name in model.names()]
     params, shapes = model.graph_params(params, shapes or [shape for _, shape in model.shapes()], conv_pad)
-    scores = model.forward(X, params, F=mx.sym, shapes=shapes)             # (B, 10)
+    scores = model.forward(X, params, F=F, shapes=shapes)                  # (B, 10)
     loss_sum = mx.sym.sum(cross_entropy(scores, y, F=mx.sym))             # (1,)
     correct = mx.sym.sum(mx.sym.argmax(scores, axis=1) == mx.sym.cast(y, "float32"))
     return mx.sym.Group([mx.sym.make_loss(loss_sum), mx.sym.BlockGrad(correct)])
@@ -56,12 +60,34 @@ class ModelGraph:
 
     def __init__(self, conv_pad=1, shapes=None, bulk=True, model=None):
         model = as_model(model, [np.empty(s) for s in shapes] if shapes else None)
-        symbol = loss_symbol(model, conv_pad, shapes)
+        self.sites = Sites(mx.sym, model.noise) if model.noise is not None else None
+        self.symbol = loss_symbol(model, conv_pad, shapes, self.sites or mx.sym)
         self.conv_pad, self.bulk, self.param_names = conv_pad, bulk, model.names()
-        self.names = symbol.list_inputs()
-        self.op = nd.CachedOp(symbol, FLAGS if bulk else FLAGS + UNBULKED)
+        self.names = self.symbol.list_inputs()
+        self.op = nd.CachedOp(self.symbol, FLAGS if bulk else FLAGS + UNBULKED)
 
     def __call__(self, X, y, params):
         inputs = dict(zip(self.param_names, params), X=X, y=y)
+        if self.sites is not None and self.sites.inputs:
+            inputs.update(self.masks(X, params))
         loss_sum, correct = self.op(*[inputs[name] for name in self.names])
         return loss_sum, correct
+
+    @functools.lru_cache(maxsize=8)
+    def input_shapes(self, X_shape, param_shapes):
+        """{input name: shape} of the graph for images of X_shape (the masks' shapes inferred)."""
+        return dict(zip(self.names, self.symbol.infer_shape(X=X_shape, **dict(zip(self.param_names, param_shapes)))[0]))
+
+    def masks(self, X, params):
+        """{mask input: the dropout masks of X's examples} for this call (ones outside a training
+        batch), drawn as models.dropout draws them in any other layout."""
+        shapes = self.input_shapes(X.shape, tuple(p.shape for p in params))
+        noise, keys = self.sites.noise, None
+        out = {}
+        for name, (site, rate) in self.sites.inputs.items():
+            if noise.batch is None:
+                out[name] = nd.ones(shapes[name], ctx=X.context)
+                continue
+            keys = row_keys(X) if keys is None else keys
+            out[name] = noise.mask(keys, site, shapes[name][1:], 0, X.context, rate)
+        return out

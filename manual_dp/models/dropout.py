@@ -118,21 +118,40 @@ def noisy(F, noise, X):
     return Noisy(F, noise, row_keys(X))
 
 
+class Sites:
+    """The namespace F (mx.sym) of a cached graph whose dropout sites are inputs: each site's mask is
+    a variable, `inputs` names them {name: (site, rate)}, and the graph's caller draws them for each
+    call's examples (fast.graph.ModelGraph)."""
+
+    def __init__(self, F, noise):
+        self.F, self.noise, self.inputs = F, noise, {}
+
+    def __getattr__(self, name):
+        return getattr(self.F, name)
+
+    def mask(self, site, rate):
+        name = f"dropout{site}"
+        self.inputs[name] = (site, rate)
+        return self.F.var(name)
+
+
 def drawing(F):
-    """The Noisy under F (through a precision's namespace), or None."""
+    """The Noisy or Sites under F (through a precision's namespace), or None."""
     while isinstance(F, Low):
         F = F.F
-    return F if isinstance(F, Noisy) else None
+    return F if isinstance(F, (Noisy, Sites)) else None
 
 
 def dropout(h, site, F, start=0, rate=None):
     """h (B, T, ...) with dropout site `site` applied at `rate` (default the run's p): its mask over
     tokens start.. of each example (a context-parallel or sequence-parallel block starts later);
-    h itself unless F is drawing."""
+    h itself unless F is drawing. In a cached graph (Sites) the mask is an input of the graph."""
     draw = drawing(F)
     rate = draw.noise.p if draw is not None and rate is None else rate
     if draw is None or not rate:
         return h
+    if isinstance(draw, Sites):                   # a whole model's graph: every block starts at token 0
+        return h * draw.mask(site, rate)
     per_token = int(np.prod(h.shape[2:])) if len(h.shape) > 2 else 1
     mask = draw.noise.mask(draw.keys, site, h.shape[1:], start * per_token, h.context, rate)
     return h * mask

@@ -78,8 +78,7 @@ class DataParallel(Strategy):
         self.allreduce_fn = allreduce_fn or make_allreduce(choice["allreduce"])
         self.running = [self.net.init_stats(c) for c in self.ctx] if self.net.stats() else None
         self.sync_batchnorm = sync_batchnorm and self.running is not None
-        # BatchNorm by hand and dropout's host-drawn masks have no symbolic form here
-        graph = graph and self.running is None and self.net.noise is None
+        graph = graph and self.running is None      # BatchNorm by hand has no symbolic form here
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
         self.buckets = Buckets(params, self.ctx, bucket_mb, optimizer, self.net.names()) if bucket_mb is not None else None
