@@ -1,7 +1,8 @@
 """Measuring all-reduce: microseconds and GB/s per algorithm, payload and context count, beside the
 copy bound (one cpu(0) -> cpu(1) copy of the same payload) and the memory floor (k copies at once:
 the traffic no all-reduce over k contexts of one memory can avoid). Each function returns one
-record (a dict); the benchmark (python -m manual_dp.bench) and notebook 02 call them."""
+record (a dict), allreduce_sweep a list of them; the benchmark (python -m manual_dp.bench) and
+notebook 02 call them."""
 import time
 
 import mxnet as mx
