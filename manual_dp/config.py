@@ -27,6 +27,8 @@ MAX_STAGES = 4                # its layers: conv1 | conv2 | dense1 | dense2 (str
 DEFAULT_CPU_CONTEXTS = 2      # contexts when there is no GPU and none are named
 FAST_STEP = dict(allreduce="reduce_bcast", fuse_grads=True, graph=True)
 LESSON_STEP = dict(allreduce="lesson", fuse_grads=False, graph=False)
+CACHE_BYTES_UNKNOWN = 32 << 20   # the last-level cache costmodel_cpu assumes where /sys does not give it (this
+                                 # project's AMD EPYC machines: 32 MiB)
 PLAN_TOP, PLAN_STEPS = 3, 3    # python -m manual_dp.plan --verify: layouts run, steps timed each
 PLAN_MAX_DEVICES, PLAN_MAX_BATCH = 4096, 1 << 22    # what the planner lays out at most (memory, time bounded)
 ZERO_MEMORY = dict(width=16, cpus=4, optimizer="adam", precision="bf16", batch=64)   # python -m manual_dp.bench.zero_memory

@@ -4,6 +4,8 @@
 
 (alpha: latency per message, beta: seconds per byte of the link, gamma: seconds per byte summed),
 fitted to the measured all-reduce figures and extrapolated to other links and device counts.
+This is the form for links (LINKS); CPU contexts of one machine, which share its memory and cores,
+have a form of their own (manual_dp.costmodel_cpu).
 """
 import itertools
 import math

@@ -1,7 +1,8 @@
 """Measuring all-reduce: microseconds and GB/s per algorithm, payload and context count, beside the
 copy bound (one cpu(0) -> cpu(1) copy of the same payload) and the memory floor (k copies at once:
 the traffic no all-reduce over k contexts of one memory can avoid). Each function returns one
-record (a dict); the benchmark (python -m manual_dp.bench) and notebook 02 call them."""
+record (a dict), allreduce_sweep a list of them; the benchmark (python -m manual_dp.bench) and
+notebook 02 call them."""
 import time
 
 import mxnet as mx
@@ -60,18 +61,48 @@ def memory_floor(k, nbytes, repeats):
             "busbw_gbps": nbytes / t / 1e9 * 2 * (k - 1) / k if k > 1 else None}
 
 
-def allreduce_point(name, k, nbytes, repeats):
-    """Record for all-reducing one float32 array of nbytes over cpu(0..k-1) with algorithm `name`.
+def allreduce_record(name, k, nbytes, seconds, **extra):
+    """The record of all-reducing nbytes over k contexts in `seconds` with algorithm `name`.
 
     algbw = bytes / time; busbw = algbw * 2(k-1)/k, the traffic per link of an optimal all-reduce,
     which is the figure to hold against the copy bound.
     """
-    arrays = [nd.zeros((max(1, nbytes // 4),), ctx=mx.cpu(i)) for i in range(k)]
-    fn = make_allreduce(name)
-    t = timed(lambda: fn(arrays), repeats, calls_for(nbytes * k))
-    algbw = nbytes / t / 1e9
-    return {"bench": "allreduce", "impl": name, "devices": k, "bytes": nbytes, "us": t * 1e6,
-            "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (k - 1) / k if k > 1 else None}
+    algbw = nbytes / seconds / 1e9
+    return dict({"bench": "allreduce", "impl": name, "devices": k, "bytes": nbytes, "us": seconds * 1e6,
+                 "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (k - 1) / k if k > 1 else None}, **extra)
+
+
+def replicas(k, nbytes):
+    """k float32 arrays of nbytes, one on each of cpu(0..k-1)."""
+    return [nd.zeros((max(1, nbytes // 4),), ctx=mx.cpu(i)) for i in range(k)]
+
+
+def allreduce_point(name, k, nbytes, repeats):
+    """Record for all-reducing one float32 array of nbytes over cpu(0..k-1) with algorithm `name`."""
+    arrays, fn = replicas(k, nbytes), make_allreduce(name)
+    return allreduce_record(name, k, nbytes, timed(lambda: fn(arrays), repeats, calls_for(nbytes * k)))
+
+
+def allreduce_sweep(names, ks, payloads, rounds):
+    """Records for every (algorithm, contexts, payload), in interleaved rounds: each round times
+    every point once (fresh replicas, one warm-up call, then calls_for(...) calls back to back),
+    and a record's us is the median over the rounds. On a shared machine a neighbour's burst of
+    work then falls on one round of many points rather than on every repeat of a few."""
+    points = [(name, k, b) for k in ks for name in names for b in payloads]
+    times = {p: [] for p in points}
+    for _ in range(rounds):
+        for name, k, nbytes in points:
+            arrays, fn = replicas(k, nbytes), make_allreduce(name)
+            fn(arrays)
+            calls = calls_for(nbytes * k)
+            nd.waitall()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(arrays)
+            nd.waitall()
+            times[name, k, nbytes].append((time.perf_counter() - start) / calls)
+    return [allreduce_record(name, k, b, float(np.median(times[name, k, b])), rounds=rounds)
+            for name, k, b in points]
 
 
 def lenet_point(name, k, fused, repeats):

@@ -97,3 +97,93 @@ def test_overlap_prediction_hides_communication_of_a_large_model():
     flat, bucketed, hidden = cm.overlap_prediction(w, 8, alpha, 1 / bw, 25 * 2 ** 20)
     assert bucketed < flat and 0 < hidden <= 1
     assert flat == pytest.approx(cm.step_time(w, 8, alpha, 1 / bw, 0.0, "ring", True))
+
+
+# The CPU contexts' form (manual_dp/costmodel_cpu.py) and its fit (manual_dp/minimax.py).
+from manual_dp import costmodel_cpu as cpu                     # noqa: E402
+from manual_dp.minimax import minimax                          # noqa: E402
+
+MiB = 1 << 20
+# c, alpha (issue per call), latency (run per call), s/byte within the cache and beyond it
+P = np.array([20e-6, 10e-6, 4e-6, 1 / 50e9, 1 / 20e9])
+
+
+@pytest.mark.parametrize("alg,k,ledger", [
+    ("ring", 2, (4, 5, 2)),              # 2 steps x 2 transfers; adds 3 x n/2 twice, copies 2 x n/2 twice
+    ("ring", 4, (24, 15, 4)),
+    ("tree", 8, (14, 35, 8)),            # 7 adds up (3n), 7 copies down (2n)
+    ("reduce_bcast", 4, (4, 5 + 6, 4)),  # add_n of 4 in one pass (4 read, 1 written), 3 copies back
+    ("reduce_bcast", 8, (8, 23 + 14, 8)),  # add_n of 8: a copy (2), then 7 passes of +=(3)
+    ("lesson", 3, (6, 14, 4)),           # per other replica: copy in (2n), add (3n), copy back (2n)
+    ("kvstore", 2, (5, 8 + 3, 4)),
+    ("scatter_gather", 4, (16, 5 + 6, 4)),
+])
+def test_ledger_by_hand(alg, k, ledger):
+    assert cpu.LEDGER[alg](k) == ledger
+
+
+def test_add_n_reads_in_one_pass_up_to_four_arrays():
+    assert [cpu.add_n_moves(m) for m in (2, 3, 4, 5, 8)] == [3, 4, 5, 14, 23]
+
+
+def test_time_by_hand_within_and_beyond_the_cache():
+    c, alpha, latency, b_in, b_out = P
+    n = 16 * MiB                           # ring on 2 contexts: 4 calls, 5n moved, 2n touched
+    run = c + 4 * latency + 5 * n * b_in   # all of it in a 64 MiB cache: engine-bound
+    assert cpu.allreduce_time("ring", 2, n, P, 64 * MiB) == pytest.approx(run)
+    run = c + 4 * latency + 5 * n * (b_in + b_out) / 2   # a 16 MiB cache holds half of the 32 touched
+    assert cpu.allreduce_time("ring", 2, n, P, 16 * MiB) == pytest.approx(run)
+    assert cpu.allreduce_time("ring", 2, 4096, P, 64 * MiB) == pytest.approx(c + 4 * alpha)   # issue-bound
+    assert cpu.allreduce_time("ring", 1, n, P, 64 * MiB) == 0.0
+    with pytest.raises(ValueError, match="no CPU cost model"):
+        cpu.allreduce_time("bogus", 2, n, P, 64 * MiB)
+
+
+def test_small_payloads_cost_their_calls_and_large_ones_their_bytes():
+    t = [cpu.allreduce_time("reduce_bcast", 4, n, P, 8 * MiB) for n in (4096, 65536, 4 * MiB, 16 * MiB)]
+    assert t[0] == t[1] == pytest.approx(P[0] + 4 * P[1])   # the engine's bytes hide behind issuing
+    assert t[3] > 3 * t[2] > 3 * t[1]                          # beyond: bytes, at memory speed past the cache
+    # the bytes beyond the cache cost beta_memory: a slower memory slows only what the cache cannot hold
+    slow = P * [1, 1, 1, 1, 2]
+    assert cpu.allreduce_time("reduce_bcast", 4, 256 * 1024, slow, 8 * MiB) == \
+        cpu.allreduce_time("reduce_bcast", 4, 256 * 1024, P, 8 * MiB)
+    assert cpu.allreduce_time("reduce_bcast", 4, 16 * MiB, slow, 8 * MiB) > t[3]
+
+
+@pytest.mark.parametrize("alg", sorted(cpu.LEDGER))
+def test_fit_recovers_the_parameters_that_made_the_points(alg):
+    cache = 8 * MiB                        # the payloads straddle it, and both bounds occur
+    points = [(k, n, cpu.allreduce_time(alg, k, n, P, cache)) for k in (2, 4, 8)
+              for n in (4096, 65536, MiB, 4 * MiB, 16 * MiB)]
+    params = cpu.fit(points, alg, cache)
+    assert cpu.worst_error(points, alg, params, cache) < 1e-6
+    assert params == pytest.approx(tuple(P), rel=1e-3)
+
+
+def test_fit_is_non_negative_and_no_worse_than_the_truth_on_noisy_points():
+    rng = np.random.RandomState(0)
+    points = [(k, n, cpu.allreduce_time("tree", k, n, P, 8 * MiB) * rng.uniform(0.8, 1.25))
+              for k in (2, 4, 8) for n in (4096, 65536, MiB, 4 * MiB, 16 * MiB)]
+    params = cpu.fit(points, "tree", 8 * MiB)
+    assert min(params) >= 0
+    assert cpu.worst_error(points, "tree", params, 8 * MiB) <= cpu.worst_error(points, "tree", P, 8 * MiB)
+
+
+def test_minimax_by_hand():
+    x, err = minimax([[1.0], [2.0]])        # max(|x - 1|, |2x - 1|) is least at x = 2/3
+    assert x == pytest.approx([2 / 3]) and err == pytest.approx(1 / 3)
+    x, err = minimax([[1.0, 1.0], [1.0, 3.0], [1.0, 5.0]])   # the line through (1, 1), (5, 1) is exact
+    assert x == pytest.approx([1.0, 0.0], abs=1e-12) and err == pytest.approx(0.0, abs=1e-12)
+    x, err = minimax([[1.0, -1.0], [1e6, 0.0]])      # a negative second term would help: kept at 0
+    assert x[1] == 0.0 and x[0] == pytest.approx(2 / (1 + 1e6)) and err == pytest.approx(1 - 2 / (1 + 1e6))
+
+
+def test_cache_size_is_the_largest_data_or_unified_cache(tmp_path):
+    for i, (kind, size) in enumerate([("Data", "48K"), ("Instruction", "64M"), ("Unified", "1024K"),
+                                      ("Unified", "32768K")]):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "type").write_text(kind + "\n")
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    assert cpu.cache_bytes(tmp_path) == 32 * MiB
+    from manual_dp.config import CACHE_BYTES_UNKNOWN
+    assert cpu.cache_bytes(tmp_path / "absent") == CACHE_BYTES_UNKNOWN

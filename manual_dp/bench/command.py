@@ -24,20 +24,21 @@ from pathlib import Path
 from ..cli.options import OneLineParser, positive
 from ..cli.output import ends_on_signals, fail, parsed_or_exit
 from ..config import RunConfig
+from ..costmodel_cpu import cache_bytes
 from ..errors import UsageError
 from ..fast.runtime import machine, thread_env, usable_cores
 from .plots import FAST
 
 KB, MB = 1024, 1024 * 1024
 PLANS = {
-    "tiny": dict(payloads=[4 * KB, 64 * KB], comm_devices=[2, 3], lenet_devices=[2], comm_repeats=2, gemm=1024,
-                 images=256, batch=64, repeats=2, devices=[1, 2], data="synthetic", peers=False, few=True,
-                 overlap_steps=2),
+    "tiny": dict(payloads=[4 * KB, 64 * KB], comm_devices=[2, 3], lenet_devices=[2], comm_repeats=2, comm_rounds=2,
+                 gemm=1024, images=256, batch=64, repeats=2, devices=[1, 2], data="synthetic", peers=False,
+                 few=True, overlap_steps=2),
     "quick": dict(payloads=[4 * KB, 64 * KB, 1 * MB, 4 * MB, 16 * MB], comm_devices=[2, 4, 8],
-                  lenet_devices=[2, 4], comm_repeats=3, images=4096, batch=256, repeats=3,
+                  lenet_devices=[2, 4], comm_repeats=3, comm_rounds=5, images=4096, batch=256, repeats=3,
                   devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=6, pairs=3),
     "full": dict(payloads=[4 * KB * 4 ** i for i in range(8)], comm_devices=[2, 3, 4, 6, 8],
-                 lenet_devices=[2, 4, 8], comm_repeats=5, images=256 * 40, batch=256, repeats=5,
+                 lenet_devices=[2, 4, 8], comm_repeats=5, comm_rounds=7, images=256 * 40, batch=256, repeats=5,
                  devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=10, pairs=5),
 }
 RUNTIME_KEYS = set(thread_env(1, flags={"avx512f"})) | {"OMP_NUM_THREADS"}
@@ -132,13 +133,14 @@ def measure(plan, args):
     where = dict(machine(), commit=commit())
     records = [{"bench": "meta", "impl": "machine", "devices": usable_cores(), "load_before": os.getloadavg(),
                 "cores_free_before": cores_available(), "plan": args.plan, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                **where}]
+                "cache_bytes": cache_bytes(), **where}]
     print(f"{where['cpu']} ({where['vector']}), {where['cores']} cores, commit {where['commit']}; "
           f"{records[0]['cores_free_before']:.2f} cores free for this run, "
           f"load average {records[0]['load_before'][0]:.1f}", flush=True)
     if args.only in (None, "allreduce"):
         spec = {"bench": "allreduce", "impl": "all", "devices": plan["comm_devices"],
-                "payloads": plan["payloads"], "lenet_devices": plan["lenet_devices"], "repeats": plan["comm_repeats"]}
+                "payloads": plan["payloads"], "lenet_devices": plan["lenet_devices"], "repeats": plan["comm_repeats"],
+                "rounds": plan["comm_rounds"]}
         print(f"allreduce: payloads {plan['payloads'][0]}..{plan['payloads'][-1]} B, "
               f"{plan['comm_devices']} contexts", flush=True)
         records += run_worker(spec, worker_env("tuned", 2), args.timeout)

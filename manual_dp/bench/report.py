@@ -5,7 +5,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from .. import costmodel
+from .. import costmodel, costmodel_cpu
 from ..flops import flops_per_image
 from .plots import FAST, allreduce_plots, label, model_plot, scaling_plot
 
@@ -130,7 +130,7 @@ def report(records):
             row = "  ".join(f"{impl} {cells[(impl, False)]:.0f}/{cells[(impl, True)]:.0f}"
                             for impl in sorted({i for i, _ in cells}))
             print(f"  {k} contexts: {row}")
-    summary = targets(records)
+    summary = targets(records) + model_targets(records)
     print("\ntargets")
     for s in summary:
         floor = f"; memory floor {s['floor']:.2f}" if "floor" in s else ""
@@ -153,39 +153,66 @@ def write(records, out):
     print("\nwrote " + ", ".join(str(p) for p in paths))
 
 
+COST_TARGET = 0.25          # issue 26: the cost model's worst relative error per algorithm
+
+
+def fitted_cache(records):
+    """The last-level cache bytes of the machine that measured `records` (its meta record), else this one's."""
+    return next((r["cache_bytes"] for r in records if r["bench"] == "meta" and "cache_bytes" in r), None) \
+        or costmodel_cpu.cache_bytes()
+
+
 def fits(records):
-    """{algorithm: (alpha, beta, gamma, max relative error)} fitted to the measured all-reduce."""
-    points = defaultdict(list)
+    """{algorithm: (params as costmodel_cpu.PARAMETERS, points, worst relative error)}:
+    costmodel_cpu fitted to the measured all-reduce of each algorithm over 2 or more contexts."""
+    points, cache = defaultdict(list), fitted_cache(records)
     for r in ok(records, "allreduce"):
         if r["devices"] > 1:
             points[r["impl"]].append((r["devices"], r["bytes"], r["us"] * 1e-6))
     result = {}
     for alg, pts in sorted(points.items()):
-        a, b, g = costmodel.fit(pts, alg)
-        err = max(abs(costmodel.allreduce_time(alg, k, n, a, b, g) / t - 1) for k, n, t in pts)
-        result[alg] = (a, b, g, err)
+        params = costmodel_cpu.fit(pts, alg, cache)
+        result[alg] = (params, len(pts), costmodel_cpu.worst_error(pts, alg, params, cache))
     return result
 
 
+def model_targets(records):
+    """Summary records: each algorithm's worst relative error under the fitted CPU form."""
+    return [ratio(f"cost model's worst relative error, {alg} ({n} points, {len(costmodel_cpu.PARAMETERS)} "
+                  f"parameters)", max(r["devices"] for r in ok(records, "allreduce")), err, COST_TARGET,
+                  higher_is_better=False) for alg, (_, n, err) in fits(records).items()]
+
+
 def model_section(out, records=None):
-    """The cost model as text: the fit to this machine's all-reduce, then the stated links."""
+    """The cost model as text: the CPU form fitted to this machine's all-reduce, then the link form
+    on the stated links."""
     out = Path(out)
     path = out / "results.json"
     if records is None:
         records = json.loads(path.read_text()) if path.is_file() else []
-    lines = ["cost model: time = alpha * messages + beta * bytes on the busiest link + gamma * bytes added"]
     fitted = fits(records)
     if fitted:
-        lines.append("fitted to this run's all-reduce figures (CPU contexts of this machine):")
-        for alg, (a, b, g, err) in fitted.items():
-            bw = f"{1 / b / 1e9:.1f} GB/s" if b else "inf"
-            lines.append(f"  {alg:13} alpha {a * 1e6:7.1f} us   bytes (moved + added) at {bw:>10}   "
-                         f"worst relative error {err:.0%}")
+        cache = fitted_cache(records)
+        lines = ["cost model of CPU contexts (manual_dp/costmodel_cpu.py): time = c + max(alpha * calls, latency * "
+                 "calls + bytes moved",
+                 f"  * (beta_cache * s + beta_memory * (1 - s))), s = min(1, {cache / 2 ** 20:.0f} MiB last-level "
+                 "cache / bytes touched);",
+                 f"  {len(costmodel_cpu.PARAMETERS)} parameters per algorithm fitted to this run's all-reduce "
+                 "figures, minimising the worst relative error:",
+                 f"  {'algorithm':14} {'c us':>6} {'alpha us':>8} {'latency us':>10} {'cache GB/s':>10} "
+                 f"{'memory GB/s':>11} {'points':>6} {'worst error':>11}"]
+        for alg, ((c, a, lat, bc, bm), n, err) in fitted.items():
+            lines.append(f"  {alg:14} {c * 1e6:6.1f} {a * 1e6:8.1f} {lat * 1e6:10.1f} {gbps(bc):>10} {gbps(bm):>11} "
+                         f"{n:>6} {err:>10.0%}{'' if err <= COST_TARGET else '  (over 25%)'}")
     else:
-        lines.append(f"(no all-reduce figures in {path}: run `python -m manual_dp.bench` first to fit them)")
+        lines = [f"(no all-reduce figures in {path}: run `python -m manual_dp.bench` first to fit them)"]
     rows = costmodel.table()
-    lines += ["", "predicted on stated links (weak scaling, fused gradients; see manual_dp/costmodel.py):",
-              costmodel.format_table(rows)]
+    lines += ["", "link model (manual_dp/costmodel.py): time = alpha * messages + beta * bytes on the busiest link,",
+              "predicted on stated links (weak scaling, fused gradients):", costmodel.format_table(rows)]
     out.mkdir(parents=True, exist_ok=True)
     lines.append(f"\nwrote {model_plot(rows, out)}")
     return "\n".join(lines)
+
+
+def gbps(seconds_per_byte):
+    return f"{1 / seconds_per_byte / 1e9:.1f}" if seconds_per_byte else "inf"
