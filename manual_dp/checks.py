@@ -83,9 +83,11 @@ def check_model(cfg):
         raise UsageError(f"--patch must be 0 (rows) or divide 28, got {cfg.patch}")
     if cfg.heads and cfg.d_model and cfg.d_model % cfg.heads:
         raise UsageError(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model}")
-    if cfg.model == "resnet" and (cfg.mode != "sync" or cfg.deterministic or cfg.backend == "dist_async"):
-        raise UsageError("--model resnet keeps BatchNorm's running statistics, which only --mode sync "
-                         "(without --deterministic; not --backend dist_async) carries so far")
+    if cfg.model == "resnet" and (cfg.mode not in ("sync", "zero") or cfg.deterministic or cfg.backend == "dist_async"):
+        why = "--deterministic" if cfg.deterministic else "--backend dist_async" if cfg.mode in ("sync", "zero") \
+            else f"--mode {cfg.mode}"
+        raise UsageError(f"--model resnet keeps BatchNorm's running statistics, which --mode sync and zero carry, "
+                         f"not {why}: {RUNNING_REFUSED.get(why, 'not yet')}")
     if cfg.model == "resnet" and cfg.compress != "none":
         raise UsageError(f"--compress {cfg.compress}: BatchNorm's statistics are summed with the gradients' "
                          f"all-reduce and must stay exact: not with --model resnet")
@@ -109,6 +111,14 @@ def check_model(cfg):
 
 
 # The modes --deterministic cannot bring to one context's bits, and why (strategies/fixed_sums.py).
+RUNNING_REFUSED = {     # why a model with BatchNorm is refused, where there is more to say than "not yet"
+    "--deterministic": "its pieces would normalise with their own statistics, not the batch's",
+    "--backend dist_async": "each worker steps on its own",
+    "--mode async": "each replica steps on its own",
+    "--mode pipeline": "each micro-batch would normalise with its own statistics, not the batch's",
+    "--mode hybrid": "each micro-batch would normalise with its own statistics, not the batch's",
+    "--mode mesh": "each micro-batch would normalise with its own statistics, not the batch's",
+}
 UNREACHED = {
     "async": "stale replicas compute other gradients than one context by design; use --mode sync",
     "local": "local SGD averages the replicas' parameters, not their gradients, so its rounding differs "

@@ -83,7 +83,7 @@ class RunConfig:
                                               "Q has the bits of sync, zero and pipelines given the same Q (default "
                                               f"{TENSOR_PIECES} in tensor mode, else 1: whole; "
                                               "manual_dp/strategies/tensor_pieces.py)", "parallelism")
-    sync_batchnorm: bool = flag(False, "sync, --model resnet: BatchNorm statistics over every context's "
+    sync_batchnorm: bool = flag(False, "sync and zero, --model resnet: BatchNorm statistics over every context's "
                                        "shard (summed by hand), equal to one context; default: each "
                                        "context its own, as Gluon computes them", "parallelism")
     check_replicas: Optional[int] = flag(None, "every N updates, compare checksums of every copy of the "
@@ -233,7 +233,7 @@ APPLIES = {
     "graph": ("sync",),
     "no_autotune": ("sync",),
     "deterministic": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
-    "sync_batchnorm": ("sync",),
+    "sync_batchnorm": ("sync", "zero"),
     "tensor_pieces": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
     "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
     "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),

@@ -35,7 +35,7 @@ PLANS = {
                  gemm=1024, images=256, batch=64, repeats=2, devices=[1, 2], data="synthetic", peers=False,
                  few=True, overlap_steps=2),
     "quick": dict(payloads=[4 * KB, 64 * KB, 1 * MB, 4 * MB, 16 * MB], comm_devices=[2, 4, 8],
-                  lenet_devices=[2, 4], comm_repeats=3, comm_rounds=5, images=4096, batch=256, repeats=3,
+                  lenet_devices=[2, 4], comm_repeats=3, comm_rounds=21, images=4096, batch=256, repeats=3,
                   devices=[1, 2, 4], data="fashion", peers=True, overlap_steps=6, pairs=3),
     "full": dict(payloads=[4 * KB * 4 ** i for i in range(8)], comm_devices=[2, 3, 4, 6, 8],
                  lenet_devices=[2, 4, 8], comm_repeats=5, comm_rounds=7, images=256 * 40, batch=256, repeats=5,

@@ -166,7 +166,8 @@ def build_model(cfg, params, ctx, world, policy=None):
             tensor_pieces=cfg.tensor_pieces or 1)
     elif cfg.mode == "zero":    # across processes: the owned gradient shards summed by the engine
         cross_sum = world.allreduce if world.size > 1 else None
-        model = ZeroRedundancy(params, ctx, cfg.optimizer, cfg.zero_stage, cross_sum=cross_sum, model=net) \
+        model = ZeroRedundancy(params, ctx, cfg.optimizer, cfg.zero_stage, cross_sum=cross_sum, model=net,
+                               sync_batchnorm=cfg.sync_batchnorm, stats_reduce=reduce) \
             if policy.precision == "fp32" else \
             MixedZero(params, ctx, cfg.optimizer, cfg.zero_stage, cross_sum=cross_sum, model=net,
                       precision=policy.precision, native=policy.native)   # 16-bit parameters and gradients

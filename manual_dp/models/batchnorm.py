@@ -23,6 +23,12 @@ MOMENTUM = 0.9          # Gluon's BatchNorm default: running = 0.9 running + 0.1
 EPS = 1e-5
 
 
+def first_norm(layers, l):
+    """The number of layer l's first BatchNorm: those of the layers before it (each keeps two
+    running statistics, a mean and a variance)."""
+    return sum(len(layer.stats) for layer in layers[:l]) // 2
+
+
 def channel_axes(h):
     """The axes a BatchNorm averages over: all but axis 1 (the channels)."""
     return (0,) + tuple(range(2, h.ndim))
@@ -37,11 +43,13 @@ class Moments:
     """What a forward's BatchNorms normalise with (see the module docstring). running[c]: context
     c's running statistics in the model's stat order (mean, var of each BatchNorm), or None
     (training without them); join(arrays, key): a sum across the contexts whose backward sums too
-    (sync), `key` naming each BatchNorm's sums apart (an engine across processes sums by name)."""
+    (sync), `key` naming each BatchNorm's sums apart (an engine across processes sums by name);
+    first: the number of the first BatchNorm it meets (a layer run again on its own, by ZeRO's
+    recomputation: first_norm)."""
 
-    def __init__(self, train=True, running=None, join=None):
+    def __init__(self, train=True, running=None, join=None, first=0):
         self.train, self.running, self.join = train, running, join
-        self.index, self.batch = 0, []          # batch[i]: per context (mean, var) of BatchNorm i
+        self.index, self.batch = first, []      # batch: per context (mean, var) of each BatchNorm met
 
     def normalize(self, hs, gammas, betas):
         """BatchNorm of each context's h (B, C, ...) with its gamma, beta (C,)."""

@@ -161,6 +161,13 @@ class Model:
         with. A model without running statistics runs each context on its own."""
         return [self.forward(X, P) for X, P in zip(Xs, shards)]
 
+    def layer_group(self, l, hs, own, moments):
+        """Layer l on every context of a data-parallel step at once (ZeRO's layer-at-a-time
+        forward of a model with running statistics): hs[c] its input, own[c] its parameters on
+        context c, `moments` as in forward_group. By default each context on its own."""
+        layer = self.layers[l]
+        return [layer.forward(h, P, nd, [p.shape for p in P]) for h, P in zip(hs, own)]
+
     def n_params(self):
         return sum(p.size for p in self.param_table())
 

@@ -100,11 +100,14 @@ class ResNet(Model):
         self.group = {l.name: f for l, f in zip(layers, [stem_forward] + [
             make_unit(2 if (i // 2 > 0 and i % 2 == 0) else 1, i // 2 > 0 and i % 2 == 0) for i in range(8)])}
 
+    def layer_group(self, l, hs, own, moments):
+        """Layer l on every context at once, its BatchNorms normalising with `moments`."""
+        name = self.layers[l].name
+        return self.group[name](hs, own, moments) if name in self.group else super().layer_group(l, hs, own, moments)
+
     def forward_group(self, Xs, shards, moments):
         """Class scores on every context of a data-parallel step at once (see models.batchnorm)."""
         hs = Xs
-        for layer, s in zip(self.layers, self.slices()):
-            own = [P[s] for P in shards]
-            hs = self.group[layer.name](hs, own, moments) if layer.name in self.group else \
-                [layer.forward(h, q, nd, [p.shape for p in q]) for h, q in zip(hs, own)]
+        for l, s in enumerate(self.slices()):
+            hs = self.layer_group(l, hs, [P[s] for P in shards], moments)
         return hs

@@ -14,7 +14,7 @@ Model.tensor_refusal accepts, context groups of C that Model.sequence_refusal ac
 attention (and sequence parallelism the same for T), pipelines of at most as many stages as it has
 layers (interleaved: V times as many), dp x pp x tp both of those and layers that split on their
 own (Layer.split_forward: not LeNet's whole-model split), and for a model with running statistics
-(BatchNorm) data parallelism alone, the one strategy that carries them.
+(BatchNorm) data parallelism and ZeRO alone, the strategies that carry them.
 """
 from collections import namedtuple
 
@@ -145,9 +145,9 @@ def meshes(devices, batch_size, net, stats):
 def candidates(devices, batch_size, net):
     """[(layout, why net cannot run it, or None)] for every layout of `devices` devices whose
     replicas each get at least one example (and each micro-batch at least one), in a fixed order."""
-    stats = (f"{net.name} keeps BatchNorm's running statistics, which only data parallelism "
-             f"(--mode sync) carries") if net.stats() else None
-    out = [(layout("data", devices), None)] + [(layout("zero", devices, zero_stage=s), stats) for s in (1, 2, 3)]
+    stats = (f"{net.name} keeps BatchNorm's running statistics, which only data parallelism and ZeRO "
+             f"(--mode sync, zero) carry") if net.stats() else None
+    out = [(layout("data", devices), None)] + [(layout("zero", devices, zero_stage=s), None) for s in (1, 2, 3)]
     for t in divisors(devices)[1:]:
         why, sp = stats or net.tensor_refusal(t), net.sequence_refusal(t, "ring")
         out += [(layout("tensor", devices // t, tp=t), why),

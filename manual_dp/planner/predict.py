@@ -7,7 +7,8 @@ Model.tensor_traffic.
 Memory, per device, in float32 bytes (4 a number), for a model of N parameters (ZeRO under a 16-bit
 --precision below):
   parameters + gradients + optimiser state (sgd 0, momentum 1, adam 2 copies of the parameters),
-    data       N + N + cN on every device (and the running statistics of a model with BatchNorm)
+    data       N + N + cN on every device (and the running statistics of a model with BatchNorm,
+               whole on every device, in ZeRO's stages too)
     zero 1     N + N + c n_i        (n_i: device i's shard of the flat vector, fast.collectives.chunk_bounds)
     zero 2     N + n_i + c n_i      plus the gradient pieces a layer's reduce-scatter holds
     zero 3     n_i + n_i + c n_i    plus the layer gathered (and its gradient, where autograd makes it)
@@ -140,9 +141,10 @@ def per_device_state(l, setting):
             l, [sum(layers[p] for p in pieces) for pieces in pipelines.stage_cuts(l, net)])]
     bounds = chunk_bounds(n, l.dp)
     shards = [b - a for a, b in zip(bounds, bounds[1:])]
+    stats = sum(p.size for p in net.stats())       # running statistics: whole on every context
     keep = {1: lambda s: 2 * n + c * s, 2: lambda s: n + (1 + c) * s, 3: lambda s: (2 + c) * s}[l.zero_stage]
     moment = zero_moments(l.zero_stage, net, bounds) if l.zero_stage > 1 else [0] * l.dp
-    return [(keep(s), m) for s, m in zip(shards, moment)]
+    return [(keep(s) + stats, m) for s, m in zip(shards, moment)]
 
 
 def per_device_bytes(l, setting):

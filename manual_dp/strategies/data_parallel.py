@@ -18,14 +18,13 @@ from ..fast.flat import FlatReplica
 from ..fast.graph import ModelGraph
 from ..fast.prefetch import host
 from ..fast.trace import Tracer
-from ..fast.tensor_ops import sum_everywhere
-from ..lesson import cross_entropy, forward_backward, get_params, n_correct, shard_sizes, split_and_load, train_batch
+from ..lesson import forward_backward, get_params, n_correct, shard_sizes, split_and_load, train_batch
 from ..models import as_model
-from ..models.batchnorm import Moments
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
 from .clipping import NormLog, squares
+from .running import RunningStats
 
 
 def graph_forward_backward(graph, X_shards, y_shards, device_params, on_forward=None):
@@ -56,7 +55,7 @@ def load_into(params, states, state):
             s[:] = nd.array(value, ctx=s.context)
 
 
-class DataParallel(Strategy):
+class DataParallel(RunningStats, Strategy):
     """A replica on every context; gradients all-reduced with `allreduce_fn`, then the same update.
 
     allreduce_fn, fuse_grads, graph: None takes the fast step's choice (manual_dp.config.FAST_STEP),
@@ -76,8 +75,7 @@ class DataParallel(Strategy):
         graph = choice["graph"] if graph is None else graph
         self.ctx, self.optimizer, self.net = list(ctx), optimizer, as_model(model, params)
         self.allreduce_fn = allreduce_fn or make_allreduce(choice["allreduce"])
-        self.running = [self.net.init_stats(c) for c in self.ctx] if self.net.stats() else None
-        self.sync_batchnorm = sync_batchnorm and self.running is not None
+        self.keep_running(sync_batchnorm, self.allreduce_fn)
         graph = graph and self.running is None      # BatchNorm by hand has no symbolic form here
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
@@ -137,25 +135,8 @@ class DataParallel(Strategy):
             return graph_forward_backward(self.graph, X_shards, y_shards, self.replicas,
                                           self.tracer and self.tracer.forward_done)
         if self.running:
-            return self.stateful_forward_backward(X_shards, y_shards)
+            return self.grouped_forward_backward(X_shards, y_shards, self.replicas)
         return forward_backward(X_shards, y_shards, self.replicas, self.net.forward)
-
-    def moments(self, train, n=None):
-        """How this step's BatchNorms normalise (models.batchnorm): batch statistics, summed over
-        the contexts with sync_batchnorm, or (evaluation) the first n replicas' running ones."""
-        join = (lambda xs, key: sum_everywhere(xs, self.allreduce_fn, key)) if self.sync_batchnorm else None
-        return Moments(train, None if train else self.running[:n], join)
-
-    def stateful_forward_backward(self, X_shards, y_shards):
-        """Every context's forward at once (its BatchNorms may sum across contexts), one backward
-        for all; then the running statistics take the batch's, the same on every replica."""
-        moments = self.moments(True)
-        with autograd.record():
-            scores = self.net.forward_group(X_shards, self.replicas, moments)
-            losses = [cross_entropy(s, y) for s, y in zip(scores, y_shards)]
-        autograd.backward(losses)
-        moments.fold(self.running, self.allreduce_fn)
-        return [(l.sum(), n_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)]
 
     def update(self, lr, n_examples):
         self.t += 1
@@ -204,11 +185,8 @@ class DataParallel(Strategy):
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
-        out = {"replica": [fingerprint(c, W, self.net.names()) for c, W in zip(self.ctx, self.replicas)]}
-        if self.running:
-            names = [p.name for p in self.net.stats()]
-            out["running statistics"] = [fingerprint(c, R, names) for c, R in zip(self.ctx, self.running)]
-        return out
+        return {"replica": [fingerprint(c, W, self.net.names()) for c, W in zip(self.ctx, self.replicas)],
+                **self.running_fingerprints()}
 
     def layout(self, batch_size):
         """Every context runs both stages on its shard of the batch."""
@@ -217,31 +195,17 @@ class DataParallel(Strategy):
 
     def arrays(self):
         params = [p for W in self.replicas for p in W]
-        states = [s for S in self.states for st in S for s in st] + [r for R in self.running or [] for r in R]
+        states = [s for S in self.states for st in S for s in st] + self.running_arrays()
         return {"param": params, "grad": [p.grad for p in params], "state": states}
 
     def state_dict(self):
         """Replica 0's parameters and optimiser state (every replica holds the same), and its
         running statistics, if the model keeps any."""
-        extra = {"running": [r.asnumpy() for r in self.running[0]]} if self.running else {}
-        return host_state(self.replicas[0], self.states[0], self.t, **extra)
+        return host_state(self.replicas[0], self.states[0], self.t, **self.running_state())
 
     def load_state_dict(self, state):
-        if self.running:
-            load_running(self.running, state, self.net)
+        self.load_running(state)
         for W, S in zip(self.replicas, self.states):
             load_into(W, S, state)
         self.t = state["t"]
 
-
-def load_running(running, state, net):
-    """Every replica's running statistics from a state_dict's extra "running"; CheckpointError if
-    they are missing or do not fit the model."""
-    values = state.get("extra", {}).get("running")
-    shapes = [p.shape for p in net.stats()]
-    if values is None or [tuple(v.shape) for v in values] != shapes:
-        raise CheckpointError(f"the checkpoint holds no running statistics of {net.name}'s "
-                              f"{len(shapes)} BatchNorm arrays")
-    for R in running:
-        for r, v in zip(R, values):
-            r[:] = nd.array(v, ctx=r.context)

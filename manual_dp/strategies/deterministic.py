@@ -56,9 +56,7 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
         super().__init__(params, ctx, optimizer, allreduce_fn=lambda arrays: None, fuse_grads=True,
                          graph=graph and tensor_pieces == 1, conv_pad=1, model=model)
         self.leaf_forward = piece_forward(self.net, tensor_pieces)
-        if self.running:
-            raise ValueError("--deterministic cuts the batch into pieces of its own, whose BatchNorm "
-                             "statistics would differ: not for models with running statistics")
+        self.refuse_running()
         for f in self.flat:
             f.mark("write")                              # each piece's backward overwrites
         self.sums = FixedSums(piece, rank, size, exchange)

@@ -169,3 +169,10 @@ class WholeBatch:
     def rows(self, n, rank, size):
         """Every row: each process picks its pieces of the global batch itself."""
         return 0, n
+
+    def refuse_running(self):
+        """ValueError (one line) for a model with running statistics: a piece's BatchNorm would
+        normalise with the piece's statistics, not the batch's."""
+        if self.running:
+            raise ValueError("--deterministic cuts the batch into pieces of its own, whose BatchNorm "
+                             "statistics would differ: not for models with running statistics")

@@ -17,25 +17,28 @@ a layer at a time (strategies.zero_layers). peak_arrays() adds to arrays() the t
 (gathered parameters, a layer's gradients) held at the step's largest moment. Across processes
 (cross_sum) each process holds the same shards and the owned gradient shards are summed across
 processes before the update: ZeRO inside a process, data parallel across them. Under --precision
-bf16|fp16, strategies.zero_mixed keeps these shards in DeepSpeed's mixed-precision layout.
+bf16|fp16, strategies.zero_mixed keeps these shards in DeepSpeed's mixed-precision layout. A model
+with running statistics (BatchNorm) keeps them whole on every context (strategies.running), as sync
+does: stage 1 runs every context's forward at once, stages 2 and 3 each layer on every context at once.
 """
 from collections import namedtuple
 
 import numpy as np
-from mxnet import nd
+from mxnet import autograd, nd
 
-from ..config import RunConfig
+from ..config import FAST_STEP, RunConfig
 from ..errors import CheckpointError
-from ..fast.collectives import chunk_bounds
+from ..fast.collectives import chunk_bounds, make_allreduce
 from ..fast.flat import FlatReplica, offsets, views
 from ..fast.prefetch import host
 from ..fast.sharded import ALL_GATHER, REDUCE_SCATTER, empty_shards
 from ..lesson import forward_backward, n_correct, shard_sizes, split_and_load
-from ..models import as_model, stateless
+from ..models import as_model
 from ..optim import OPTIMIZERS, init_states
 from ..replicas import fingerprint
 from . import zero_layers
 from .base import Strategy
+from .running import RunningStats
 
 Held = namedtuple("Held", "context shape size dtype")     # what memory.per_context reads of an array
 
@@ -55,17 +58,20 @@ class Peak:
             self.bytes, self.held = total, held
 
 
-class ZeroRedundancy(Strategy):
+class ZeroRedundancy(RunningStats, Strategy):
     """ZeRO stage 1, 2 or 3 over the contexts `ctx`; collective: "ring" or "naive" (fast.sharded);
     cross_sum(array, key): a sum across processes, or None in one process; model: the network
-    (manual_dp.models; None: the lesson's LeNet of the parameters' width)."""
+    (manual_dp.models; None: the lesson's LeNet of the parameters' width). A model with running
+    statistics: sync_batchnorm as DataParallel's; stats_reduce(arrays) the all-reduce of its
+    statistics over the contexts (and processes: give it when cross_sum is given)."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, collective="ring",
-                 cross_sum=None, model=None):
+                 cross_sum=None, model=None, sync_batchnorm=False, stats_reduce=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO has stages 1, 2 and 3, not {stage}")
         self.ctx, self.optimizer, self.stage, self.cross_sum, self.t = list(ctx), optimizer, stage, cross_sum, 0
-        self.shapes, self.net = [p.shape for p in params], stateless(as_model(model, params), "--mode zero")
+        self.shapes, self.net = [p.shape for p in params], as_model(model, params)
+        self.keep_running(sync_batchnorm, stats_reduce or make_allreduce(FAST_STEP["allreduce"]))
         self.layer_slices = self.net.slices()
         self.offsets = offsets(self.shapes)                  # each parameter's start, then N
         if not 0 < len(self.ctx) <= self.offsets[-1]:
@@ -137,6 +143,8 @@ class ZeroRedundancy(Strategy):
 
     def backward(self, X, y):
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
+        if self.stage == 1 and self.running:
+            return self.grouped_forward_backward(X_shards, y_shards, [r.params for r in self.replicas])
         if self.stage == 1:
             return forward_backward(X_shards, y_shards, [r.params for r in self.replicas], self.net.forward)
         return zero_layers.forward_backward(X_shards, y_shards, self)
@@ -190,8 +198,14 @@ class ZeroRedundancy(Strategy):
         """Correct predictions on (X, y), sharded over the contexts (idle ones if X is tiny)."""
         ctx = self.ctx[:min(len(self.ctx), len(X))]
         X_shards, y_shards = split_and_load(X, ctx), split_and_load(y, ctx)
-        scores = ([self.net.forward(Xs, r.params) for Xs, r in zip(X_shards, self.replicas)] if self.stage == 1
-                  else zero_layers.scores(X_shards, self.fetch, self.net.layers))
+        moments = self.moments(False, len(ctx)) if self.running else None
+        with autograd.train_mode():        # oneDNN's inference mode reorders weight views in place (loop.evaluate)
+            if self.stage == 1:
+                scores = self.net.forward_group(X_shards, [r.params for r in self.replicas[:len(ctx)]], moments) \
+                    if moments else [self.net.forward(Xs, r.params) for Xs, r in zip(X_shards, self.replicas)]
+            else:
+                group = moments and (lambda l, hs, P: self.net.layer_group(l, hs, P, moments))
+                scores = zero_layers.scores(X_shards, self.fetch, self.net.layers, group)
         counts = [n_correct(s, ys).copyto(ctx[0]) for s, ys in zip(scores, y_shards)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
@@ -199,9 +213,11 @@ class ZeroRedundancy(Strategy):
         """Stages 1, 2: every replica; stage 3: the one copy its shards make up (across processes
         it is compared with the other processes')."""
         if self.flats:
-            return {"replica": [fingerprint(c, views(f, self.shapes), self.net.names()) for c, f in zip(self.ctx, self.flats)]}
+            return {"replica": [fingerprint(c, views(f, self.shapes), self.net.names()) for c, f in zip(self.ctx, self.flats)],
+                    **self.running_fingerprints()}
         where = f"shards on {self.ctx[0]}..{self.ctx[-1]}"
-        return {"shards": [fingerprint(where, [nd.array(p) for p in self.host_split(self.masters)], self.net.names())]}
+        return {"shards": [fingerprint(where, [nd.array(p) for p in self.host_split(self.masters)], self.net.names())],
+                **self.running_fingerprints()}
 
     def layout(self, batch_size):
         """Every context runs both stages on its shard of the batch."""
@@ -209,9 +225,10 @@ class ZeroRedundancy(Strategy):
 
     def arrays(self):
         """What each context keeps between steps: its parameters (full, or its shard in stage 3), its
-        gradients (full in stage 1, else its shard) and its shard of the optimiser state."""
+        gradients (full in stage 1, else its shard) and its shard of the optimiser state (and the
+        whole running statistics of a model with BatchNorm)."""
         return {"param": self.flats or self.shards, "grad": self.grads(),
-                "state": [s for st in self.states for s in st]}
+                "state": [s for st in self.states for s in st] + self.running_arrays()}
 
     def peak_arrays(self):
         """arrays() and the transient arrays held at the largest moment of the steps so far."""
@@ -226,7 +243,7 @@ class ZeroRedundancy(Strategy):
     def state_dict(self):
         """The full, unsharded parameters and optimiser state, as every strategy gives them."""
         per_state = [self.host_split([st[j] for st in self.states]) for j in range(len(self.states[0]))]
-        return {"params": self.host_split(self.masters), "t": self.t, "extra": {},
+        return {"params": self.host_split(self.masters), "t": self.t, "extra": self.running_state(),
                 "opt_state": [[values[p] for values in per_state] for p in range(len(self.shapes))]}
 
     def load_state_dict(self, state):
@@ -235,6 +252,7 @@ class ZeroRedundancy(Strategy):
         if [np.shape(p) for p in state["params"]] != self.shapes or len(state["opt_state"]) != len(self.shapes) \
                 or any(len(st) != n_states for st in state["opt_state"]):
             raise CheckpointError("the checkpoint's parameters or optimiser state do not fit this run")
+        self.load_running(state)
         self.load_params(np.concatenate([np.asarray(p, np.float32).reshape(-1) for p in state["params"]]))
         for j in range(n_states):
             self.scatter([st[j] for st in self.states],

@@ -47,6 +47,7 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, piece=PIECE_ROWS, graph=True,
                  rank=0, size=1, exchange=None, model=None, tensor_pieces=1):
         super().__init__(params, ctx, optimizer, stage, model=model)
+        self.refuse_running()
         graph = graph and tensor_pieces == 1
         self.graph = ModelGraph(1, self.shapes, model=self.net) if graph else None
         self.leaf_forward = piece_forward(self.net, tensor_pieces)

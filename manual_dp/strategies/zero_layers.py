@@ -19,11 +19,19 @@ sum of g) is computed by hand afterwards, a piece at a time, once the parameters
 other layer's gradients (convolutions, transformer blocks, a user's Gluon layers) come from
 autograd, the layer's parameters and gradient held together. The gradients equal the one-context
 pass's up to the order of float additions.
+
+A model with running statistics (BatchNorm) runs each layer on every context at once
+(Model.layer_group), so that --sync-batchnorm can sum a layer's statistics across them: the
+forward with the step's Moments (whose batch statistics become the running ones), a layer recomputed
+in the backward with a Moments of its own starting at its first BatchNorm (the same statistics
+again, from the same input, not counted twice); the last layer, first run in the backward, with the
+step's.
 """
 from mxnet import autograd, nd
 
 from ..fast.flat import views
 from ..lesson import cross_entropy, dense, n_correct, relu
+from ..models.batchnorm import first_norm
 
 
 def hand_made(layer, last):
@@ -31,25 +39,35 @@ def hand_made(layer, last):
     return layer.kind == "dense" and (last or layer.extra.get("relu", False))
 
 
-def forward(X_shards, fetch, layers, note=lambda params, grads: None, n_layers=None, Fs=None):
+def run_layer(l, layers, hs, params, Fs, group=None):
+    """Layer l's output per context from its input hs[c] and parameters params[c]: each context on
+    its own in its namespace Fs[c], or all at once by group(l, hs, params) (running statistics)."""
+    if group is not None:
+        return group(l, hs, params)
+    return [layers[l].forward(h, P, F, [p.shape for p in P]) for h, P, F in zip(hs, params, Fs)]
+
+
+def forward(X_shards, fetch, layers, note=lambda params, grads: None, n_layers=None, Fs=None, group=None):
     """Per context, the input of layers 0..n_layers-1 and, last, the output of layer n_layers-1,
     nothing recorded (default: all but the last layer). fetch(l) gives layer l's parameters per
-    context (dropped after the layer ran); Fs[c]: context c's namespace (Model.noisy: dropout)."""
+    context (dropped after the layer ran); Fs[c]: context c's namespace (Model.noisy: dropout);
+    group: see run_layer."""
     n_layers = len(layers) - 1 if n_layers is None else n_layers
     acts, Fs = [[X] for X in X_shards], Fs or [nd] * len(X_shards)
     for l in range(n_layers):
-        params = fetch(l)
+        params = fetch(l)[:len(acts)]
         note(params, [])
         with autograd.train_mode():       # oneDNN's inference mode reorders weights in place (loop.evaluate)
-            for h, P, F in zip(acts, params, Fs):
-                h.append(layers[l].forward(h[-1], P, F, [p.shape for p in P]))
+            outs = run_layer(l, layers, [h[-1] for h in acts], params, Fs, group)
+        for h, out in zip(acts, outs):
+            h.append(out)
         del params
     return acts
 
 
-def scores(X_shards, fetch, layers):
+def scores(X_shards, fetch, layers, group=None):
     """Class scores (B, 10) per context (fewer X_shards than contexts: the first ones only)."""
-    return [h[-1] for h in forward(X_shards, fetch, layers, n_layers=len(layers))]
+    return [h[-1] for h in forward(X_shards, fetch, layers, n_layers=len(layers), group=group)]
 
 
 def attach_layer_grad(P):
@@ -60,24 +78,26 @@ def attach_layer_grad(P):
     return grad
 
 
-def autograd_backward(l, layer, acts, params, heads, y_shards, last, Fs):
+def autograd_backward(l, layers, acts, params, heads, y_shards, last, Fs, group=None):
     """Layer l recorded from its kept inputs and differentiated (with the loss if it is the last):
     its parameters' gradient per context (flat), while the parameters are still held; the inputs'
     gradients in acts[c][l].grad; for the last layer also (loss sum, number correct) per context.
-    Fs[c]: context c's namespace, as in the forward (dropout draws the same masks again)."""
-    grads = [attach_layer_grad(P) for P in params] if layer.params else []
+    Fs[c]: context c's namespace, as in the forward (dropout draws the same masks again); group:
+    see run_layer."""
+    grads = [attach_layer_grad(P) for P in params] if layers[l].params else []
     outs, metrics = [], []
     with autograd.record():
-        for h, P, y, F in zip(acts, params, y_shards, Fs):
-            if l:
-                h[l].attach_grad()
-            out = layer.forward(h[l], P, F, [p.shape for p in P])
+        for h in acts if l else ():
+            h[l].attach_grad()
+        for h, out, y in zip(acts, run_layer(l, layers, [h[l] for h in acts], params, Fs, group), y_shards):
             if last:
                 loss = cross_entropy(out, y)
                 metrics.append((loss.sum(), n_correct(out, y)))
                 out = loss
             outs.append(out)
-    for out, head in zip(outs, heads):
+    if group is not None:          # the contexts' outputs may share a statistic: one backward for all
+        autograd.backward(outs, heads)
+    for out, head in zip(outs, heads) if group is None else ():
         out.backward(head)
     return grads, metrics or None
 
@@ -120,16 +140,17 @@ def dense_grad_piece(h, g, lo, hi):
     return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=0)
 
 
-def layer_backward(l, layers, acts, heads, y_shards, sink, Fs):
+def layer_backward(l, layers, acts, heads, y_shards, sink, Fs, group=None):
     """Layer l's backward on every context. Its parameters' gradient goes to
     sink.reduce(l, grad_of), where grad_of(lo, hi) gives elements [lo, hi) of the layer's flat
     gradient per context. A dense layer's parameters are let go first: its parameter gradient
     needs only its input and output gradient, and is made a piece at a time, so at most one
     layer's parameters or a piece of its gradient is held (other layers hold both).
-    Returns (the input gradient per context or None for layer 0, metrics of the last layer or None)."""
+    group: see run_layer. Returns (the input gradient per context or None for layer 0, metrics of
+    the last layer or None)."""
     params, last = sink.fetch(l), l == len(layers) - 1
     if not hand_made(layers[l], last):
-        grads, metrics = autograd_backward(l, layers[l], acts, params, heads, y_shards, last, Fs)
+        grads, metrics = autograd_backward(l, layers, acts, params, heads, y_shards, last, Fs, group)
         sink.note(params, grads)
         if layers[l].params:                       # (a Flatten has no gradient to hand on)
             sink.reduce(l, lambda lo, hi: [g[lo:hi] for g in grads])
@@ -145,11 +166,21 @@ def forward_backward(X_shards, y_shards, sink):
     """Forward and backward of the batch shards, layer by layer, with `sink` (a ZeRO strategy):
     sink.net is the model, sink.fetch(l) gives layer l's parameters per context, sink.reduce(l,
     grad_of) takes their gradients (of the loss summed over each shard), sink.note(params, grads)
-    learns what is held at a moment. Returns per context (loss sum, number correct), left on the devices."""
+    learns what is held at a moment; for a model with running statistics sink.moments(train,
+    first=...) gives a Moments and sink.fold(moments) takes the step's batch statistics. Returns
+    per context (loss sum, number correct), left on the devices."""
     layers, Fs = sink.net.layers, [sink.net.noisy(nd, X) for X in X_shards]
-    acts = forward(X_shards, sink.fetch, layers, sink.note, Fs=Fs)
+    stats = sink.moments(True) if sink.net.stats() else None
+    step = (lambda l, hs, P: sink.net.layer_group(l, hs, P, stats)) if stats else None
+
+    def again(l, hs, P):           # a layer recomputed: its statistics again, counted once (the docstring)
+        moments = stats if l == len(layers) - 1 else sink.moments(True, first=first_norm(layers, l))
+        return sink.net.layer_group(l, hs, P, moments)
+    acts = forward(X_shards, sink.fetch, layers, sink.note, Fs=Fs, group=step)
     heads, metrics = [None] * len(acts), None
     for l in reversed(range(len(layers))):
-        heads, last = layer_backward(l, layers, acts, heads, y_shards, sink, Fs)
+        heads, last = layer_backward(l, layers, acts, heads, y_shards, sink, Fs, again if stats else None)
         metrics = metrics or last
+    if stats is not None:
+        sink.fold(stats)
     return metrics
