@@ -83,11 +83,12 @@ def check_model(cfg):
         raise UsageError(f"--patch must be 0 (rows) or divide 28, got {cfg.patch}")
     if cfg.heads and cfg.d_model and cfg.d_model % cfg.heads:
         raise UsageError(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model}")
-    if cfg.model == "resnet" and (cfg.mode not in ("sync", "zero") or cfg.deterministic or cfg.backend == "dist_async"):
-        why = "--deterministic" if cfg.deterministic else "--backend dist_async" if cfg.mode in ("sync", "zero") \
-            else f"--mode {cfg.mode}"
-        raise UsageError(f"--model resnet keeps BatchNorm's running statistics, which --mode sync and zero carry, "
-                         f"not {why}: {RUNNING_REFUSED.get(why, 'not yet')}")
+    if cfg.model == "resnet" and (cfg.mode not in ("sync", "zero", "local") or cfg.deterministic
+                                  or cfg.backend == "dist_async"):
+        why = "--deterministic" if cfg.deterministic else "--backend dist_async" \
+            if cfg.mode in ("sync", "zero", "local") else f"--mode {cfg.mode}"
+        raise UsageError(f"--model resnet keeps BatchNorm's running statistics, which --mode sync, zero and local "
+                         f"carry, not {why}: {RUNNING_REFUSED.get(why, 'not yet')}")
     if cfg.model == "resnet" and cfg.compress != "none":
         raise UsageError(f"--compress {cfg.compress}: BatchNorm's statistics are summed with the gradients' "
                          f"all-reduce and must stay exact: not with --model resnet")

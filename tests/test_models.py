@@ -457,7 +457,6 @@ def test_strategies_without_running_statistics_refuse_them(resnet):
     net, P, _ = resnet
     for make in (lambda: DeterministicZero(P, cpus(2), "momentum", 1, model=net),
                  lambda: PipelineParallel(P, cpus(2), "momentum", 2, model=net),
-                 lambda: LocalSGD(P, cpus(2), "momentum", 2, model=net),
                  lambda: DeterministicDataParallel(P, cpus(2), "momentum", model=net)):
         with pytest.raises(ValueError, match="running statistics"):
             make()

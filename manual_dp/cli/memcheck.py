@@ -119,7 +119,7 @@ def read_probes(probes, kind, pad=None, measured=MEASURED):
 
 def probe_modes(cfg, kind, n):
     """{mode: report} for every mode that can be laid out on n contexts and run cfg's model (a
-    model with running statistics: sync and zero), each measured in its own fresh process (started
+    model with running statistics: sync, zero and local), each measured in its own fresh process (started
     together, read in turn), LeNet's graph padded as by default."""
     probes = {}
     for mode in config.MODES:

@@ -80,6 +80,14 @@ class Moments:
                              for h, m in zip(hs, means)], key + "v")
         return means, [nd.broadcast_div(q, s[-1:]) for q, s in zip(squares, sums)]
 
+    def fold_each(self, running):
+        """Afterwards each context's running statistics (running[c]) took its own batch statistics
+        alone: m running + (1 - m) batch (local SGD's replicas, apart between syncs)."""
+        for c, R in enumerate(running):
+            own = Moments()
+            own.batch = [[per_context[c]] for per_context in self.batch]
+            own.fold([R])
+
     def fold(self, running, gather=None):
         """Afterwards every replica's running statistics (running[c], in stat order) hold
         m running + (1 - m) x (the mean over every context of its batch statistics), the same bits

@@ -163,7 +163,7 @@ class MultiProcess(Wrapper):
         state = self.model.state_dict()
         size, rank = self.world.size, self.world.rank
         extra = dict(state["extra"], processes=[np.array([size], dtype=np.int64)])
-        for key in self.model.per_process_extra:
+        for key in (k for k in self.model.per_process_extra if k in extra):
             gathered = []
             for i, mine in enumerate(extra[key]):
                 table = nd.zeros((size,) + mine.shape, ctx=self.ctx[0], dtype=mine.dtype)

@@ -16,26 +16,33 @@ of float additions, and with one replica it is the one-device step bit for bit f
 ((1 - 1) G + A is exactly A). Adam is not linear: at H = 1 over several replicas it is "local
 Adam", an algorithm of its own. A period still open at the end of an epoch is synced there, so
 evaluation and checkpoints see the average; an epoch records its communication rounds.
+
+A model with BatchNorm: each replica normalises its shard with its shard's statistics (as sync's
+per-context default) and folds them into running statistics of its own; a sync averages those
+with the same weights c_k / c (statistics are not trained: no outer step), and evaluation and
+checkpoints read the average. At H = 1 with sgd that is sync's per-context BatchNorm.
 """
 import numpy as np
-from mxnet import nd
+from mxnet import autograd, nd
 
 from ..config import FAST_STEP, RunConfig
 from ..errors import CheckpointError
 from ..fast.collectives import make_allreduce
 from ..fast.flat import FlatReplica, views
 from ..fast.prefetch import host
-from ..lesson import forward_backward, n_correct, shard_sizes, split_and_load
-from ..models import as_model, stateless
+from ..lesson import cross_entropy, forward_backward, n_correct, shard_sizes, split_and_load
+from ..models import as_model
+from ..models.batchnorm import Moments
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
 from .data_parallel import load_into
+from .running import RunningStats
 
 OUTER_OPTIMIZERS = ("sgd", "nesterov")
 
 
-class LocalSGD(Strategy):
+class LocalSGD(RunningStats, Strategy):
     """A replica per context stepping on its own shards; every `sync_every` steps the averaged change
     is applied to the global parameters by the outer optimiser (`outer_optimizer`, `outer_lr`,
     `outer_momentum`). allreduce_fn sums the replicas' weighted parameters (and, from
@@ -47,7 +54,7 @@ class LocalSGD(Strategy):
             raise ValueError(f"local SGD needs sync_every >= 1, outer_lr > 0 and an outer optimiser in "
                              f"{OUTER_OPTIMIZERS}: got {sync_every}, {outer_lr}, {outer_optimizer!r}")
         self.ctx, self.optimizer, self.sync_every = list(ctx), optimizer, sync_every
-        self.net = stateless(as_model(model, params), "--mode local")
+        self.net = as_model(model, params)
         self.outer_optimizer, self.outer_lr, self.outer_momentum = outer_optimizer, outer_lr, outer_momentum
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.flat = [FlatReplica(params, c) for c in self.ctx]           # W_k: (N,) and its views
@@ -55,6 +62,8 @@ class LocalSGD(Strategy):
         self.outer = [f.flat.copy() for f in self.flat]                   # G, the same on every context
         self.outer_views = [views(G, self.flat[0].shapes) for G in self.outer]
         self.momentum = [nd.zeros(G.shape, ctx=G.context) for G in self.outer]
+        self.keep_running(False, self.allreduce_fn)          # running[k]: replica k's own statistics
+        self.global_running = [[r.copy() for r in R] for R in self.running] if self.running else None
         self.t, self.rounds = 0, 0
         self.reset_period()
 
@@ -68,7 +77,15 @@ class LocalSGD(Strategy):
         sizes = shard_sizes(len(X), len(self.ctx))
         self.pending = [p + n for p, n in zip(self.pending, sizes)]
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
-        return forward_backward(X_shards, y_shards, [f.params for f in self.flat], self.net.forward)
+        if not self.running:
+            return forward_backward(X_shards, y_shards, [f.params for f in self.flat], self.net.forward)
+        moments = Moments(train=True)                         # each shard its own statistics
+        with autograd.record():
+            scores = self.net.forward_group(X_shards, [f.params for f in self.flat], moments)
+            losses = [cross_entropy(s, y) for s, y in zip(scores, y_shards)]
+        autograd.backward(losses)
+        moments.fold_each(self.running)
+        return [(l.sum(), n_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)]
 
     def update(self, lr, n_examples):
         """Every replica steps on its own gradient / its own examples; every H steps, a sync."""
@@ -88,8 +105,24 @@ class LocalSGD(Strategy):
         for f, G, m, A in zip(self.flat, self.outer, self.momentum, shares):
             self.outer_step(G, m, A)
             G.copyto(f.flat)
+        if self.running:
+            self.average_running()
         self.rounds += 1
         self.reset_period()
+
+    def average_running(self):
+        """Afterwards the global running statistics and every replica's hold the replicas' average,
+        weighted as the parameters are."""
+        shares = [nd.concat(*[r.reshape((-1,)) for r in R], dim=0) * (c / self.examples)
+                  for R, c in zip(self.running, self.counts)]
+        self.allreduce_fn(shares)
+        for R, G, avg in zip(self.running, self.global_running, shares):
+            at = 0
+            for r, g in zip(R, G):
+                value = avg[at:at + r.size].reshape(r.shape)
+                at += r.size
+                value.copyto(r)
+                value.copyto(g)
 
     def outer_step(self, G, m, A):
         """G moved by the pseudo-gradient G - A with the outer optimiser (m: nesterov's momentum)."""
@@ -111,13 +144,20 @@ class LocalSGD(Strategy):
     def correct(self, X, y):
         """Correct predictions of the global parameters G, sharded over every context."""
         ctx = self.ctx[:min(len(self.ctx), len(X))]
-        counts = [n_correct(self.net.forward(Xs, W), ys).copyto(ctx[0]) for Xs, ys, W in
-                  zip(split_and_load(X, ctx), split_and_load(y, ctx), self.outer_views)]
+        Xs, ys = split_and_load(X, ctx), split_and_load(y, ctx)
+        with autograd.train_mode():        # oneDNN's inference mode reorders weight views in place (loop.evaluate)
+            scores = self.net.forward_group(Xs, self.outer_views[:len(ctx)], Moments(False, self.global_running)) \
+                if self.running else [self.net.forward(X_, W) for X_, W in zip(Xs, self.outer_views)]
+        counts = [n_correct(s, y_).copyto(ctx[0]) for s, y_ in zip(scores, ys)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
         """Only G's copies: the replicas differ from each other between syncs by design."""
-        return {"global parameters": [fingerprint(c, W, self.net.names()) for c, W in zip(self.ctx, self.outer_views)]}
+        out = {"global parameters": [fingerprint(c, W, self.net.names()) for c, W in zip(self.ctx, self.outer_views)]}
+        if self.running:
+            names = [p.name for p in self.net.stats()]
+            out["global running statistics"] = [fingerprint(c, G, names) for c, G in zip(self.ctx, self.global_running)]
+        return out
 
     def layout(self, batch_size):
         """Every context runs both stages on its shard of the batch."""
@@ -126,10 +166,11 @@ class LocalSGD(Strategy):
 
     def arrays(self):
         states = [s for S in self.inner for s in S]
+        stats = [r for R in (self.running or []) + (self.global_running or []) for r in R]
         return {"param": [f.flat for f in self.flat] + self.outer,
-                "state": [f.grad for f in self.flat] + states + self.momentum}
+                "state": [f.grad for f in self.flat] + states + self.momentum + stats}
 
-    per_process_extra = ("local_replicas", "local_inner_state")   # each process's own replicas
+    per_process_extra = ("local_replicas", "local_inner_state", "local_running")   # each process's own replicas
 
     def state_dict(self):
         """params: G; opt_state: the replicas' mean inner state; extra: every replica's parameters
@@ -140,7 +181,16 @@ class LocalSGD(Strategy):
                 "extra": {"local_replicas": [f.flat.asnumpy() for f in self.flat],
                           "local_inner_state": [s.asnumpy() for S in self.inner for s in S],
                           "local_outer_momentum": [self.momentum[0].asnumpy()],
-                          "local_period": [np.array(period, dtype=np.int64)]}}
+                          "local_period": [np.array(period, dtype=np.int64)],
+                          **self.running_extra()}}
+
+    def running_extra(self):
+        """A model with BatchNorm: the global running statistics (what another mode resumes from)
+        and every replica's own (this strategy's exact resume)."""
+        if not self.running:
+            return {}
+        return {"running": [g.asnumpy() for g in self.global_running[0]],
+                "local_running": [r.asnumpy() for R in self.running for r in R]}
 
     def mean_inner_state(self):
         """[[arrays] per parameter]: the replicas' inner optimiser state, averaged in float64 (so
@@ -158,6 +208,10 @@ class LocalSGD(Strategy):
             load_into(f.params, f.state_views(S), state)
         for f, G in zip(self.flat, self.outer):
             f.flat.copyto(G)
+        self.load_running(state)                             # every replica's from the global ones
+        for R, G in zip(self.running or [], self.global_running or []):
+            for r, g in zip(R, G):
+                r.copyto(g)
         self.t, self.rounds = state["t"], 0
         self.reset_period()
         extra = state.get("extra", {})
@@ -183,6 +237,9 @@ class LocalSGD(Strategy):
         saved = iter(extra["local_inner_state"])
         for s in (s for S in self.inner for s in S):
             s[:] = nd.array(next(saved), ctx=s.context)
+        saved = iter(extra.get("local_running", []))
+        for r in (r for R in self.running or [] for r in R):
+            r[:] = nd.array(next(saved), ctx=r.context)
         self.steps, self.examples, self.rounds, self.counts = steps, examples, rounds, counts
 
 
