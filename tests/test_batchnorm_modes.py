@@ -1,11 +1,13 @@
-"""ZeRO on a model with BatchNorm (strategies/running.py): the running statistics stay whole on every
-context while parameters, gradients and optimiser state are sharded, and every stage computes what
-data parallelism computes.
+"""ZeRO and local SGD on a model with BatchNorm (strategies/running.py). Under ZeRO the running
+statistics stay whole on every context while parameters, gradients and optimiser state are sharded,
+and every stage computes what data parallelism computes. Under local SGD each replica keeps running
+statistics of its own between syncs, and a sync averages them as it averages the parameters.
 
 Tolerance, as tests/test_models.py: after 2 momentum steps the parameters and running statistics
 differ from the reference only by the order of float32 additions (1e-5 of the largest value); a
 statistic taken from one shard instead of the batch, or folded twice, moves them by more than 1e-3
-(asserted for the per-context statistics below, so the comparison can fail)."""
+(asserted for the per-context statistics below, so the comparison can fail). Resuming local SGD's
+own checkpoint is exact (bit for bit)."""
 import numpy as np
 import pytest
 from mxnet import autograd, nd
@@ -14,6 +16,7 @@ from conftest import batch, cpus, run_main
 from manual_dp import models
 from manual_dp.errors import CheckpointError
 from manual_dp.strategies.data_parallel import DataParallel
+from manual_dp.strategies.local_sgd import LocalSGD
 from manual_dp.strategies.zero import ZeroRedundancy
 
 TOL = 1e-5
@@ -123,3 +126,92 @@ def test_two_dist_sync_workers_train_resnet_under_zero_as_one_process(data_dir, 
                                           "--sync-batchnorm", "--data-dir", data_dir, "--train-size", 128,
                                           "--test-size", 64, "--batch-size", 64, "--epochs", 1, "--lr", 0.01)
     assert one["test_acc"] == pytest.approx(two["test_acc"], abs=1e-6)
+
+
+# Local SGD ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
+def test_local_sgd_at_h1_equals_sync_with_per_context_statistics(resnet, optimizer):
+    """At H = 1 (outer sgd, lr 1) the averaged replicas take sync's step, and the averaged running
+    statistics are sync's fold of every context's batch statistics."""
+    net, P, _ = resnet
+    want = after(DataParallel(P, cpus(2), optimizer, model=net))
+    local = LocalSGD(P, cpus(2), optimizer, sync_every=1, model=net)
+    got = after(local)
+    assert close(got["params"], want["params"]) and close(got["extra"]["running"], want["extra"]["running"])
+    assert not close(got["extra"]["running"], [s.asnumpy() for s in net.init_stats()], 1e-3)   # they moved
+    X, y = (nd.array(a) for a in batch(40, 5))
+    sync = DataParallel(P, cpus(2), optimizer, model=net)
+    after(sync)
+    autograd.set_training(True)          # as loop.evaluate
+    try:
+        assert float(local.correct(X, y).asscalar()) == float(sync.correct(X, y).asscalar())
+    finally:
+        autograd.set_training(False)
+
+
+def test_replicas_keep_their_own_statistics_until_a_sync(resnet):
+    """H = 2: after one step the replicas' statistics differ and the global ones have not moved;
+    after the second step's sync every replica holds the examples-weighted average."""
+    net, P, _ = resnet
+    local = LocalSGD(P, cpus(2), "sgd", sync_every=2, model=net)
+    X, y = batch(24, 0)
+    local.step(X, y, 0.01)
+    first = [r.asnumpy() for r in local.running[0]]
+    assert not close([r.asnumpy() for r in local.running[1]], first, 1e-3)
+    assert all(np.array_equal(g.asnumpy(), s.asnumpy()) for g, s in zip(local.global_running[0], net.init_stats()))
+    before = [[r.asnumpy() for r in R] for R in local.running]
+    local.step(X, y, 0.01)
+    for R in local.running + local.global_running:
+        assert all(np.array_equal(r.asnumpy(), local.global_running[0][i].asnumpy()) for i, r in enumerate(R))
+    assert not close([g.asnumpy() for g in local.global_running[0]], before[0], 1e-3)
+
+
+def test_local_checkpoint_between_syncs_resumes_exactly(resnet):
+    net, P, _ = resnet
+    X, y = batch(24, 0)
+    straight = LocalSGD(P, cpus(2), "momentum", sync_every=2, model=net)
+    for _ in range(3):
+        straight.step(X, y, 0.01)
+    first = LocalSGD(P, cpus(2), "momentum", sync_every=2, model=net)
+    first.step(X, y, 0.01)                          # between syncs: the replicas' own statistics differ
+    resumed = LocalSGD(P, cpus(2), "momentum", sync_every=2, model=net)
+    resumed.load_state_dict(first.state_dict())
+    for _ in range(2):
+        resumed.step(X, y, 0.01)
+    a, b = resumed.state_dict(), straight.state_dict()
+    for key in ("running", "local_running", "local_replicas"):
+        assert all(np.array_equal(u, v) for u, v in zip(a["extra"][key], b["extra"][key])), key
+    sync = DataParallel(P, cpus(2), "momentum", model=net)
+    sync.load_state_dict(a)                         # another mode resumes from the global statistics
+    assert all(np.array_equal(r.asnumpy(), v) for r, v in zip(sync.running[1], a["extra"]["running"]))
+
+
+def test_cli_resnet_under_local_sgd(capsys, data_dir):
+    code, out, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--model", "resnet", "--mode", "local",
+                                       "--sync-every", "2", "--cpus", "2"])
+    assert code == 0 and "comm rounds" in out, err
+    code, out, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--model", "resnet", "--mode", "local",
+                                       "--sync-batchnorm"])
+    assert code == 2 and len(err) == 1 and "--sync-batchnorm" in err[0], err
+
+
+def test_two_dist_sync_workers_train_resnet_under_local_sgd_as_one_process(data_dir, tmp_path):
+    """2 workers x 1 context against one process with 2 contexts, H = 2: the replicas' statistics
+    averaged across the processes at every sync; the same losses and test accuracy, which reads the
+    averaged statistics (to float rounding). (The checkpoints are not compared: local SGD's
+    per-process extras are laid out by process.)"""
+    from jobs import launch_cmd, read_log, run_job, train_cmd
+    argv = ["--model", "resnet", "--mode", "local", "--sync-every", 2, "--data-dir", data_dir, "--train-size", 128,
+            "--test-size", 64, "--batch-size", 32, "--epochs", 2, "--lr", 0.01]
+    logs = {}
+    for name, cmd in (("one", train_cmd("--cpus", 2, *argv)), ("two", launch_cmd(2, "dist_sync", "--cpus", 1, *argv))):
+        code, out = run_job([*cmd, "--log-json", str(tmp_path / f"{name}.jsonl"), "--checkpoint-dir",
+                             str(tmp_path / name)], tmp_path / f"{name}.txt")
+        assert code == 0, out
+        logs[name] = read_log(tmp_path / f"{name}.jsonl")
+    for a, b in zip(logs["one"], logs["two"]):
+        assert a["comm_rounds"] == b["comm_rounds"] == 2
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a["test_acc"] == pytest.approx(b["test_acc"], abs=1e-6)
+    assert len(logs["one"]) == len(logs["two"]) == 2
