@@ -25,7 +25,6 @@ from .. import checks, config, memory
 from ..errors import UsageError
 from ..fast import autotune
 from ..multiprocess.world import World
-from .memprobe import PARENT_ENV
 
 PROBE_ENV = {"MXNET_CPU_TEMP_COPY": "1"}    # one scratch buffer per device, as on a GPU
 UNREAD = ("epochs", "train_size", "test_size", "data_dir", "log_json", "digests", "checkpoint_dir", "resume",
@@ -64,9 +63,9 @@ def as_mode(cfg, mode):
 def start_probe(cfg, kind, n, env=None, pad=None):
     """A fresh process measuring `cfg` on n contexts of `kind` (its graph padded to `pad`, if
     given), which dies with this one (read it with read_probe, or read_probes)."""
-    cmd = [sys.executable, "-m", "manual_dp.cli.memprobe", json.dumps(dataclasses.asdict(cfg)), kind, str(n)]
-    env = dict(os.environ if env is None else env, **PROBE_ENV, **{PARENT_ENV: str(os.getpid())},
-               **({autotune.PAD_ENV: str(pad)} if pad else {}))
+    cmd = [sys.executable, "-m", "manual_dp.cli.memprobe", json.dumps(dataclasses.asdict(cfg)), kind, str(n),
+           str(os.getpid())]
+    env = dict(os.environ if env is None else env, **PROBE_ENV, **({autotune.PAD_ENV: str(pad)} if pad else {}))
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
 
 

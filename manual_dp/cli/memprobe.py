@@ -1,7 +1,7 @@
-"""`python -m manual_dp.cli.memprobe CONFIG_JSON KIND N`: one run's memory report per context,
-measured in this fresh process (manual_dp.cli.memcheck starts it), printed as one JSON line.
+"""`python -m manual_dp.cli.memprobe CONFIG_JSON KIND N PARENT`: one run's memory report per
+context, measured in this fresh process (manual_dp.cli.memcheck starts it), printed as one JSON line.
 
-The process dies with the one that started it ($MANUAL_DP_PROBE_PARENT), however that one ends:
+The process dies with the one that started it (process id PARENT), however that one ends:
 on Linux the kernel sends it SIGKILL when its parent ends, even by SIGKILL (prctl's
 PR_SET_PDEATHSIG); elsewhere, and on an interruption anywhere, memcheck.run_probes kills it.
 """
@@ -14,8 +14,6 @@ import sys
 from ..config import RunConfig
 from ..fast.runtime import configure
 
-
-PARENT_ENV = "MANUAL_DP_PROBE_PARENT"      # the process id of the process that started this one
 PR_SET_PDEATHSIG = 1                       # linux/prctl.h
 
 
@@ -32,7 +30,7 @@ def die_with_parent(parent):
 
 def main(argv):
     """Prints the report of the RunConfig given as JSON, on contexts cpu|gpu(0..N-1)."""
-    die_with_parent(int(os.environ.get(PARENT_ENV, "0")))
+    die_with_parent(int(argv[3]))
     fields, kind, n = json.loads(argv[0]), argv[1], int(argv[2])
     configure(n if kind == "cpu" else 0)
     import mxnet as mx                                            # loads with the settings above
