@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from ..fast.collectives import make_allreduce
 from ..fast.flat import FlatReplica, views
 from ..fast.prefetch import host
-from ..lesson import cross_entropy, forward_backward, n_correct, shard_sizes, split_and_load
+from ..lesson import forward_backward, n_correct, shard_sizes, split_and_load
 from ..models import as_model
 from ..models.batchnorm import Moments
 from ..optim import apply_update_and_clear, init_states
@@ -77,15 +77,9 @@ class LocalSGD(RunningStats, Strategy):
         sizes = shard_sizes(len(X), len(self.ctx))
         self.pending = [p + n for p, n in zip(self.pending, sizes)]
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
-        if not self.running:
-            return forward_backward(X_shards, y_shards, [f.params for f in self.flat], self.net.forward)
-        moments = Moments(train=True)                         # each shard its own statistics
-        with autograd.record():
-            scores = self.net.forward_group(X_shards, [f.params for f in self.flat], moments)
-            losses = [cross_entropy(s, y) for s, y in zip(scores, y_shards)]
-        autograd.backward(losses)
-        moments.fold_each(self.running)
-        return [(l.sum(), n_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)]
+        if self.running:                                      # each shard its own statistics
+            return self.grouped_forward_backward(X_shards, y_shards, [f.params for f in self.flat], each=True)
+        return forward_backward(X_shards, y_shards, [f.params for f in self.flat], self.net.forward)
 
     def update(self, lr, n_examples):
         """Every replica steps on its own gradient / its own examples; every H steps, a sync."""

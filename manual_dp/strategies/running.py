@@ -39,15 +39,20 @@ class RunningStats:
         """Afterwards every replica's running statistics took the step's batch statistics."""
         moments.fold(self.running, self.stats_reduce)
 
-    def grouped_forward_backward(self, X_shards, y_shards, replicas):
+    def grouped_forward_backward(self, X_shards, y_shards, replicas, each=False):
         """Every context's forward at once (its BatchNorms may sum across contexts), one backward
-        for all, then the fold. Returns per context (loss sum, number correct)."""
+        for all, then the fold: into every replica alike, or with each=True into each replica its
+        own context's statistics (local SGD's replicas, apart between syncs). Returns per context
+        (loss sum, number correct)."""
         moments = self.moments(True)
         with autograd.record():
             scores = self.net.forward_group(X_shards, replicas, moments)
             losses = [cross_entropy(s, y) for s, y in zip(scores, y_shards)]
         autograd.backward(losses)
-        self.fold(moments)
+        if each:
+            moments.fold_each(self.running)
+        else:
+            self.fold(moments)
         return [(l.sum(), n_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)]
 
     def running_fingerprints(self):
