@@ -46,12 +46,16 @@ def test_dry_run_bubbles_are_ordered_and_match_the_formulas(quick):
     assert set(b) == SCHEDULES and b["interleaved"]["virtual"] == 2
     for f in b.values():
         assert f["dry_run_over_compute"] == pytest.approx(f["formula"])
-        assert 0 <= f["measured"] < 1 and f["measured_over_dry_run"] == pytest.approx(f["measured"] / f["dry_run_flops"])
+        assert 0 <= f["measured"] < 1 and f["measured_over_dry_run"] == pytest.approx(f["measured"] / f["dry_run_timed"])
+        assert f["measured_over_flops"] == pytest.approx(f["measured"] / f["dry_run_flops"])
+        assert len(f["rounds"]) == 3 and f["measured"] == pytest.approx(sorted(r["measured"] for r in f["rounds"])[1])
+        assert all(r["ratio"] == pytest.approx(r["measured"] / r["dry_run_timed"]) for r in f["rounds"])
         assert f["measured_over_unit"] == pytest.approx(f["measured"] / f["dry_run"])
         assert 0 <= f["equal_stages"] < 1 and f["phase_ms"].keys() == f["stage_spread"].keys()
     assert b["gpipe"]["dry_run"] == b["1f1b"]["dry_run"] > b["interleaved"]["dry_run"] > b["zb-h1"]["dry_run"]
     assert set(b["zb-h1"]["phase_ms"]) == {"F", "B", "W"} and set(b["1f1b"]["phase_ms"]) == {"F", "B"}
     assert b["zb-h1"]["durations"]["B0"][1] == 0 and len(b["interleaved"]["durations"]) == 16   # 8 stages, F and B
+    assert all(t > 0 for f in b.values() for _, _, t in f["durations"].values())      # every action timed
     targets = result["targets"]
     assert all(targets[f"dry run ({how}): {name} below 1f1b"] for how in ("unit", "FLOPs") for name in ("interleaved", "zb-h1"))
 

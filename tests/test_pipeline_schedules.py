@@ -228,3 +228,25 @@ def test_counted_peaks_against_the_layout():
         counted = model.end_epoch(0.01)["activation_peak_bytes"]
         priced = {c: r["activation_bytes"] for c, r in per_context(model, 16).items()}
         assert all((counted[c] == priced[c]) if exact else counted[c] <= priced[c] for c in counted)
+
+
+def test_stage_times_time_every_action_of_the_schedule_and_leave_no_trace():
+    """strategies/stage_times.py: one micro-batch through the pipeline alone, every (phase, stage)
+    of the schedule timed (ZB-H1: F, B and W of each of 4 stages), the parameters and their
+    gradients as they were; on LeNet cut in two, the convolutions' forward (about 20 times the
+    dense layers' FLOPs) takes longer than the dense layers' with their loss."""
+    import mxnet as mx
+    from manual_dp import init_lenet_params
+    from manual_dp.strategies.pipeline import PipelineParallel
+    from manual_dp.strategies.stage_times import stage_times
+    net = transformer(2)
+    params = net.init_params(0)
+    pipe = PipelineParallel(params, [mx.cpu(i) for i in range(4)], "sgd", 8, stages=4, schedule="zb-h1", model=net)
+    before = [p.asnumpy() for P in pipe.params[0] for p in P]
+    took = stage_times(pipe, micro=4, repeats=2)
+    assert set(took) == {(ph, k) for ph in "FBW" for k in range(4)} and all(s > 0 for s in took.values())
+    assert all((p.asnumpy() == b).all() and not p.grad.asnumpy().any()
+               for p, b in zip((p for P in pipe.params[0] for p in P), before))
+    lenet = PipelineParallel(init_lenet_params(0), [mx.cpu(0), mx.cpu(1)], "sgd", 1, stages=2)
+    took = stage_times(lenet, micro=64, repeats=3)
+    assert set(took) == {(ph, k) for ph in "FB" for k in range(2)} and took[("F", 0)] > took[("F", 1)]

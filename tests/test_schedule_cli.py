@@ -24,6 +24,8 @@ def test_dry_run_prints_the_schedule_and_trains_nothing(capsys, tmp_path):
     assert "peak held (micro-batches): [4, 4, 4, 4] until W, [4, 3, 2, 1] until B" in out
     priced = next(l for l in lines if l.startswith("priced with the model's FLOPs"))
     assert "; B 0.00 " in priced and "; W " in priced          # stage 0's input is the images: no B
+    timed = next(l for l in lines if l.startswith("priced with its actions timed here, one micro-batch of 4 alone"))
+    assert "; W " in timed and lines[lines.index(timed) + 1].startswith("bubble: ")
     assert lines[-1] == "dry run: nothing trained" and not log.exists()
 
 

@@ -27,7 +27,8 @@ from ..multiprocess.world import World
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.pipeline_pass import ReplicaPass, SplitPass, cut
 from ..strategies.schedules import bubbles, formula, plan, run_order, simulate
-from ..strategies.stage_costs import plan_costs, priced
+from ..strategies.stage_costs import plan_costs, priced, relative
+from ..strategies.stage_times import stage_times
 
 STAGES, MICRO = 4, 8                                          # issue 22's p and m
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
@@ -87,7 +88,7 @@ def activations(model_flags, batch, at_once, names=None):
 
 
 class Timed(PipelineParallel):
-    """PipelineParallel(measure=True) that also keeps, per replica pass, the mean measured seconds
+    """PipelineParallel(measure=True) that also keeps, per replica pass, the median measured seconds
     of each (phase, stage) in `took`: PipelineParallel.run_replica, less the peaks, plus that list
     (PipelineParallel keeps only the bubble those durations replay to)."""
 
@@ -100,7 +101,7 @@ class Timed(PipelineParallel):
         run = (SplitPass if p.split else ReplicaPass)(Xs, ys, P, places, self.stages, self.elems,
                                                       self.recompute, self.S, True)
         metrics = run.run(run_order(p))
-        took = run.mean_durations()
+        took = run.median_durations()
         self.measured.append(bubbles(p, simulate(p, took), took)[0])
         self.took = (self.took or []) + [took]
         return metrics
@@ -116,54 +117,78 @@ def per_phase(took):
 
 
 def stage_means(took, phase):
-    """[mean seconds of `phase` on stage k] for every stage k."""
+    """[median seconds of `phase` on stage k over the passes] for every stage k."""
     by_stage = {}
     for durations in took:
         for (ph, k), s in durations.items():
             if ph == phase:
                 by_stage.setdefault(k, []).append(s)
-    return [float(np.mean(by_stage[k])) for k in sorted(by_stage)]
+    return [float(np.median(by_stage[k])) for k in sorted(by_stage)]
 
 
-def side_by_side(took, costs):
-    """{"F0": [measured, priced], ...}: each (phase, stage)'s mean measured seconds (Timed.took)
-    over a stage's mean forward, beside its FLOP price (plan_costs: the same unit)."""
+def side_by_side(took, costs, timed):
+    """{"F0": [measured, FLOPs, timed], ...}: each (phase, stage)'s median measured seconds
+    (Timed.took) over a stage's median forward, beside its price from the FLOPs and from its
+    actions timed before the run (both in the same unit)."""
     forward = float(np.mean(stage_means(took, "F")))
-    return {f"{ph}{k}": [float(np.mean([t[(ph, k)] for t in took if (ph, k) in t])) / forward, c]
+    return {f"{ph}{k}": [float(np.median([t[(ph, k)] for t in took if (ph, k) in t])) / forward, c, timed[(ph, k)]]
             for (ph, k), c in sorted(costs.items(), key=lambda kv: (kv[0][1], "FBW".index(kv[0][0])))}
 
 
-def schedule_bubbles(net, batch, steps, lr):
-    """{schedule: figures} at p=STAGES, m=MICRO on cpu(0..3): the dry run's bubble with unit
-    durations (idle share of device time, and over ideal compute beside the papers' formula) and
-    priced with the model's FLOPs (strategies/stage_costs.py: "dry_run_flops", what the measured
-    one is compared with), the measured one (each action timed alone, the schedule replayed with the
-    (phase, stage) means: end_epoch's "bubble_measured"), the same replayed with the stages made
-    equal (per-phase means), the per-phase means, each phase's slowest stage over its fastest, and
-    each (phase, stage)'s measured mean over a stage's mean forward beside its FLOP price. One
-    warm-up step first."""
+def one_schedule(net, params, ctx, name, V, X, y, steps, lr):
+    """(durations timed before the run, relative; the measured bubble; Timed.took) of schedule
+    `name` at p=STAGES, m=MICRO: its actions timed on one micro-batch (strategies/stage_times.py),
+    one warm-up step, `steps` measured steps."""
+    model = Timed(params, ctx, "momentum", MICRO, stages=STAGES, schedule=name, model=net,
+                  virtual_stages=V, measure=True)
+    timed = relative(stage_times(model, X.shape[0] // MICRO, repeats=20))
+    model.step(X, y, lr)
+    model.end_epoch(lr)
+    model.took = []
+    for _ in range(steps):
+        model.step(X, y, lr)
+    return timed, model.end_epoch(lr)["bubble_measured"], model.took
+
+
+def schedule_bubbles(net, batch, steps, lr, rounds=3):
+    """{schedule: figures} at p=STAGES, m=MICRO on cpu(0..3), `rounds` rounds of every schedule in
+    turn (a drift of the machine reaches each alike), each round's figures kept ("rounds": the dry
+    run's timed bubble, the measured one, their ratio) and their medians:
+      dry_run, dry_run_over_compute, formula   unit durations (idle share of device time; over
+                     ideal compute beside the papers' formula)
+      dry_run_flops  priced with the model's FLOPs (strategies/stage_costs.py)
+      dry_run_timed  priced with its actions timed on one micro-batch before the run
+                     (strategies/stage_times.py): what the measured bubble is compared with
+      measured       each action of the run timed alone, the schedule replayed with the (phase,
+                     stage) medians (end_epoch's "bubble_measured"), over ratios to both prices
+      equal_stages   the same replayed with the stages made equal (per-phase means)
+      phase_ms, stage_spread, durations   per-phase means, each phase's slowest stage over its
+                     fastest, each (phase, stage)'s measured median beside its two prices"""
     ctx, params = [mx.cpu(i) for i in range(STAGES)], net.init_params(0)
     X, y = random_batch(batch)
+    runs = {name: [] for name, _ in SCHEDULES}
+    for _ in range(rounds):
+        for name, V in SCHEDULES:
+            runs[name].append(one_schedule(net, params, ctx, name, V, X, y, steps, lr))
     out = {}
     for name, V in SCHEDULES:
         p = plan(name, STAGES, MICRO, V)
         (share, ratio), costs = bubbles(p, simulate(p)), plan_costs(net, p)
-        model = Timed(params, ctx, "momentum", MICRO, stages=STAGES, schedule=name, model=net,
-                      virtual_stages=V, measure=True)
-        model.step(X, y, lr)
-        model.end_epoch(lr)
-        model.took = []
-        for _ in range(steps):
-            model.step(X, y, lr)
-        measured = model.end_epoch(lr)["bubble_measured"]
-        equal = per_phase(model.took)
-        spread = {ph: max(m) / min(m) for ph in equal for m in [stage_means(model.took, ph)]}
-        flops = priced(p, costs)[0]
+        took = [t for _, _, took in runs[name] for t in took]
+        each = [dict(dry_run_timed=priced(p, timed)[0], measured=measured) for timed, measured, _ in runs[name]]
+        for r in each:
+            r["ratio"] = r["measured"] / r["dry_run_timed"]
+        by_times, measured = (float(np.median([r[k] for r in each])) for k in ("dry_run_timed", "measured"))
+        timed = {key: float(np.median([t[key] for t, _, _ in runs[name]])) for key in costs}
+        equal = per_phase(took)
         out[name] = dict(virtual=V, dry_run=share, dry_run_over_compute=ratio, formula=formula(p),
-                         dry_run_flops=flops, measured=measured, measured_over_dry_run=measured / flops,
-                         measured_over_unit=measured / share, equal_stages=bubbles(p, simulate(p, equal), equal)[0],
-                         phase_ms={ph: s * 1e3 for ph, s in equal.items()}, stage_spread=spread,
-                         durations=side_by_side(model.took, costs))
+                         dry_run_flops=priced(p, costs)[0], dry_run_timed=by_times, measured=measured,
+                         measured_over_flops=measured / priced(p, costs)[0], measured_over_dry_run=measured / by_times,
+                         measured_over_unit=measured / share, rounds=each,
+                         equal_stages=bubbles(p, simulate(p, equal), equal)[0],
+                         phase_ms={ph: s * 1e3 for ph, s in equal.items()},
+                         stage_spread={ph: max(m) / min(m) for ph in equal for m in [stage_means(took, ph)]},
+                         durations=side_by_side(took, costs, timed))
     return out
 
 

@@ -5,11 +5,12 @@ parallelism and the pipeline schedules, measured side by side in one run (manual
                  and without --sequence-parallel; cp=2, 4 ring and ulysses; dp x pp x tp with and
                  without +sp; pp x cp), each in a fresh process as the trainer measures them; SP/TP
                  beside Megatron-SP's prediction, CP's per context over one context's beside 1/C
-    bubbles      gpipe, 1f1b, interleaved (V=2), zb-h1 at p=4, m=8 on an 8-block transformer: the
-                 dry run's bubble (unit durations, and priced with the model's FLOPs) and the
-                 measured one (each action timed alone, the schedule replayed with the measured
-                 times), the same replayed with the stages made equal, and each action's measured
-                 time beside its FLOP price
+    bubbles      gpipe, 1f1b, interleaved (V=2), zb-h1 at p=4, m=8 on an 8-block transformer, three
+                 rounds of the four in turn: the dry run's bubble (unit durations; priced with the
+                 model's FLOPs; priced with its actions timed on one micro-batch before the run)
+                 and the measured one (each action timed alone, the schedule replayed with the
+                 measured times), the same replayed with the stages made equal, and each action's
+                 measured time beside its two prices
     meshes       --cpus contexts (default 8) as dp x pp x tp (+sp), dp x pp x cp, dp x cp=4, dp x tp=2
                  and (a multiple of 8) dp x pp x cp x tp:
                  each layout's loss beside one context's; images/s, not a speed target
@@ -119,7 +120,7 @@ def bubble_targets(b):
     """{target: met} of the bubbles (schedule_bubbles' figures)."""
     out = {f"dry run ({how}): {name} below 1f1b": b[name][key] < b["1f1b"][key]
            for how, key in (("unit", "dry_run"), ("FLOPs", "dry_run_flops")) for name in ("interleaved", "zb-h1")}
-    out.update({f"measured {name} within {ABOUT:.0%} of the dry run (FLOPs)": abs(f["measured_over_dry_run"] - 1) <= ABOUT
+    out.update({f"measured {name} within {ABOUT:.0%} of the dry run (timed)": abs(f["measured_over_dry_run"] - 1) <= ABOUT
                 for name, f in b.items()})
     return out
 
@@ -142,17 +143,22 @@ def print_activations(acts, sp, cp, where):
 
 
 def print_bubbles(b, targets, layers):
-    print(f"bubbles, p=4, m=8, {layers} layers (idle share of device time; dry run: unit durations, and priced with "
-          f"the model's FLOPs (strategies/stage_costs.py); measured: each action timed alone between waitall()s, the "
-          f"schedule replayed with the (phase, stage) means; stages equal: replayed with the per-phase means, every "
-          f"stage alike; per stage: measured mean over a stage's mean forward, the FLOP price in brackets):")
+    rounds = len(next(iter(b.values()))["rounds"])
+    print(f"bubbles, p=4, m=8, {layers} layers, medians of {rounds} rounds (idle share of device time; dry run: unit "
+          f"durations, priced with the model's FLOPs (strategies/stage_costs.py), and with its actions timed on one "
+          f"micro-batch before the run (strategies/stage_times.py); measured: each action timed alone between "
+          f"waitall()s, the schedule replayed with the (phase, stage) medians; stages equal: replayed with the "
+          f"per-phase means, every stage alike; per stage: measured over a stage's forward, [FLOPs' price, timed price]):")
     for name, f in b.items():
         print(f"  {name + (' V=2' if f['virtual'] > 1 else ''):15} dry run {f['dry_run']:.3f} "
-              f"({f['dry_run_over_compute']:.3f} of compute, formula {f['formula']:.3f}), FLOPs {f['dry_run_flops']:.3f}  "
-              f"measured {f['measured']:.3f} ({f['measured_over_dry_run']:.2f}x FLOPs', {f['measured_over_unit']:.2f}x "
-              f"unit's)  stages equal {f['equal_stages']:.3f}  ms " + " ".join(f"{ph}={ms:.1f}" for ph, ms in f["phase_ms"].items())
+              f"({f['dry_run_over_compute']:.3f} of compute, formula {f['formula']:.3f}), FLOPs {f['dry_run_flops']:.3f}, "
+              f"timed {f['dry_run_timed']:.3f}  measured {f['measured']:.3f} ({f['measured_over_dry_run']:.2f}x timed, "
+              f"{f['measured_over_flops']:.2f}x FLOPs', {f['measured_over_unit']:.2f}x unit's)  stages equal "
+              f"{f['equal_stages']:.3f}  ms " + " ".join(f"{ph}={ms:.1f}" for ph, ms in f["phase_ms"].items())
               + "  slowest/fastest stage " + " ".join(f"{ph} {x:.1f}x" for ph, x in f["stage_spread"].items()))
-        print("      per stage " + " ".join(f"{k} {m:.2f} ({c:.2f})" for k, (m, c) in f["durations"].items()))
+        print("      rounds (measured/timed) " + "  ".join(f"{r['measured']:.3f}/{r['dry_run_timed']:.3f} = {r['ratio']:.2f}x"
+                                                        for r in f["rounds"]))
+        print("      per stage " + " ".join(f"{k} {m:.2f} [{c:.2f}, {t:.2f}]" for k, (m, c, t) in f["durations"].items()))
     for target, met in targets.items():
         print(f"  {target}: {marked(met)}")
 

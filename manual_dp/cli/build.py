@@ -29,7 +29,8 @@ from ..strategies.local_sgd import LocalSGD
 from ..strategies.loss_scaled import LossScaled
 from ..strategies.mesh_parallel import MeshParallel
 from ..strategies.pipeline import PipelineParallel
-from ..strategies.stage_costs import priced_lines
+from ..strategies.stage_costs import priced_lines, relative
+from ..strategies.stage_times import stage_times
 from ..strategies.tensor import TensorParallel
 from ..strategies.tensor_deterministic import TensorDeterministic
 from ..strategies.zero import ZeroRedundancy
@@ -240,8 +241,15 @@ def dry_run(cfg, ctx, world):
         replicas = len(ctx) // (S * (mesh_tp(cfg) * (cfg.context_parallel or 1) if cfg.mode == "mesh" else 1))
         M = min(cfg.micro_batches or 1, cfg.batch_size // (replicas * world.size))
         name, V = cfg.schedule or "gpipe", virtual_stages(cfg)
+        p = schedules.plan(name, S, M, V)
         print(schedules.dry_run(name, S, M, V))
-        print("\n".join(priced_lines(net, schedules.plan(name, S, M, V), cfg.recompute)))
+        print("\n".join(priced_lines(net, p, cfg.recompute)))
+        if cfg.mode != "mesh" and not cfg.deterministic:
+            micro = cfg.batch_size // (replicas * world.size * M)
+            pipe = PipelineParallel(net.init_params(cfg.seed), ctx[:S], cfg.optimizer, M, stages=S, schedule=name,
+                                    recompute=cfg.recompute, model=precise(net, policy_of(cfg)), virtual_stages=V)
+            print("\n".join(priced_lines(net, p, costs=relative(stage_times(pipe, micro)),
+                                          how=f"its actions timed here, one micro-batch of {micro} alone")))
     print("dry run: nothing trained")
     return []
 

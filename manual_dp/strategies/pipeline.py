@@ -103,8 +103,8 @@ class PipelineParallel(FixedPipeline, Strategy):
         groups = np.cumsum([0] + shard_sizes(len(Xs), p.n_micro))
         metrics = run.run(run_order(p) if not parts else
                           piece_actions(run_order(p), [range(a, b) for a, b in zip(groups, groups[1:])]))
-        if self.measure:   # the schedule replayed with each (phase, stage)'s mean measured time
-            took = run.mean_durations()
+        if self.measure:   # the schedule replayed with each (phase, stage)'s median measured time
+            took = run.median_durations()
             self.measured.append(bubbles(p, simulate(p, took), took)[0])
         for c, peak in zip(row, run.peak):
             self.peaks[str(c)] = max(self.peaks.get(str(c), 0), peak)

@@ -130,9 +130,10 @@ class ReplicaPass:
             self.durations.setdefault(action[:2], []).append(perf_counter() - start)
         return nd.add_n(*[l for l, _ in self.metrics.values()]), nd.add_n(*[c for _, c in self.metrics.values()])
 
-    def mean_durations(self):
-        """{(phase, stage): mean seconds} of the measured actions."""
-        return {k: float(np.mean(v)) for k, v in self.durations.items()}
+    def median_durations(self):
+        """{(phase, stage): median seconds} of the measured actions (a median: one action the
+        machine interrupted moves it little)."""
+        return {k: float(np.median(v)) for k, v in self.durations.items()}
 
 
 class SplitPass(ReplicaPass):

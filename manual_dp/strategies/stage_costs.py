@@ -69,11 +69,12 @@ def priced(p, costs):
     return bubbles(p, simulate(p, costs), costs)
 
 
-def priced_lines(net, p, recompute=False):
-    """The dry run's lines on the model's costs: each phase's duration per stage, and the bubble."""
-    costs = plan_costs(net, p, recompute)
+def priced_lines(net, p, recompute=False, costs=None, how="the model's FLOPs"):
+    """The dry run's lines on the model's costs (or on `costs`, priced by `how`): each phase's
+    duration per stage, and the bubble."""
+    costs = costs or plan_costs(net, p, recompute)
     share, ratio = priced(p, costs)
     per_stage = "; ".join(f"{ph} " + " ".join(f"{costs[(ph, k)]:.2f}" for k in range(p.n_stages))
                           for ph in "FBW" if (ph, 0) in costs)
-    return [f"priced with the model's FLOPs (a stage's average forward = 1; {per_stage}):",
+    return [f"priced with {how} (a stage's average forward = 1; {per_stage}):",
             f"bubble: {ratio:.3f} of compute, idle share of device time {share:.3f}"]
