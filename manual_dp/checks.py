@@ -83,17 +83,10 @@ def check_model(cfg):
         raise UsageError(f"--patch must be 0 (rows) or divide 28, got {cfg.patch}")
     if cfg.heads and cfg.d_model and cfg.d_model % cfg.heads:
         raise UsageError(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model}")
-    if cfg.model == "resnet" and (cfg.mode not in ("sync", "zero", "local") or cfg.deterministic
-                                  or cfg.backend == "dist_async"):
-        why = "--deterministic" if cfg.deterministic else "--backend dist_async" \
-            if cfg.mode in ("sync", "zero", "local") else f"--mode {cfg.mode}"
-        raise UsageError(f"--model resnet keeps BatchNorm's running statistics, which --mode sync, zero and local "
-                         f"carry, not {why}: {RUNNING_REFUSED.get(why, 'not yet')}")
-    if cfg.model == "resnet" and cfg.compress != "none":
-        raise UsageError(f"--compress {cfg.compress}: BatchNorm's statistics are summed with the gradients' "
-                         f"all-reduce and must stay exact: not with --model resnet")
-    if cfg.sync_batchnorm and cfg.model != "resnet":
-        raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet), not --model {cfg.model}")
+    if cfg.model == "resnet":
+        check_running(cfg, True)
+    elif cfg.model in MODELS:                          # a user's block is checked once it is built
+        check_running(cfg, False)
     if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and cfg.mode in ("pipeline", "hybrid", "mesh"):
         raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
     if cfg.sequence_parallel and cfg.deterministic:
@@ -109,6 +102,22 @@ def check_model(cfg):
                          f"one, --model {cfg.model} does not")
     if cfg.deterministic and cfg.mode in UNREACHED:
         raise UsageError(f"--deterministic --mode {cfg.mode}: {UNREACHED[cfg.mode]}")
+
+
+def check_running(cfg, running):
+    """UsageError where --model's running statistics (BatchNorm's; `running`: whether it keeps any)
+    meet a mode or flag that does not carry them, or --sync-batchnorm a model without them."""
+    if running and (cfg.mode not in ("sync", "zero", "local") or cfg.deterministic or cfg.backend == "dist_async"):
+        why = "--deterministic" if cfg.deterministic else "--backend dist_async" \
+            if cfg.mode in ("sync", "zero", "local") else f"--mode {cfg.mode}"
+        raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, zero and "
+                         f"local carry, not {why}: {RUNNING_REFUSED.get(why, 'not yet')}")
+    if running and cfg.compress != "none":
+        raise UsageError(f"--compress {cfg.compress}: BatchNorm's statistics are summed with the gradients' "
+                         f"all-reduce and must stay exact: not with --model {cfg.model}")
+    if cfg.sync_batchnorm and not running:
+        raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet, a Gluon block with "
+                         f"BatchNorm children), not --model {cfg.model}")
 
 
 # The modes --deterministic cannot bring to one context's bits, and why (strategies/fixed_sums.py).

@@ -330,7 +330,7 @@ def test_cli_resume_of_another_model_is_refused_and_the_checkpoint_kept(capsys, 
     ("{dir}/m.py:raises", "raises\\(\\) raised ZeroDivisionError"),
     ("{dir}/m.py:number", "returned int, not a Gluon HybridBlock"),
     ("{dir}/m.py:seven", "gives \\(2, 7\\)"),
-    ("{dir}/m.py:batchnorm", "keeps running statistics"),
+    ("{dir}/m.py:batchnorm", "BatchNorm\\(axis=1, eps=1e-05, momentum=0.5"),
     ("{dir}/broken.py:net", "failed to load \\(SyntaxError"),
     ("transformerx", "choose lenet, mlp, transformer, resnet or PATH.py:FUNCTION"),
 ])
@@ -340,7 +340,7 @@ def test_cli_model_file_errors_are_one_line(capsys, data_dir, tmp_path, source, 
                                    "def number():\n    return 3\n"
                                    "def seven():\n    b = nn.HybridSequential(); b.add(nn.Dense(7)); return b\n"
                                    "def batchnorm():\n    b = nn.HybridSequential()\n"
-                                   "    b.add(nn.Conv2D(2, 3), nn.BatchNorm(), nn.Dense(10)); return b\n")
+                                   "    b.add(nn.Conv2D(2, 3), nn.BatchNorm(momentum=0.5), nn.Dense(10)); return b\n")
     (tmp_path / "broken.py").write_text("def net(:\n")
     code, _, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, "--model", source.format(dir=tmp_path)])
     assert code == 2 and len(err) == 1 and err[0].startswith("manual_dp.train: error: ")

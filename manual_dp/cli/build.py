@@ -5,7 +5,7 @@ import functools
 
 import mxnet as mx
 
-from .. import config
+from .. import checks, config
 from ..errors import UsageError
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
@@ -109,7 +109,10 @@ def build_model(cfg, params, ctx, world, policy=None):
     policy_of(cfg)), composed with the world (the cross-process sum and this process's rows), with
     gradient accumulation and fp16's loss scale."""
     policy = policy or policy_of(cfg)
-    net = precise(network(cfg), policy)
+    net = network(cfg)
+    if cfg.model not in config.MODELS:                # a user's block: its BatchNorms are known now
+        checks.check_running(cfg, bool(net.stats()))
+    net = precise(net, policy)
     refusal = net.tensor_refusal(cfg.tensor_parallel or len(ctx)) if cfg.mode == "tensor" else None
     if refusal:
         raise UsageError(f"--tensor-parallel {refusal}")

@@ -158,8 +158,14 @@ class Model:
     def forward_group(self, Xs, shards, moments):
         """Class scores on every context of a data-parallel step at once, from each context's
         images and parameters; `moments` (models.batchnorm.Moments) is what BatchNorms normalise
-        with. A model without running statistics runs each context on its own."""
-        return [self.forward(X, P) for X, P in zip(Xs, shards)]
+        with. A model with running statistics runs layer by layer (layer_group), one without each
+        context on its own."""
+        if not self.stats():
+            return [self.forward(X, P) for X, P in zip(Xs, shards)]
+        hs = Xs
+        for l, s in enumerate(self.slices()):
+            hs = self.layer_group(l, hs, [P[s] for P in shards], moments)
+        return hs
 
     def layer_group(self, l, hs, own, moments):
         """Layer l on every context of a data-parallel step at once (ZeRO's layer-at-a-time

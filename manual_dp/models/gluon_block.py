@@ -16,9 +16,16 @@ A Dropout child becomes a dropout site of its own rate (models/dropout.py): its 
 (batch, example), the same in every layout, where MXNet's Dropout would draw from each device's
 generator. --dropout does not apply: the block's rates are its own.
 
+A BatchNorm child becomes a layer with running statistics (models/batchnorm.py), its gamma and beta
+the block's own, its running mean and variance the layer's stats: normalised by hand, per context
+or with --sync-batchnorm over every context, in every strategy that carries ResNet's (sync, ZeRO,
+local SGD, across processes). Its settings must be Gluon's defaults, which models/batchnorm.py
+computes (axis 1, eps 1e-5, momentum 0.9, a trained gamma and beta).
+
 Refused, in one line: a file that is missing or does not define FUNCTION, a FUNCTION that raises
 or returns no HybridBlock, a block that fails on a (2, 1, 28, 28) batch or does not give (2, 10)
-scores, and layers with running statistics (BatchNorm's moving mean and variance).
+scores, a BatchNorm with other settings or inside another child (its running statistics would be
+hidden in that child's graph), and a block with both BatchNorm and Dropout children (not yet).
 """
 import importlib.util
 import os
@@ -26,6 +33,7 @@ import os
 import numpy as np
 
 from ..errors import UsageError
+from .batchnorm import EPS, MOMENTUM, Moments
 from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, pair_traffic, split_pairs
 from .dropout import Noise, dropout
 
@@ -107,6 +115,29 @@ def dropout_layer(i, child, site, size):
     return Layer(f"{i}:Dropout", (), forward, 0, size, size, kind="gluon", extra={"type": "Dropout"})
 
 
+def batchnorm_layer(i, child, size):
+    """Layer i, the BatchNorm `child`: its gamma and beta as parameters (the block's values), its
+    running mean and variance as stats; size: its elements per example. UsageError for settings
+    other than Gluon's defaults (see the module's docstring)."""
+    from mxnet import nd
+    kw = child._kwargs
+    given = dict(axis=kw["axis"], eps=kw["eps"], momentum=kw["momentum"], fix_gamma=kw["fix_gamma"],
+                 use_global_stats=kw["use_global_stats"], center=child.beta.grad_req != "null",
+                 scale=child.gamma.grad_req != "null")
+    if given != dict(axis=1, eps=EPS, momentum=MOMENTUM, fix_gamma=False, use_global_stats=False, center=True, scale=True):
+        raise UsageError(f"layer {i}: BatchNorm({', '.join(f'{k}={v}' for k, v in given.items())}): only Gluon's "
+                         f"defaults are supported (axis=1, eps={EPS}, momentum={MOMENTUM}, center and scale)")
+    shape = tuple(child.gamma.shape)
+    params = tuple(Param(stable_name(i, child, p.name), shape, "given") for p in (child.gamma, child.beta))
+    stats = (Param(stable_name(i, child, child.running_mean.name), shape, "zeros"),
+             Param(stable_name(i, child, child.running_var.name), shape, "ones"))
+
+    def forward(h, params, F=nd, shapes=None):      # one context on its own: the batch's statistics
+        return Moments(train=True).normalize([h], [params[0]], [params[1]])[0]
+    return Layer(f"{i}:BatchNorm", params, forward, 8 * size, size, 2 * size, kind="gluon",
+                 extra={"type": "BatchNorm"}, stats=stats)
+
+
 def stable_name(i, child, name):
     """A parameter's name by its child's position: "2.weight" for the third child's dense0_weight
     (Gluon's prefixes number every block a process makes, so they differ between runs)."""
@@ -142,11 +173,16 @@ class GluonModel(Model):
                 layers.append(dropout_layer(i, child, sum(layer.extra["type"] == "Dropout" for layer in layers),
                                             sizes[i][0]))
                 continue
+            if isinstance(child, mx.gluon.nn.BatchNorm):
+                layers.append(batchnorm_layer(i, child, sizes[i][0]))
+                self.values.update({p.name: values[n] for p, n in zip(layers[-1].params, (child.gamma.name,
+                                                                                           child.beta.name))})
+                continue
             symbol = child(mx.sym.var("data"))
             if symbol.list_auxiliary_states():
                 raise UsageError(f"--model {spec}: layer {child.name} keeps running statistics "
-                                 f"({', '.join(symbol.list_auxiliary_states())}); user blocks with "
-                                 f"BatchNorm are not supported yet")
+                                 f"({', '.join(symbol.list_auxiliary_states())}) inside it; a BatchNorm is "
+                                 f"supported as a child of the HybridSequential itself")
             names = [n for n in symbol.list_arguments() if n != "data"]
             axes = self.split_axes(i)
             stable = [stable_name(i, child, n) for n in names]     # Gluon's own names count blocks made
@@ -158,6 +194,15 @@ class GluonModel(Model):
         self.layers = tuple(layers)
         self.outputs = [s[1] for s in sizes]
         self.noise = Noise(0.0, seed) if self.dropout_sites() else None
+        if self.noise and self.stats():
+            raise UsageError(f"--model {spec}: a block with both BatchNorm and Dropout children is not supported "
+                             f"yet (its dropout masks would not reach a step run on every context at once)")
+
+    def layer_group(self, l, hs, own, moments):
+        """Layer l on every context at once: a BatchNorm child normalising with `moments`."""
+        if self.layers[l].extra["type"] == "BatchNorm":
+            return moments.normalize(hs, [P[0] for P in own], [P[1] for P in own])
+        return super().layer_group(l, hs, own, moments)
 
     def dropout_sites(self):
         return sum(layer.extra["type"] == "Dropout" for layer in self.layers)

@@ -104,10 +104,3 @@ class ResNet(Model):
         """Layer l on every context at once, its BatchNorms normalising with `moments`."""
         name = self.layers[l].name
         return self.group[name](hs, own, moments) if name in self.group else super().layer_group(l, hs, own, moments)
-
-    def forward_group(self, Xs, shards, moments):
-        """Class scores on every context of a data-parallel step at once (see models.batchnorm)."""
-        hs = Xs
-        for l, s in enumerate(self.slices()):
-            hs = self.layer_group(l, hs, [P[s] for P in shards], moments)
-        return hs
