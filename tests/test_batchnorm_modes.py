@@ -199,9 +199,10 @@ def test_cli_resnet_under_local_sgd(capsys, data_dir):
 def test_two_dist_sync_workers_train_resnet_under_local_sgd_as_one_process(data_dir, tmp_path):
     """2 workers x 1 context against one process with 2 contexts, H = 2: the replicas' statistics
     averaged across the processes at every sync; the same losses and test accuracy, which reads the
-    averaged statistics (to float rounding). (The checkpoints are not compared: local SGD's
-    per-process extras are laid out by process.)"""
-    from jobs import launch_cmd, read_log, run_job, train_cmd
+    averaged statistics, and the same checkpoints: parameters, the mean inner state over every
+    process's replicas and the global running statistics (to float rounding)."""
+    from jobs import launch_cmd, read_log, run_job, saved_arrays, train_cmd
+    from manual_dp import checkpoint
     argv = ["--model", "resnet", "--mode", "local", "--sync-every", 2, "--data-dir", data_dir, "--train-size", 128,
             "--test-size", 64, "--batch-size", 32, "--epochs", 2, "--lr", 0.01]
     logs = {}
@@ -215,3 +216,8 @@ def test_two_dist_sync_workers_train_resnet_under_local_sgd_as_one_process(data_
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
         assert a["test_acc"] == pytest.approx(b["test_acc"], abs=1e-6)
     assert len(logs["one"]) == len(logs["two"]) == 2
+    for a, b in zip(saved_arrays(tmp_path / "one"), saved_arrays(tmp_path / "two")):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    one, two = (checkpoint.load(tmp_path / name)[0]["extra"]["running"] for name in ("one", "two"))
+    for a, b in zip(one, two):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

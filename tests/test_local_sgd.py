@@ -191,13 +191,13 @@ def test_two_workers_equal_one_process_with_two_contexts(tmp_path, data_dir, bac
     """Local SGD composes with the world like every strategy: World.reducer sums the weighted
     parameters across processes, MultiProcess feeds each process its rows. 2 workers x 1 context
     against 1 process x 2: each average is one sum of two terms, so bit for bit; every rank's
-    global parameters compared after every update. (Plain sgd inner: a checkpoint holds rank 0's
-    replicas' inner state, see docs/design.md.)"""
+    global parameters compared after every update, and the checkpoints array by array: momentum's
+    inner state is the mean over every process's replicas (Strategy.job_state)."""
     from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, train_cmd
     if backend == "horovod" and importlib.util.find_spec("horovod") is None:
         pytest.skip("horovod is not installed (bash setup.sh --test installs it)")
     small = ["--data-dir", data_dir, "--train-size", "300", "--test-size", "100", "--batch-size", "30",
-             "--optimizer", "sgd", "--lr", "0.05", "--epochs", "2", "--mode", "local", "--sync-every", "3",
+             "--optimizer", "momentum", "--lr", "0.05", "--epochs", "2", "--mode", "local", "--sync-every", "3",
              "--outer-optimizer", "nesterov", "--outer-lr", "0.7"]
     ref_log, ref_ck = tmp_path / "one.jsonl", tmp_path / "one_ck"
     code, out = run_job(train_cmd("--cpus", 2, *small, "--log-json", ref_log, "--checkpoint-dir", ref_ck),

@@ -159,7 +159,9 @@ class MultiProcess(Wrapper):
     def state_dict(self):
         """The strategy's state, with every process's part of what differs between processes
         (Strategy.per_process_extra: local SGD's replicas and their inner optimiser state) gathered,
-        rank after rank, and the process count in extra["processes"]. Every rank must call it."""
+        rank after rank, and the process count in extra["processes"]; then what the strategy makes
+        of them (Strategy.job_state: local SGD's mean inner state over every process's replicas).
+        Every rank must call it."""
         state = self.model.state_dict()
         size, rank = self.world.size, self.world.rank
         extra = dict(state["extra"], processes=[np.array([size], dtype=np.int64)])
@@ -171,7 +173,7 @@ class MultiProcess(Wrapper):
                 self.world.allreduce(table, f"state-{key}-{i}")    # zeros elsewhere: each slot exact
                 gathered.append(table.asnumpy())
             extra[key] = [g[r] for r in range(size) for g in gathered]
-        return dict(state, extra=extra)
+        return self.model.job_state(dict(state, extra=extra))
 
     def load_state_dict(self, state):
         """This process's part of what differs between processes; CheckpointError if the checkpoint

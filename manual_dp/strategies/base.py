@@ -161,6 +161,11 @@ class Strategy:
         state_dict); refuse, with CheckpointError, state this strategy cannot continue from."""
         raise NotImplementedError
 
+    def job_state(self, state):
+        """`state`, this process's state_dict with every process's per_process_extra gathered (a
+        job of several processes), as the job's state: by default unchanged."""
+        return state
+
 
 class Wrapper(Strategy):
     """A strategy around another, `model`: every method passes through to it unless overridden
@@ -180,6 +185,9 @@ class Wrapper(Strategy):
     @property
     def per_process_extra(self):
         return self.model.per_process_extra
+
+    def job_state(self, state):
+        return self.model.job_state(state)
 
     @property
     def min_batch(self):

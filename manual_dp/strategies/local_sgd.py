@@ -186,13 +186,23 @@ class LocalSGD(RunningStats, Strategy):
         return {"running": [g.asnumpy() for g in self.global_running[0]],
                 "local_running": [r.asnumpy() for R in self.running for r in R]}
 
-    def mean_inner_state(self):
-        """[[arrays] per parameter]: the replicas' inner optimiser state, averaged in float64 (so
-        that equal states give exactly their own value)."""
+    def mean_inner_state(self, inner=None):
+        """[[arrays] per parameter]: the replicas' inner optimiser state (inner[r][j]: replica r's
+        state j, flat; default this process's replicas), averaged in float64 (so that equal states
+        give exactly their own value)."""
+        inner = inner if inner is not None else [[s.asnumpy() for s in S] for S in self.inner]
         shapes = self.flat[0].shapes
-        per_state = [views_np(np.mean([S[j].asnumpy() for S in self.inner], axis=0, dtype=np.float64)
+        per_state = [views_np(np.mean([S[j] for S in inner], axis=0, dtype=np.float64)
                               .astype(np.float32), shapes) for j in range(len(self.inner[0]))]
         return [list(st) for st in zip(*per_state)] if per_state else [[] for _ in shapes]
+
+    def job_state(self, state):
+        """opt_state: the mean inner state of every process's replicas (extra's gathered
+        local_inner_state), as one process with all of them would save it."""
+        saved, n = state["extra"]["local_inner_state"], len(self.inner[0])
+        if not n:
+            return state
+        return dict(state, opt_state=self.mean_inner_state([saved[i:i + n] for i in range(0, len(saved), n)]))
 
     def load_state_dict(self, state):
         """Exactly this strategy's run from its own state_dict with as many replicas; from any other
