@@ -1,14 +1,15 @@
 """`python -m manual_dp.plan`: every layout of N devices as a mesh (data, ZeRO 1/2/3, tensor with and
 without sequence parallelism, context parallelism with ring or Ulysses attention, pipelines on every
 schedule, and their products with data parallelism; dp x pp x tp with and without sequence
-parallelism) of any model, with predicted memory per device and step time, those that fit marked,
-one recommended, those the model cannot run named; --verify runs the top ones on CPU contexts.
+parallelism; dp x cp x tp, dp x pp x cp and dp x pp x cp x tp) of any model, with predicted memory
+per device and step time, those that fit marked, one recommended, those the model cannot run named;
+--verify runs the top ones on CPU contexts.
 
     python -m manual_dp.plan --devices 4 --memory-per-device 300MiB --width 16 [--link nvlink] [--verify]
     python -m manual_dp.plan --devices 8 --memory-per-device 1GiB --model transformer --layers 4 --d-model 256
 
 The models behind the numbers: manual_dp/planner/predict.py, sequence.py (context and sequence
-parallelism), pipelines.py (schedules, and dp x pp x tp) (docstrings); docs/design.md
+parallelism, cp x tp), pipelines.py (schedules, dp x pp x tp, and with cp) (docstrings); docs/design.md
 "The planner".
 """
 import os

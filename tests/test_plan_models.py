@@ -64,19 +64,21 @@ def test_layouts_a_model_cannot_run_are_left_out_with_a_reason():
     assert not [n for n in names if n.startswith("pp=4")]
     assert left_out(4, 16, model=net) == (
         "left out: tp=4, tp=4 +sp (4 does not divide the transformer's 2 heads); cp=4 ulysses (Ulysses needs "
-        "cp=4 to divide the transformer's 2 heads); dp=2 x pp=2 interleaved, pp=2 x tp=2 interleaved (interleaved: "
-        "2 devices x 2 virtual stages need 4 layers, transformer has 3); pp=4 (transformer has 3 layers to cut "
-        "between)")
+        "cp=4 to divide the transformer's 2 heads); cp=2 x tp=2 ulysses (Ulysses needs cp=2 to divide the 1 heads "
+        "of each of the tp=2 ranks); dp=2 x pp=2 interleaved, pp=2 x tp=2 interleaved, pp=2 x cp=2 ring "
+        "interleaved, pp=2 x cp=2 ulysses interleaved (interleaved: 2 devices x 2 virtual stages need 4 layers, "
+        "transformer has 3); pp=4 (transformer has 3 layers to cut between)")
     assert left_out(4, 16).startswith("left out: dp=2 x tp=2 +sp, tp=4 +sp (--sequence-parallel: lenet has no "
                                       "sequence of tokens to cut); dp=2 x cp=2 ring, dp=2 x cp=2 ulysses, cp=4 ring, "
-                                      "cp=4 ulysses (lenet has no sequence of tokens to cut); pp=4 interleaved")
+                                      "cp=4 ulysses, cp=2 x tp=2 ring, cp=2 x tp=2 ulysses, pp=2 x cp=2 ring, "
+                                      "pp=2 x cp=2 ulysses (lenet has no sequence of tokens to cut); pp=4 interleaved")
     resnet = build("resnet")
     assert [name(l) for l in enumerate_layouts(4, 16, model=resnet)] == ["dp=4 data", "dp=4 zero1", "dp=4 zero2",
                                                                          "dp=4 zero3"]
     assert left_out(4, 16, model=resnet).startswith(
         "left out: dp=2 x tp=2, dp=2 x tp=2 +sp, tp=4, tp=4 +sp, dp=2 x cp=2 "
-        "ring, dp=2 x cp=2 ulysses, cp=4 ring, cp=4 ulysses, dp=2 x pp=2, pp=4, pp=2 x tp=2 (resnet keeps "
-        "BatchNorm's running statistics")
+        "ring, dp=2 x cp=2 ulysses, cp=4 ring, cp=4 ulysses, cp=2 x tp=2 ring, cp=2 x tp=2 ulysses, dp=2 x pp=2, "
+        "pp=4, pp=2 x tp=2, pp=2 x cp=2 ring, pp=2 x cp=2 ulysses (resnet keeps BatchNorm's running statistics")
 
 
 def table_kinds(net):
@@ -94,9 +96,10 @@ def test_transformer_table_lists_every_kind():
     assert set(kinds) == {"data", "zero", "pipeline", "tensor", "context", "mesh"}
     # tensor and +sp at T = 2, 4; ring and Ulysses at C = 2, 4; S = 2 (x dp 2) on every schedule,
     # S = 4 on all but interleaved (8 layers needed), each with and without recompute; pp=2 x tp=2
-    # with and without +sp on GPipe, 1F1B and interleaved
-    assert len(kinds["tensor"]) == 4 and len(kinds["context"]) == 4 and len(kinds["pipeline"]) == 14
-    assert len(kinds["mesh"]) == 6
+    # with and without +sp on GPipe, 1F1B and interleaved; cp=2 x tp=2 ring and Ulysses (context); pp=2 x
+    # cp=2 ring and Ulysses on GPipe, 1F1B and interleaved (mesh)
+    assert len(kinds["tensor"]) == 4 and len(kinds["context"]) == 4 + 2 and len(kinds["pipeline"]) == 14
+    assert len(kinds["mesh"]) == 6 + 6
     assert "tp=4 +sp" in format_table(rows) and "cp=4 ulysses" in format_table(rows)
     assert recommend(rows, 2 ** 30, Setting(1, 64, "momentum", build("transformer"))).endswith(
         "--model transformer --layers 2 --d-model 64 --heads 4 --patch 0 --batch-size 64 --optimizer momentum")

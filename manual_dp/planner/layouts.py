@@ -1,8 +1,10 @@
 """The layouts of N devices the planner weighs, each a device mesh (manual_dp.mesh): data, ZeRO 1/2/3,
 tensor (with and without sequence parallelism), context (ring and Ulysses attention), pipelines on
 every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1; with and without recompute), each of the last
-three times data parallelism, and dp x pp x tp (mesh: each pipeline stage a tensor group, with and
-without sequence parallelism, on GPipe, 1F1B and interleaved 1F1B: MeshParallel's schedules).
+three times data parallelism, dp x cp x tp (kind "context" with tp > 1: a C x T grid per replica,
+ContextTensorParallel), and the meshes of MeshParallel on GPipe, 1F1B and interleaved 1F1B: dp x pp
+x tp (each pipeline stage a tensor group, with and without sequence parallelism), dp x pp x cp (each
+stage a context-parallel group, ring or Ulysses) and dp x pp x cp x tp (each stage a C x T grid).
 
 A Layout names how the N devices are used: dp data-parallel replicas, each of tp tensor ranks times
 pp pipeline stages times cp context blocks (dp * pp * cp * tp = N). KINDS of planner/predict.py
@@ -11,10 +13,12 @@ strategy exists also has a builder in planner/verify.py's BUILDERS.
 
 Which layouts a model can run, it says itself (models.contract): tensor groups of T that
 Model.tensor_refusal accepts, context groups of C that Model.sequence_refusal accepts for the
-attention (and sequence parallelism the same for T), pipelines of at most as many stages as it has
-layers (interleaved: V times as many), dp x pp x tp both of those and layers that split on their
-own (Layer.split_forward: not LeNet's whole-model split), and for a model with running statistics
-(BatchNorm) data parallelism and ZeRO alone, the strategies that carry them.
+attention (and sequence parallelism the same for T), C x T grids that Model.grid_refusal accepts,
+pipelines of at most as many stages as it has layers (interleaved: V times as many), dp x pp x tp
+both of those and layers that split on their own (Layer.split_forward: not LeNet's whole-model
+split), dp x pp x cp and dp x pp x cp x tp a pipeline's and a stage group's (MeshParallel.refusal:
+no +sp with cp, as MeshParallel refuses it), and for a model with running statistics (BatchNorm)
+data parallelism and ZeRO alone, the strategies that carry them.
 """
 from collections import namedtuple
 
@@ -41,7 +45,8 @@ def mesh(l):
 
 def name(l):
     """The mesh, then what runs on it: "dp=4 data", "dp=4 zero2", "dp=2 x tp=2 +sp", "dp=2 x cp=2 ring",
-    "dp=2 x pp=2 interleaved V=2 M=4 +recompute", "dp=2 x pp=2 x tp=2 +sp 1f1b M=4"."""
+    "cp=2 x tp=2 ulysses", "dp=2 x pp=2 interleaved V=2 M=4 +recompute", "dp=2 x pp=2 x tp=2 +sp 1f1b M=4",
+    "pp=2 x cp=2 x tp=2 ring gpipe M=4"."""
     head = str(mesh(l))
     if l.kind in ("data", "zero"):
         return f"{head} {'data' if l.kind == 'data' else f'zero{l.zero_stage}'}"
@@ -50,7 +55,7 @@ def name(l):
     if l.kind == "context":
         return f"{head} {l.attention}"
     if l.kind == "mesh":
-        head += " +sp" if l.sp else ""
+        head += (" +sp" if l.sp else "") + (f" {l.attention}" if l.cp > 1 else "")
     return (f"{head} {l.schedule}" + (f" V={l.virtual}" if l.virtual > 1 else "") + f" M={l.micro}"
             + (" +recompute" if l.recompute else ""))
 
@@ -63,10 +68,11 @@ def mode(l):
 
 
 def mesh_flag(l):
-    """--mesh with the dimensions l uses (dp first), e.g. "--mesh dp=2,cp=2"; dp x pp x tp all
-    three, "--mesh dp=1,pp=2,tp=2"."""
+    """--mesh with the dimensions l uses (dp first), e.g. "--mesh dp=2,cp=2"; MeshParallel's meshes
+    dp and pp always, "--mesh dp=1,pp=2,tp=2", "--mesh dp=1,pp=2,cp=2,tp=2"."""
     m = mesh(l)
-    return "--mesh " + ",".join(f"{d}={getattr(m, d)}" for d in (("dp", "pp", "tp") if l.kind == "mesh" else m.used()))
+    dims = ["dp", "pp"] + [d for d in ("cp", "tp") if getattr(m, d) > 1] if l.kind == "mesh" else m.used()
+    return "--mesh " + ",".join(f"{d}={getattr(m, d)}" for d in dims)
 
 
 def train_flags(l):
@@ -80,7 +86,8 @@ def train_flags(l):
         return f"{mesh_flag(l)}" + (" --sequence-parallel" if l.sp else "") + f" --cpus {n}"
     if l.kind == "context":
         return f"{mesh_flag(l)} --attention {l.attention} --cpus {n}"
-    return (f"{mesh_flag(l)}" + (" --sequence-parallel" if l.sp else "") + f" --schedule {l.schedule}" + (f" --virtual-stages {l.virtual}" if l.virtual > 1 else "")
+    return (f"{mesh_flag(l)}" + (" --sequence-parallel" if l.sp else "") + (f" --attention {l.attention}" if l.cp > 1 else "")
+            + f" --schedule {l.schedule}" + (f" --virtual-stages {l.virtual}" if l.virtual > 1 else "")
             + f" --micro-batches {l.micro}" + (" --recompute" if l.recompute else "") + f" --cpus {n}")
 
 
@@ -142,6 +149,34 @@ def meshes(devices, batch_size, net, stats):
     return out
 
 
+def group_refusal(net, C, T, attention):
+    """Why `net` cannot run on a group of C blocks of tokens x T tensor ranks (C > 1), as
+    ContextTensorParallel and MeshParallel.refusal refuse it, or None."""
+    return net.grid_refusal(C, T, attention) if T > 1 else net.sequence_refusal(C, attention)
+
+
+def grids(devices, net, stats):
+    """[(layout, why not)] of every dp x cp x tp (cp, tp >= 2) of `devices` devices."""
+    return [(layout("context", devices // (c * t), tp=t, cp=c, attention=a), stats or group_refusal(net, c, t, a))
+            for c in divisors(devices)[1:] for t in divisors(devices // c)[1:] for a in ATTENTIONS]
+
+
+def context_meshes(devices, batch_size, net, stats):
+    """[(layout, why not)] of every dp x pp x cp and dp x pp x cp x tp (pp, cp >= 2) of `devices`
+    devices: MeshParallel's schedules, no +sp (MeshParallel refuses it beside cp)."""
+    out = []
+    for s in divisors(devices)[1:]:
+        for c in divisors(devices // s)[1:]:
+            for t in divisors(devices // (s * c)):
+                dp = devices // (s * c * t)
+                micro = min(MICRO_BATCHES, max(1, batch_size // dp))
+                out += [(layout("mesh", dp, tp=t, pp=s, cp=c, attention=a, schedule=sched, micro=micro,
+                                virtual=VIRTUAL if sched == "interleaved" else 1),
+                         stats or group_refusal(net, c, t, a) or pipeline_refusal(net, s, sched, micro))
+                        for a in ATTENTIONS for sched in MESH_SCHEDULES]
+    return out
+
+
 def candidates(devices, batch_size, net):
     """[(layout, why net cannot run it, or None)] for every layout of `devices` devices whose
     replicas each get at least one example (and each micro-batch at least one), in a fixed order."""
@@ -154,7 +189,8 @@ def candidates(devices, batch_size, net):
                 (layout("tensor", devices // t, tp=t, sp=True), why or (sp and f"--sequence-parallel: {sp}"))]
     out += [(layout("context", devices // c, cp=c, attention=a), stats or net.sequence_refusal(c, a))
             for c in divisors(devices)[1:] for a in ATTENTIONS]
-    out += pipelines(devices, batch_size, net, stats) + meshes(devices, batch_size, net, stats)
+    out += grids(devices, net, stats) + pipelines(devices, batch_size, net, stats) + meshes(devices, batch_size, net, stats)
+    out += context_meshes(devices, batch_size, net, stats)
     return [(l, why) for l, why in out if batch_size >= l.dp]
 
 
@@ -166,11 +202,11 @@ def enumerate_layouts(devices, batch_size, width=1, model=None):
 
 def family(l, why):
     """A left-out layout's name without its schedule: "dp=4 zero2", "tp=8 +sp", "dp=2 x pp=2",
-    "cp=4 ulysses"; "pp=2 interleaved" if only the interleaved schedule is refused."""
+    "cp=4 ulysses", "pp=2 x cp=4 ulysses"; "pp=2 interleaved" if only the interleaved schedule is refused."""
     if l.kind not in ("pipeline", "mesh"):
         return name(l)
     return str(mesh(l)) + (" +sp" if why.startswith("--sequence-parallel") else "") + (
-        " interleaved" if why.startswith("interleaved") else "")
+        f" {l.attention}" if l.cp > 1 else "") + (" interleaved" if why.startswith("interleaved") else "")
 
 
 def left_out(devices, batch_size, width=1, model=None):

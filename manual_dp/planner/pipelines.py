@@ -48,14 +48,31 @@ Time:
                float32 (MeshParallel takes no --precision).
 Not counted: as for tensor layouts and pipelines (the collectives' temporaries, the residual sums
 whole on every rank; the tensor collectives stretched by the bubble).
+
+dp x pp x cp and dp x pp x cp x tp (MeshParallel with context_parallel C: each stage a
+context-parallel group, or a C x T grid, ring or Ulysses attention; no +sp):
+  state        as dp x pp x tp (T = 1: the stages' whole parameters)
+  activations  per stage, 1/(C T) of the h examples held there at the stage's activations, and on
+               the first stage the images of the other h - h/(C T), copied whole to every context:
+               MeshParallel.layout's floor (attention's extra, planner/sequence.py's
+               attention_held, and a grid's f and g joins not counted there, nor here)
+  compute      a pipeline's, each stage's FLOPs over C T
+  comm         per micro-batch and stage on the busiest device: the attention's ring hops or
+               all-to-alls over C (blocks d/T wide), each row's f and g over T on its block of
+               tokens, the pooled vector's sum over C where the stage holds the head
+               (planner/sequence.py prices each as for dp x cp x tp); the boundary copies, each
+               context's block of tokens (1/C of the activation; the T ranks of a row send in
+               parallel); the gradient all-reduce of a rank's parameters over dp x C.
 """
 from functools import lru_cache
 
 from .. import costmodel
 from ..lesson import shard_sizes
 from ..memory import FLOAT_BYTES, part_activation_elems, piece_activation_elems
+from ..strategies.context import attention_layers
 from ..strategies.schedules import held, plan, simulate
 from ..strategies.tensor_layout import even_split, held_whole
+from . import sequence
 
 SIMULATED = 256          # devices up to which a pipeline's schedule is simulated (quadratic in S)
 
@@ -153,29 +170,47 @@ def mesh_state(l, net, c):
     return [(2 + c) * k for k in devices_of(l, stages)]
 
 
+def group_whole(l, net, pieces):
+    """Per example elements every context of a stage's group holds whole (beyond its share): a tensor
+    group's held_whole; a context-parallel group or grid the images, on the first stage (MeshParallel.layout)."""
+    if l.cp == 1:
+        return held_whole(net, pieces, l.sp)
+    return net.layers[0].inputs if pieces[0] == 0 else 0
+
+
 def mesh_activations(l, net, n):
     """Activation elements at the peak of rank 0 of each pipeline rank's groups, for a replica of n examples."""
     p = replica_plan(l, n)
     per_stage = []
     for pieces, h in zip(stage_cuts(l, net), held(p, shard_sizes(n, p.n_micro), per="stage")):
-        share = even_split(h, l.tp)[0]
-        per_stage.append(part_activation_elems(pieces, model=net) * share + held_whole(net, pieces, l.sp) * (h - share))
+        share = even_split(h, l.cp * l.tp)[0]
+        per_stage.append(part_activation_elems(pieces, model=net) * share + group_whole(l, net, pieces) * (h - share))
     return devices_of(l, per_stage)
 
 
 def mesh_compute(l, net, n, batch, dev, seconds):
-    """(compute seconds, bubble seconds) of a step (see the module's docstring, dp x pp x tp)."""
+    """(compute seconds, bubble seconds) of a step (see the module's docstring, dp x pp x tp; with cp over C T)."""
     if dev.shared:
         return compute(l, net, n, batch, dev, seconds)
-    return compute(l, net, n, batch, dev, lambda flops, rate: seconds(flops, rate) / l.tp)
+    return compute(l, net, n, batch, dev, lambda flops, rate: seconds(flops, rate) / (l.cp * l.tp))
 
 
 def mesh_tensor_comm(l, net, sizes, dev):
-    """Seconds of the tensor collectives of the busiest pipeline rank's stages, micro-batches of `sizes`."""
+    """Seconds of the collectives inside the groups of the busiest pipeline rank's stages,
+    micro-batches of `sizes`: f and g over T (on a block of tokens under cp), and under cp the
+    attention's ring hops or all-to-alls and the pooled sum over C (planner/sequence.py)."""
     def stage(pieces):
-        return sum(costmodel.allreduce_time("ring", l.tp, m * e * FLOAT_BYTES, dev.alpha, dev.beta)
-                   for i in pieces for _, e, _ in net.layers[i].extra.get("traffic", ()) for m in sizes)
+        traffic = [t for i in pieces for t in net.layers[i].extra.get("traffic", ())]
+        attention = [a for a, i in zip(attention_layers(net), attention_ids(net)) if i in pieces]
+        pooled = len(net.layers) - 1 in pieces and l.cp > 1
+        return sum(sequence.row_tensor_communication(l, traffic, m, dev) + sequence.attention_communication(
+            l, attention, m, dev) + (sequence.pooled_communication(l, net, m, dev) if pooled else 0) for m in sizes)
     return max(devices_of(l, [stage(pieces) for pieces in stage_cuts(l, net)]))
+
+
+def attention_ids(net):
+    """The indices of the model's attention layers (a layer with a head_dim), in order."""
+    return [i for i, layer in enumerate(net.layers) if "head_dim" in layer.extra]
 
 
 def mesh_boundary_comm(l, net, n, n_micro, dev):
@@ -184,19 +219,22 @@ def mesh_boundary_comm(l, net, n, n_micro, dev):
     total = 0.0
     for pieces in stage_cuts(l, net)[1:]:
         first = pieces[0]
-        elems = net.layers[first].inputs / (l.tp if l.sp and split[first] and split[first - 1] else 1)
+        elems = net.layers[first].inputs / (l.tp if l.sp and split[first] and split[first - 1] else l.cp)
         total += 2 * n_micro * dev.alpha + 2 * n * elems * FLOAT_BYTES * dev.beta
     return total
 
 
 def mesh_grad_comm(l, net, dev):
-    """Seconds of the busiest pipeline rank's gradient all-reduces over dp (+sp: the replicated over dp x T)."""
+    """Seconds of the busiest pipeline rank's gradient all-reduces over dp (+sp: the replicated over
+    dp x T; cp: every shard over dp x C)."""
     params = [[p for i in pieces for p in net.layers[i].params] for pieces in stage_cuts(l, net)]
     shards = devices_of(l, [sum(p.size // l.tp for p in ps if p.split is not None) for ps in params])
     whole = devices_of(l, [sum(p.size for p in ps if p.split is None) for ps in params])
 
     def ring(k, elems):
         return costmodel.allreduce_time("ring", k, elems * FLOAT_BYTES, dev.alpha, dev.beta)
+    if l.cp > 1:
+        return max(ring(l.dp * l.cp, s + w) for s, w in zip(shards, whole))
     return max(ring(l.dp, s) + ring(l.dp * (l.tp if l.sp else 1), w) for s, w in zip(shards, whole))
 
 

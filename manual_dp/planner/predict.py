@@ -13,9 +13,11 @@ Memory, per device, in float32 bytes (4 a number), for a model of N parameters (
     zero 2     N + n_i + c n_i      plus the gradient pieces a layer's reduce-scatter holds
     zero 3     n_i + n_i + c n_i    plus the layer gathered (and its gradient, where autograd makes it)
     tensor     (2 + c) x (split parameters / T + the unsplit ones)   (Param.split), with or without SP
-    context    N + N + cN on every context (whole parameters, 1/C of the tokens)
+    context    N + N + cN on every context (whole parameters, 1/C of the tokens); cp x tp (a C x T
+               grid) as tensor on every block
     pipeline   P_d + P_d + c P_d    (P_d: the parameters of device d's stages, Model.cuts)
-    mesh       (2 + c) x (device d's stages' split parameters / T + their unsplit ones)
+    mesh       (2 + c) x (device d's stages' split parameters / T + their unsplit ones); pp x cp
+               with T = 1: the stages' whole parameters
   zero under --precision bf16|fp16 (strategies/zero_mixed.py, DeepSpeed's layout): the parameters and
     gradients above in 2 bytes, the optimiser state c n_i beside a float32 master shard n_i, so
     2N + 2N + 4(1 + c) n_i, 2N + 2 n_i + 4(1 + c) n_i, 2 n_i + 2 n_i + 4(1 + c) n_i bytes
@@ -32,9 +34,11 @@ Memory, per device, in float32 bytes (4 a number), for a model of N parameters (
   layer's output once; memory.part_activation_elems for a stage's layers and its received input),
   times the examples held at the peak: data and ZeRO the device's shard of the batch; tensor,
   sequence parallel and context layouts planner/sequence.py (1/T or 1/C of the group's examples',
-  plus what runs whole on every rank: the strategies' layout() counts the same); pipelines
-  planner/pipelines.py (the micro-batches each schedule holds per stage, schedules.held); dp x pp x
-  tp planner/pipelines.py (those micro-batches, tensor-split as tensor layouts price them).
+  plus what runs whole on every rank: the strategies' layout() counts the same; cp x tp 1/(C T),
+  ContextTensorParallel's floor); pipelines planner/pipelines.py (the micro-batches each schedule
+  holds per stage, schedules.held); dp x pp x tp planner/pipelines.py (those micro-batches,
+  tensor-split as tensor layouts price them; with cp 1/(C T) of them and the images whole on the
+  first stage, MeshParallel's floor).
 Not counted: MXNet's workspace, the optimiser's and the collectives' temporaries, the batch itself.
 
 Time, per step, no overlap of compute and communication:
@@ -52,10 +56,13 @@ Time, per step, no overlap of compute and communication:
   layer's input gradient in backward; LeNet: 4,050 + 800 + 10 values an example), then the
   data-parallel all-reduce of 4N/T bytes (sequence parallelism sends the same bytes as an
   all-gather and a reduce-scatter, priced the same); context planner/sequence.py (ring hops or
-  Ulysses' all-to-alls per attention layer, and the gradient all-reduce over dp x cp); pipelines
-  the boundary copies (activation forward, gradient back, per micro-batch) and each device's
+  Ulysses' all-to-alls per attention layer, cp x tp on each rank's H/T heads with the tensor
+  collectives on a block of tokens, and the gradient all-reduce over dp x cp); pipelines the
+  boundary copies (activation forward, gradient back, per micro-batch) and each device's
   all-reduce over dp; dp x pp x tp planner/pipelines.py (compute per stage / T and the schedule's
-  bubble, the tensor collectives inside each stage group, the boundary copies, the all-reduce over dp).
+  bubble, the tensor collectives inside each stage group, the boundary copies, the all-reduce over
+  dp; with cp compute per stage / (C T), the attention's collectives per micro-batch as for
+  context, the all-reduce over dp x cp).
 On CPU contexts (--verify) the devices share one machine: their work runs one after another
 (measured: 8 contexts took as long as 8 one-context steps on their shares), so compute is every
 device's FLOPs over the measured rate of one device's share, with no bubble.
@@ -129,11 +136,8 @@ def per_device_state(l, setting):
     n = sum(layers)
     if l.kind == "data":        # and the running statistics (BatchNorm's), on every replica
         return [((2 + c) * n + sum(p.size for p in net.stats()), 0)] * l.dp
-    if l.kind == "context":     # whole parameters on every context of a group
-        return [((2 + c) * n, 0)] * l.cp
-    if l.kind == "tensor":      # split parameters 1/T each (Param.split), the others whole on every rank
-        kept = sum(p.size // l.tp if p.split is not None else p.size for p in net.param_table())
-        return [((2 + c) * kept, 0)] * l.tp
+    if l.kind in ("context", "tensor"):   # split parameters 1/T each (Param.split), the others whole
+        return [((2 + c) * rank_params(l, net), 0)] * (l.cp * l.tp)      # on every rank (cp alone: T = 1)
     if l.kind == "mesh":
         return [(kept, 0) for kept in pipelines.mesh_state(l, net, c)]
     if l.kind == "pipeline":
@@ -145,6 +149,11 @@ def per_device_state(l, setting):
     keep = {1: lambda s: 2 * n + c * s, 2: lambda s: n + (1 + c) * s, 3: lambda s: (2 + c) * s}[l.zero_stage]
     moment = zero_moments(l.zero_stage, net, bounds) if l.zero_stage > 1 else [0] * l.dp
     return [(keep(s) + stats, m) for s, m in zip(shards, moment)]
+
+
+def rank_params(l, net):
+    """Parameter elements a tensor rank keeps: the split ones 1/T (Param.split), the rest whole."""
+    return sum(p.size // l.tp if p.split is not None else p.size for p in net.param_table())
 
 
 def per_device_bytes(l, setting):
@@ -225,7 +234,7 @@ def communication(l, setting, dev):
                     for _, elems, _ in net.tensor_traffic())
         return pairs + costmodel.allreduce_time("ring", k, total / l.tp, dev.alpha, dev.beta)
     if l.kind == "context":
-        return sequence.context_communication(l, net, n, sum(layer_sizes(net)), dev)
+        return sequence.context_communication(l, net, n, rank_params(l, net), dev)
     if l.kind == "mesh":
         return pipelines.mesh_communication(l, net, n, dev)
     return pipelines.communication(l, net, n, layers, low, dev)

@@ -6,6 +6,7 @@ from .layouts import enumerate_layouts, left_out, name, train_flags
 from .predict import Setting, gpu, memory, net_of, step_time
 
 MiB = 2 ** 20
+NAME_WIDTH = 44          # the layout column's width; wider if a layout's name is longer
 
 
 def plan(devices, budget, setting, device):
@@ -60,13 +61,19 @@ def describe(net):
             f"{len(net.layers)} layers")
 
 
+def name_width(layouts):
+    """The layout column's width: NAME_WIDTH, or the longest name of `layouts`."""
+    return max([NAME_WIDTH] + [len(name(l)) for l in layouts])
+
+
 def format_table(rows):
     """The rows as text: MiB per device (state + activations), ms per step (compute, bubble, comm)."""
-    lines = [f"{'#':>2} {'layout':44} {'state':>8} {'activ.':>8} {'MiB/dev':>8} {'fits':>4} "
+    w = name_width(r["layout"] for r in rows)
+    lines = [f"{'#':>2} {'layout':{w}} {'state':>8} {'activ.':>8} {'MiB/dev':>8} {'fits':>4} "
              f"{'compute':>8} {'bubble':>8} {'comm':>8} {'step ms':>8}"]
     for i, r in enumerate(rows, 1):
         m, t = r["memory"], r["time"]
-        lines.append(f"{i:>2} {name(r['layout']):44} {m['state'] / MiB:8.2f} {m['activations'] / MiB:8.2f} "
+        lines.append(f"{i:>2} {name(r['layout']):{w}} {m['state'] / MiB:8.2f} {m['activations'] / MiB:8.2f} "
                      f"{m['total'] / MiB:8.2f} {'yes' if r['fits'] else 'no':>4} {t['compute'] * 1e3:8.3f} "
                      f"{t['bubble'] * 1e3:8.3f} {t['comm'] * 1e3:8.3f} {t['total'] * 1e3:8.3f}")
     return "\n".join(lines)
@@ -85,12 +92,13 @@ def verify_rows(rows, setting, top, steps):
 
 
 def format_verify(checked):
+    w = name_width(l for l, *_ in checked)
     lines = ["verified on CPU contexts (predicted at the rate of a one-context step on one device's share "
              "of the batch, timed beside each layout; the contexts' work taken to run one after another):",
-             f"{'layout':44} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6} {'GFLOP/s':>8} {'pred ms':>9} "
+             f"{'layout':{w}} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6} {'GFLOP/s':>8} {'pred ms':>9} "
              f"{'meas ms':>9} {'ratio':>6}"]
     for l, m, t, got in checked:
-        lines.append(f"{name(l):44} {m['total'] / MiB:9.2f} {got['total'] / MiB:9.2f} "
+        lines.append(f"{name(l):{w}} {m['total'] / MiB:9.2f} {got['total'] / MiB:9.2f} "
                      f"{got['total'] / m['total']:6.3f} {got['rate'] / 1e9:8.1f} {t['total'] * 1e3:9.2f} "
                      f"{got['seconds'] * 1e3:9.2f} {got['seconds'] / t['total']:6.2f}")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """The planner's predictions for the layouts that cut the sequence of tokens: context parallelism
-(dp x cp, ring or Ulysses attention; strategies/context.py) and tensor parallelism with and without
-Megatron's sequence parallelism (dp x tp; strategies/tensor.py). Per example counts come from the
+(dp x cp, ring or Ulysses attention; strategies/context.py), context x tensor (dp x cp x tp, a C x T
+grid per replica; strategies/context_tensor.py) and tensor parallelism with and without Megatron's
+sequence parallelism (dp x tp; strategies/tensor.py). Per example counts come from the
 model's layers (Layer.acts, Layer.inputs, Model.tensor_traffic); `n` is a group's examples.
 
 Activations per context (elements): exactly what the strategies' layout() prices (memory.py), so
@@ -21,6 +22,9 @@ Activations per context (elements): exactly what the strategies' layout() prices
            the scores and softmax weights it does not keep (2 H T_j T: its backward's second ring
            recomputes them); Ulysses, the all-to-all's q, k, v of all T tokens on H/C heads and
            the output sent back (3 T d/C + T_j d).
+  cp x tp  1/(C T) of the group's examples' activations, nothing whole: ContextTensorParallel's
+           layout(), a floor (it leaves out the images copied to every context, what f and g
+           join for a block of tokens, and attention's extra), so --verify's two sides agree.
   Not counted: the online softmax's temporaries, temporaries of the collectives, the ring's
   in-flight copies; residual sums and layer norm internals beyond their
   outputs whole under tensor parallelism. So every figure is a floor.
@@ -37,8 +41,12 @@ Communication per step (alpha-beta, as planner/predict.py prices the other colle
   both     the pooled vector's sum over the group (seq.sum, and its backward: two all-reduces of
            n d floats over C) and one ring all-reduce of the 4N gradient bytes over all dp x cp
            contexts (float32 under any --precision).
-Compute: the group's FLOPs split C ways (the ring's softmax rescaling and its backward's recomputed
-scores not counted).
+  cp x tp  the same on each tensor rank's column, its blocks d/T wide (rank t's H/T heads), the
+           gradients a rank keeps (split parameters 1/T) all-reduced over dp x cp; and each row's
+           f and g (one ring all-reduce over T per entry of Model.tensor_traffic, on the row's
+           block of tokens: 1/C of the entry).
+Compute: the group's FLOPs split C ways (C T on a grid; the ring's softmax rescaling and its
+backward's recomputed scores not counted).
 """
 from .. import costmodel
 from ..fast.collectives import chunk_bounds
@@ -66,6 +74,8 @@ def tensor_activations(l, net, n):
 
 def context_activations(l, net, n):
     """Activation elements per context of a group of n examples (see the module's docstring)."""
+    if l.tp > 1:                                         # a C x T grid: ContextTensorParallel's floor
+        return [whole_per_example(net) * k for k in even(n, l.cp * l.tp)]
     images, attention = net.layers[0].inputs, attention_held(net, l.cp, l.attention)
     return [whole_per_example(net) * k + images * (n - k) + attention * n for k in even(n, l.cp)]
 
@@ -81,13 +91,33 @@ def width(net):
     return net.layers[-1].inputs // T
 
 
-def context_communication(l, net, n, n_params, dev):
-    """Seconds of a context-parallel step's collectives (see the module's docstring)."""
+def attention_communication(l, layers, n, dev):
+    """Seconds of the ring hops or Ulysses' all-to-alls of the attention layers `layers` ((tokens,
+    width, heads) each, strategies/context.attention_layers) over C for n examples, each context's
+    blocks d/T wide (a tensor rank's heads)."""
     C, total = l.cp, 0.0
-    for T, d, _ in attention_layers(net):
-        block, hops = n * -(-T // C) * d * FLOAT_BYTES, 3 * (C - 1) + (C > 1)
+    for T, d, _ in layers:
+        block, hops = n * -(-T // C) * d // l.tp * FLOAT_BYTES, 3 * (C - 1) + (C > 1)
         total += (2 * hops * (dev.alpha + block * dev.beta) if l.attention == "ring"
                   else 8 * all_to_all(C, block, dev))
-    pooled = 2 * costmodel.allreduce_time("ring", C, n * width(net) * FLOAT_BYTES, dev.alpha, dev.beta)
-    grads = costmodel.allreduce_time("ring", l.dp * C, n_params * FLOAT_BYTES, dev.alpha, dev.beta)
-    return total + pooled + grads
+    return total
+
+
+def row_tensor_communication(l, traffic, n, dev):
+    """Seconds of a C x T grid row's f and g for n examples: one ring all-reduce over T per entry
+    of `traffic` (Model.tensor_traffic), on the row's block of tokens (1/C of the entry)."""
+    return sum(costmodel.allreduce_time("ring", l.tp, n * -(-elems // l.cp) * FLOAT_BYTES, dev.alpha, dev.beta)
+               for _, elems, _ in traffic)
+
+
+def pooled_communication(l, net, n, dev):
+    """Seconds of the pooled vector's sum over the C blocks (seq.sum) and its backward."""
+    return 2 * costmodel.allreduce_time("ring", l.cp, n * width(net) * FLOAT_BYTES, dev.alpha, dev.beta)
+
+
+def context_communication(l, net, n, kept, dev):
+    """Seconds of a context-parallel (or cp x tp) step's collectives, a rank keeping `kept`
+    parameters (see the module's docstring)."""
+    grads = costmodel.allreduce_time("ring", l.dp * l.cp, kept * FLOAT_BYTES, dev.alpha, dev.beta)
+    return (attention_communication(l, attention_layers(net), n, dev) + row_tensor_communication(
+        l, net.tensor_traffic(), n, dev) + pooled_communication(l, net, n, dev) + grads)

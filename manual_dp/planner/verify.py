@@ -7,7 +7,9 @@ schedule ran (end_epoch's activation_peak_bytes), otherwise memory.per_context's
 strategy's layout() and the layer shapes (MXNet has no per-context memory counter on CPU). The
 busiest context is reported. Tensor, sequence parallel, context and dp x pp x tp layouts' layout()
 price 1/T (1/C) of the group's examples on each context and what every context holds whole for the
-rest, as the planner predicts (planner/sequence.py, pipelines.py): measured / predicted is 1; for
+rest, as the planner predicts (planner/sequence.py, pipelines.py); cp x tp grids and MeshParallel's
+cp stages 1/(C T) (the images whole on a first stage), their floors, as the planner predicts too:
+measured / predicted is 1; for
 interleaved pipelines the prediction adds a device's stages' peaks, measured counts them at once.
 Measured time = the median of `steps` steps after one warm-up.
 
@@ -23,6 +25,7 @@ import numpy as np
 
 from .. import memory
 from ..strategies.context import ContextParallel
+from ..strategies.context_tensor import ContextTensorParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.mesh_parallel import MeshParallel
 from ..strategies.pipeline import PipelineParallel
@@ -53,10 +56,11 @@ BUILDERS = {
                  counted_activations),
     "tensor": (lambda p, ctx, opt, l, net: TensorParallel(p, ctx, opt, l.tp, model=net, sequence_parallel=l.sp),
                shape_activations),
-    "context": (lambda p, ctx, opt, l, net: ContextParallel(p, ctx, opt, l.cp, l.attention, model=net),
-                shape_activations),
+    "context": (lambda p, ctx, opt, l, net: ContextTensorParallel(p, ctx, opt, l.cp, l.tp, l.attention, model=net)
+                if l.tp > 1 else ContextParallel(p, ctx, opt, l.cp, l.attention, model=net), shape_activations),
     "mesh": (lambda p, ctx, opt, l, net: MeshParallel(p, ctx, opt, l.pp, l.tp, l.micro, l.schedule, l.virtual,
-                                                      model=net, sequence_parallel=l.sp), shape_activations),
+                                                      model=net, sequence_parallel=l.sp, context_parallel=l.cp,
+                                                      attention=l.attention or "ring"), shape_activations),
 }
 
 
