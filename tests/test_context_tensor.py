@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from mxnet import nd
 
 from conftest import batch, cpus, run_main
 from manual_dp import DataParallel, models
@@ -44,6 +45,9 @@ def test_context_x_tensor_equals_one_context(reference, n, C, T, attention, zero
             for t, shards in enumerate(row):
                 where = cpus(n)[strategy.mesh.rank(dp=r, cp=c, tp=t)]
                 assert all(p.context == where and p.grad.context == where for p in shards)
+    for grid, shards in zip(strategy.grids, strategy.params):     # every cell computes on its own context
+        scores = strategy.scores(grid, shards, nd.array(batch(8, 1)[0], ctx=grid[0][0]))
+        assert [[s.context for s in row] for row in scores] == grid
     again = ContextTensorParallel(P, cpus(n), "momentum", C, T, attention, model=net, zero_stage=zero)
     again.load_state_dict(got)
     for a, b in zip(again.state_dict()["params"], got["params"]):

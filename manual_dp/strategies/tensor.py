@@ -56,8 +56,11 @@ def group_forward(Xs, P, allreduce, net=None, join=None):
 
 
 def copies(batch, row):
-    """`batch` (an NDArray on row[0]) and a copy of it on every other context of `row`."""
-    return [batch] + [batch.copyto(c) for c in row[1:]]
+    """`batch` (an NDArray) on row[0] (copied there if it is elsewhere: on CPU contexts MXNet would
+    run a grid row's first cell on the batch's context without a word) and a copy of it on every
+    other context of `row`."""
+    first = batch.as_in_context(row[0])
+    return [first] + [first.copyto(c) for c in row[1:]]
 
 
 class TensorParallel(Strategy):
