@@ -145,7 +145,7 @@ class RunConfig:
     fuse_grads: Optional[bool] = flag(None, "sync only: one flat gradient buffer per device, one "
                                             "all-reduce and one optimiser update a step (default on)",
                                       "speed")
-    graph: Optional[bool] = flag(None, "sync only: LeNet as a cached symbolic graph instead of layer "
+    graph: Optional[bool] = flag(None, "sync only: the model as a cached symbolic graph instead of layer "
                                        "by layer (default on)", "speed")
     no_autotune: bool = flag(False, "sync only: do not measure which padding "
                                     "of the convolutions' channels is fastest on this CPU "
