@@ -22,8 +22,8 @@ PIPELINE_COSTS = dict(input_grad=1.0, weight_grad=1.0)   # a layer's gradients o
 PRECISIONS = ("fp32", "bf16", "fp16")                          # --precision (manual_dp/precision.py)
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
-STAGES = 2                    # LeNet cut in two by default: convolutions | dense layers
-MAX_STAGES = 4                # its layers: conv1 | conv2 | dense1 | dense2 (strategies/stages.py CUTS)
+STAGES = 2                    # pipeline stages by default (LeNet: convolutions | dense layers)
+MAX_STAGES = 4                # LeNet's layers: conv1 | conv2 | dense1 | dense2 (models/lenet.py CUTS); others: their layer count
 DEFAULT_CPU_CONTEXTS = 2      # contexts when there is no GPU and none are named
 FAST_STEP = dict(allreduce="reduce_bcast", fuse_grads=True, graph=True)
 LESSON_STEP = dict(allreduce="lesson", fuse_grads=False, graph=False)
@@ -176,9 +176,10 @@ class RunConfig:
                                            "sgd then averages the replicas)", "parallelism")
     outer_momentum: Optional[float] = flag(None, "local with --outer-optimizer nesterov only: its momentum "
                                                  "(default 0.9)", "parallelism")
-    stages: Optional[int] = flag(None, "model, pipeline and hybrid: LeNet cut into S stages, one context "
-                                       "each: 2 convs | dense, 3 conv1 | conv2 | dense, 4 conv1 | conv2 | "
-                                       "dense1 | dense2 (default 2)", "parallelism")
+    stages: Optional[int] = flag(None, "model, pipeline, hybrid and mesh: the model's layers cut into S "
+                                       "stages balanced by their FLOPs, one context each, S up to the layer "
+                                       "count (LeNet: 2 convs | dense, ... 4 conv1 | conv2 | dense1 | dense2; "
+                                       "default 2)", "parallelism")
     schedule: Optional[str] = flag(None, "pipeline and hybrid: gpipe (every forward, then every backward), "
                                          "1f1b (one forward, one backward: stage s holds at most S - s "
                                          "micro-batches), interleaved (--virtual-stages chunks a context, "
