@@ -9,11 +9,11 @@ context is reported. Tensor, sequence parallel, context and dp x pp x tp layouts
 1/T (1/C) of the group's examples on each context and what every context holds whole for the rest,
 as the planner predicts (planner/sequence.py, pipelines.py); cp x tp grids and MeshParallel's cp
 stages 1/(C T) (the images whole on a first stage), their floors, as the planner predicts too:
-measured / predicted is 1 by construction, and for split layouts both are floors. MXNet's profiler
-(cli.memcheck's fresh-process probe, which the trainer's --memory-per-device uses, on up to the
-core count + 2 CPU contexts) measured more on the default transformer, batch 64: tp=2 20.7 MiB a
-context against 12.7 counted, cp=2 ring 12.5 against 8.5, cp=2 x tp=2 10.6-10.9 against 5.0,
-pp=2 x cp=2 5.6-6.4 against 5.1-5.2 (docs/performance.md, 2026-11-26). For
+measured / predicted is 1 by construction: the planner prices what the strategies keep. MXNet
+allocates more (its temporaries; MXNet's profiler, through cli.memcheck's fresh-process probe, which
+the trainer's --memory-per-device uses): 1.1 to 3.1 times the count in every layout measured, LeNet
+sync 16.0 MiB a context against 9.9, the transformer's tp=2 20.7 against 12.7 (docs/performance.md,
+2026-11-26). For
 interleaved pipelines the prediction adds a device's stages' peaks, measured counts them at once.
 Measured time = the median of `steps` steps after one warm-up.
 
