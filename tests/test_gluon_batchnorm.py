@@ -4,24 +4,23 @@ ResNet's.
 
 References: MXNet's own Gluon BatchNorm for one context (the scores of a training forward and the
 running statistics it leaves, to 1e-5 relative: the same float32 arithmetic in another order), and
-one context of this package for 2 and 3 contexts, as tests/test_batchnorm_modes.py (after 2
-momentum steps, 1e-5 of the largest value; per-context statistics differ from one context's by more
-than 1e-3, asserted, so the comparison can fail)."""
+one context of this package for 2 and 3 contexts, as tests/test_batchnorm_modes.py and with its
+helpers (after 2 momentum steps, 1e-5 of the largest value; per-context statistics differ from one
+context's by more than 1e-3, asserted, so the comparison can fail)."""
 import re
 
 import mxnet as mx
-import numpy as np
 import pytest
 from mxnet import autograd, nd
 
 from conftest import batch, cpus, run_main
+from test_batchnorm_modes import after, close        # 2 momentum steps at lr 0.01; 1e-5 of the largest value
 from manual_dp.models.batchnorm import Moments
 from manual_dp.models.gluon_block import GluonModel, load_block
 from manual_dp.strategies.data_parallel import DataParallel
 from manual_dp.strategies.local_sgd import LocalSGD
 from manual_dp.strategies.zero import ZeroRedundancy
 
-TOL = 1e-5
 TINY = ["--train-size", "96", "--test-size", "32", "--batch-size", "32", "--no-progress", "--epochs", "1"]
 BLOCKS = """from mxnet.gluon import nn
 def net():
@@ -47,18 +46,6 @@ def user(tmp_path_factory):
     net = GluonModel(spec)
     P = net.init_params(0)
     return spec, net, P, after(DataParallel(P, cpus(1), "momentum", lesson=True, model=net))
-
-
-def after(strategy, steps=2, lr=0.05):
-    X, y = batch(24, 0)
-    for _ in range(steps):
-        strategy.step(X, y, lr)
-    return strategy.state_dict()
-
-
-def close(got, want, tol=TOL):
-    scale = max(float(np.abs(w).max()) for w in want)
-    return max(float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)) <= tol * scale
 
 
 def test_the_layers_and_their_running_statistics(user):

@@ -161,10 +161,16 @@ def test_printed_flags_parse(transformer):
                 "mesh", l.pp, l.tp, l.sp, l.schedule, l.virtual, l.micro, l.dp * l.pp * l.tp), l
 
 
-def test_verify_runs_every_mesh_kind_exactly():
-    """--verify on 4 contexts, one step each: context, tensor +sp, pipelines and dp x pp x tp run,
-    each context's predicted memory equal to what it measured."""
-    out = subprocess.run([sys.executable, "-m", "manual_dp.plan", "--devices", "4", "--memory-per-device", "8MiB",
+@pytest.mark.parametrize("devices,kinds", [
+    (4, {"dp=2 x cp=2 ring", "cp=4 ring", "dp=2 x tp=2 +sp", "dp=2 x pp=2 zb-h1 M=4", "pp=2 x tp=2 1f1b M=4",
+         "pp=2 x tp=2 +sp gpipe M=4"}),
+    (8, {"dp=2 x cp=2 x tp=2 ring", "cp=4 x tp=2 ring", "dp=2 x pp=2 x cp=2 ulysses 1f1b M=4",
+         "pp=2 x cp=4 ring gpipe M=4", "pp=2 x cp=2 x tp=2 ring 1f1b M=4"})])
+def test_verify_runs_every_mesh_kind_exactly(devices, kinds):
+    """--verify, one step each: context, tensor +sp, pipelines and dp x pp x tp on 4 contexts; cp x
+    tp grids, pp x cp and pp x cp x tp on 8: each printed with its measured memory (equal to the
+    prediction: the strategies' own count) and step time beside the predicted."""
+    out = subprocess.run([sys.executable, "-m", "manual_dp.plan", "--devices", str(devices), "--memory-per-device", "8MiB",
                           "--model", "transformer", "--layers", "1", "--d-model", "16", "--heads", "2",
                           "--batch-size", "8", "--verify", "--top", "100", "--steps", "1"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -173,10 +179,9 @@ def test_verify_runs_every_mesh_kind_exactly():
     lines = out.stdout.splitlines()
     head = lines.index(next(l for l in lines if l.startswith("layout") and "meas MiB" in l))
     rows = {" ".join(r.split()[:-7]): r.split()[-7:] for r in lines[head + 1:]}
-    assert {"dp=2 x cp=2 ring", "cp=4 ring", "dp=2 x tp=2 +sp", "dp=2 x pp=2 zb-h1 M=4", "pp=2 x tp=2 1f1b M=4",
-            "pp=2 x tp=2 +sp gpipe M=4"} <= set(rows)
+    assert kinds <= set(rows)
     for key, row in rows.items():
-        assert row[2] == "1.000" and float(row[-2]) > 0, (key, row)      # memory exact; measured ms
+        assert row[2] == "1.000" and float(row[-2]) > 0 and float(row[-3]) > 0, (key, row)   # memory; ms
 
 
 def test_3d_layouts_on_8_devices_and_their_refusals(transformer):
