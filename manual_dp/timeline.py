@@ -175,7 +175,8 @@ def predicted(trace, link=None):
 
 
 def draw(trace, out, link=None):
-    """A Gantt chart of the trace's first recorded step per context, the prediction under it, in `out`."""
+    """A Gantt chart of the trace's first recorded step per context, the prediction under it, in `out`
+    (a span shorter than 0.3% of the chart drawn that wide, so that it can be seen)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -194,9 +195,10 @@ def draw(trace, out, link=None):
                                         for a, b in spans_]))
     lanes.append(("predicted all-reduce", [(a * 1e3, (b - a) * 1e3, COLOURS["allreduce"]) for a, b in plan["allreduce"]]))
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(lanes) + 1.5))
+    least = 0.003 * max((a + w for _, bars in lanes for a, w, _ in bars), default=1)   # a span drawn at least this wide
     for y, (_, bars) in enumerate(reversed(lanes)):
-        ax.broken_barh([(a, w) for a, w, _ in bars], (y - 0.4, 0.8), facecolors=[c for _, _, c in bars],
-                       edgecolor="white", linewidth=0.5)
+        ax.broken_barh([(a, max(w, least)) for a, w, _ in bars], (y - 0.4, 0.8), facecolors=[c for _, _, c in bars],
+                       edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(lanes)), [label for label, _ in reversed(lanes)])
     ax.set_xlabel("ms from the step's start")
     ax.set_title(f"step {plan['step']}: overlap measured {measured_overlap(of):.0%} (operators "

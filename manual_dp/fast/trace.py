@@ -16,7 +16,9 @@ A marker costs a wake-up of MXNet's custom-operator thread (tens of microseconds
 machine, milliseconds), and the all-reduce after a "ready" marker waits for it: traced steps run a
 little slower than others. Marks on one array keep their order (each all-reduce, and the zeroing
 after an update, waits for the marker before it); marks on different arrays may not, by that
-latency: a span whose end was noted before its start is drawn with no length.
+latency: a span whose end was noted before its start is drawn with no length, and a forward whose
+loss was noted after one of the step's gradients ends there (the loss comes before every gradient;
+on a loaded machine the late note made a single buffer's all-reduce look hidden under compute).
 """
 import json
 import os
@@ -172,9 +174,11 @@ def step_spans(at, step, i, c, contexts, bucket_names):
     """One context's spans of one step (those whose two marks were both noted)."""
     get, pid, out = (lambda what, ctx=c: at.get((step, ctx, what))), TRAINER_PID + i, []
     prev = get("start")
-    if prev is not None and get("forward") is not None:
-        out.append(span("forward", "forward", prev, get("forward"), pid, step=step, context=c))
-        prev = get("forward")
+    readies = [r for r in (get(f"ready|{b}") for b in range(len(bucket_names))) if r is not None]
+    if prev is not None and get("forward") is not None:   # the loss precedes every gradient: a late note clipped
+        end = min([get("forward")] + readies)
+        out.append(span("forward", "forward", prev, end, pid, step=step, context=c))
+        prev = end
     for b, names in enumerate(bucket_names):
         ready = get(f"ready|{b}")
         if prev is not None and ready is not None:
