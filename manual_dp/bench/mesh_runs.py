@@ -116,7 +116,7 @@ def per_phase(took):
     return {phase: float(np.mean(s)) for phase, s in seconds.items()}
 
 
-def stage_means(took, phase):
+def stage_medians(took, phase):
     """[median seconds of `phase` on stage k over the passes] for every stage k."""
     by_stage = {}
     for durations in took:
@@ -130,7 +130,7 @@ def side_by_side(took, costs, timed):
     """{"F0": [measured, FLOPs, timed], ...}: each (phase, stage)'s median measured seconds
     (Timed.took) over a stage's median forward, beside its price from the FLOPs and from its
     actions timed before the run (both in the same unit)."""
-    forward = float(np.mean(stage_means(took, "F")))
+    forward = float(np.mean(stage_medians(took, "F")))
     return {f"{ph}{k}": [float(np.median([t[(ph, k)] for t in took if (ph, k) in t])) / forward, c, timed[(ph, k)]]
             for (ph, k), c in sorted(costs.items(), key=lambda kv: (kv[0][1], "FBW".index(kv[0][0])))}
 
@@ -174,6 +174,7 @@ def schedule_bubbles(net, batch, steps, lr, rounds=3):
     for name, V in SCHEDULES:
         p = plan(name, STAGES, MICRO, V)
         (share, ratio), costs = bubbles(p, simulate(p)), plan_costs(net, p)
+        flops = priced(p, costs)[0]
         took = [t for _, _, took in runs[name] for t in took]
         each = [dict(dry_run_timed=priced(p, timed)[0], measured=measured) for timed, measured, _ in runs[name]]
         for r in each:
@@ -182,12 +183,12 @@ def schedule_bubbles(net, batch, steps, lr, rounds=3):
         timed = {key: float(np.median([t[key] for t, _, _ in runs[name]])) for key in costs}
         equal = per_phase(took)
         out[name] = dict(virtual=V, dry_run=share, dry_run_over_compute=ratio, formula=formula(p),
-                         dry_run_flops=priced(p, costs)[0], dry_run_timed=by_times, measured=measured,
-                         measured_over_flops=measured / priced(p, costs)[0], measured_over_dry_run=measured / by_times,
+                         dry_run_flops=flops, dry_run_timed=by_times, measured=measured,
+                         measured_over_flops=measured / flops, measured_over_dry_run=measured / by_times,
                          measured_over_unit=measured / share, rounds=each,
                          equal_stages=bubbles(p, simulate(p, equal), equal)[0],
                          phase_ms={ph: s * 1e3 for ph, s in equal.items()},
-                         stage_spread={ph: max(m) / min(m) for ph in equal for m in [stage_means(took, ph)]},
+                         stage_spread={ph: max(m) / min(m) for ph in equal for m in [stage_medians(took, ph)]},
                          durations=side_by_side(took, costs, timed))
     return out
 

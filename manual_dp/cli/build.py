@@ -19,6 +19,7 @@ from ..schedule import make_lr, updates_per_epoch
 from ..strategies import schedules
 from ..strategies.accum import GradAccum
 from ..strategies.async_dp import AsyncDataParallel
+from ..strategies.base import innermost
 from ..strategies.compressed import Compressed
 from ..strategies.context import ContextParallel
 from ..strategies.context_tensor import ContextTensorParallel
@@ -235,7 +236,7 @@ def virtual_stages(cfg):
 def dry_run(cfg, ctx, world):
     """--dry-run: the layout and, for a pipeline, its schedule, checked; nothing trained."""
     net = network(cfg)
-    build_model(cfg, net.init_params(cfg.seed, cfg.init_scale), ctx, world)     # refuses what cannot run
+    model = build_model(cfg, net.init_params(cfg.seed, cfg.init_scale), ctx, world)   # refuses what cannot run
     print(f"model {net.name}: {net.n_params():,} parameters in {len(net.layers)} layers")
     print(f"mode {describe(cfg)}")
     print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg, len(ctx))).describe(ctx, world.size)))
@@ -247,10 +248,9 @@ def dry_run(cfg, ctx, world):
         p = schedules.plan(name, S, M, V)
         print(schedules.dry_run(name, S, M, V))
         print("\n".join(priced_lines(net, p, cfg.recompute)))
-        if cfg.mode != "mesh" and not cfg.deterministic:
+        pipe = innermost(model)
+        if isinstance(pipe, PipelineParallel) and not pipe.sums:      # not a mesh's groups, nor --deterministic's pieces
             micro = cfg.batch_size // (replicas * world.size * M)
-            pipe = PipelineParallel(net.init_params(cfg.seed), ctx[:S], cfg.optimizer, M, stages=S, schedule=name,
-                                    recompute=cfg.recompute, model=precise(net, policy_of(cfg)), virtual_stages=V)
             print("\n".join(priced_lines(net, p, costs=relative(stage_times(pipe, micro)),
                                           how=f"its actions timed here, one micro-batch of {micro} alone")))
     print("dry run: nothing trained")

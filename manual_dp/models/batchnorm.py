@@ -29,6 +29,20 @@ def first_norm(layers, l):
     return sum(len(layer.stats) for layer in layers[:l]) // 2
 
 
+def single(group_forward):
+    """forward(h, params, F, shapes) of a layer that runs on a group of contexts (group_forward(hs,
+    params per context, moments)): one context, the batch's own statistics (F must be nd: these
+    layers have no symbolic form)."""
+    def forward(h, params, F=nd, shapes=None):
+        return group_forward([h], [params], Moments(train=True))[0]
+    return forward
+
+
+def norm_group(hs, params, moments):
+    """One BatchNorm on every context at once: params[c] = [gamma, beta] of context c."""
+    return moments.normalize(hs, [P[0] for P in params], [P[1] for P in params])
+
+
 def channel_axes(h):
     """The axes a BatchNorm averages over: all but axis 1 (the channels)."""
     return (0,) + tuple(range(2, h.ndim))

@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from ..errors import UsageError
-from .batchnorm import EPS, MOMENTUM, Moments
+from .batchnorm import EPS, MOMENTUM, norm_group, single
 from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, pair_traffic, split_pairs
 from .dropout import Noise, dropout
 
@@ -119,7 +119,6 @@ def batchnorm_layer(i, child, size):
     """Layer i, the BatchNorm `child`: its gamma and beta as parameters (the block's values), its
     running mean and variance as stats; size: its elements per example. UsageError for settings
     other than Gluon's defaults (see the module's docstring)."""
-    from mxnet import nd
     kw = child._kwargs
     given = dict(axis=kw["axis"], eps=kw["eps"], momentum=kw["momentum"], fix_gamma=kw["fix_gamma"],
                  use_global_stats=kw["use_global_stats"], center=child.beta.grad_req != "null",
@@ -131,10 +130,7 @@ def batchnorm_layer(i, child, size):
     params = tuple(Param(stable_name(i, child, p.name), shape, "given") for p in (child.gamma, child.beta))
     stats = (Param(stable_name(i, child, child.running_mean.name), shape, "zeros"),
              Param(stable_name(i, child, child.running_var.name), shape, "ones"))
-
-    def forward(h, params, F=nd, shapes=None):      # one context on its own: the batch's statistics
-        return Moments(train=True).normalize([h], [params[0]], [params[1]])[0]
-    return Layer(f"{i}:BatchNorm", params, forward, 8 * size, size, 2 * size, kind="gluon",
+    return Layer(f"{i}:BatchNorm", params, single(norm_group), 8 * size, size, 2 * size, kind="gluon",
                  extra={"type": "BatchNorm"}, stats=stats)
 
 
@@ -175,8 +171,7 @@ class GluonModel(Model):
                 continue
             if isinstance(child, mx.gluon.nn.BatchNorm):
                 layers.append(batchnorm_layer(i, child, sizes[i][0]))
-                self.values.update({p.name: values[n] for p, n in zip(layers[-1].params, (child.gamma.name,
-                                                                                           child.beta.name))})
+                self.values.update({p.name: values[q.name] for p, q in zip(layers[-1].params, (child.gamma, child.beta))})
                 continue
             symbol = child(mx.sym.var("data"))
             if symbol.list_auxiliary_states():
@@ -201,7 +196,7 @@ class GluonModel(Model):
     def layer_group(self, l, hs, own, moments):
         """Layer l on every context at once: a BatchNorm child normalising with `moments`."""
         if self.layers[l].extra["type"] == "BatchNorm":
-            return moments.normalize(hs, [P[0] for P in own], [P[1] for P in own])
+            return norm_group(hs, own, moments)
         return super().layer_group(l, hs, own, moments)
 
     def dropout_sites(self):

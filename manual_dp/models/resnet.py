@@ -15,7 +15,7 @@ a step at once (Layer.group_forward) so that --sync-batchnorm can sum its statis
 from mxnet import nd
 
 from ..lesson import relu
-from .batchnorm import Moments
+from .batchnorm import single
 from .contract import CLASSES, IMAGE, Layer, Model, Param, fc
 
 CHANNELS = (8, 16, 32, 64)       # x --width
@@ -45,14 +45,6 @@ def make_unit(stride, shortcut):
         skip = conv(hs, [p[6] for p in P], stride, [p[7] for p in P]) if shortcut else hs
         return [relu(a + b) for a, b in zip(y, skip)]
     return unit
-
-
-def single(group_forward):
-    """forward(h, params, F, shapes) of a layer that runs on a group of contexts: one context,
-    the batch's own statistics (F must be nd: these layers have no symbolic form)."""
-    def forward(h, params, F=nd, shapes=None):
-        return group_forward([h], [params], Moments(train=True))[0]
-    return forward
 
 
 def head(h, p, F=nd, shapes=None):

@@ -167,6 +167,13 @@ class Strategy:
         return state
 
 
+def innermost(model):
+    """The strategy inside every Wrapper around `model` (the world's, accumulation's, the loss scale's)."""
+    while isinstance(model, Wrapper):
+        model = model.model
+    return model
+
+
 class Wrapper(Strategy):
     """A strategy around another, `model`: every method passes through to it unless overridden
     (gradient accumulation, the multi-process wrappers)."""
