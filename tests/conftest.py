@@ -39,6 +39,21 @@ def batch(n, seed):
     return (images.astype(np.float32) / 255)[:, None], labels.astype(np.int32)
 
 
+def straight_and_resumed(make, first, X, y, lr=0.01):
+    """(make() after 3 steps on (X, y); another make() resumed from `first`'s state_dict after
+    first took 1 step, then 2 more steps; that state): an interrupted run beside an uninterrupted one."""
+    straight = make()
+    for _ in range(3):
+        straight.step(X, y, lr)
+    first.step(X, y, lr)
+    state = first.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    for _ in range(2):
+        resumed.step(X, y, lr)
+    return straight, resumed, state
+
+
 def small_model(name):
     """The model `name` at test size: a transformer of one block, width 16, two heads."""
     from manual_dp import models

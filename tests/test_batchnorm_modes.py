@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import batch, cpus, run_main
+from conftest import batch, cpus, run_main, straight_and_resumed
 from manual_dp import models
 from manual_dp.errors import CheckpointError
 from manual_dp.strategies.data_parallel import DataParallel
@@ -82,17 +82,9 @@ def test_zero_checkpoint_keeps_the_running_statistics_and_resumes_in_sync(resnet
     """ZeRO-3's checkpoint holds the running statistics; data parallelism resumes from it and
     continues as an uninterrupted run; a checkpoint without them is refused."""
     net, P, _ = resnet
-    X, y = batch(24, 0)
-    straight = DataParallel(P, cpus(2), "momentum", model=net, sync_batchnorm=True)
-    for _ in range(3):
-        straight.step(X, y, 0.01)
-    zero = ZeroRedundancy(P, cpus(2), "momentum", 3, model=net, sync_batchnorm=True)
-    zero.step(X, y, 0.01)
-    state = zero.state_dict()
-    resumed = DataParallel(P, cpus(2), "momentum", model=net, sync_batchnorm=True)
-    resumed.load_state_dict(state)
-    for _ in range(2):
-        resumed.step(X, y, 0.01)
+    straight, resumed, state = straight_and_resumed(
+        lambda: DataParallel(P, cpus(2), "momentum", model=net, sync_batchnorm=True),
+        ZeroRedundancy(P, cpus(2), "momentum", 3, model=net, sync_batchnorm=True), *batch(24, 0))
     assert close(resumed.state_dict()["params"], straight.state_dict()["params"])
     assert close(resumed.state_dict()["extra"]["running"], straight.state_dict()["extra"]["running"])
     back = ZeroRedundancy(P, cpus(3), "momentum", 2, model=net)

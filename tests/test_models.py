@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import batch, cpus, run_main
+from conftest import batch, cpus, run_main, straight_and_resumed
 from manual_dp import models
 from manual_dp.lesson import LENET_SHAPES, cross_entropy, init_lenet_params, lenet, lenet_shapes
 from manual_dp.models.contract import balanced_cuts
@@ -433,17 +433,9 @@ def test_evaluation_uses_the_running_statistics(resnet):
 
 def test_running_statistics_are_checkpointed_and_resume_exactly(resnet):
     net, P, _ = resnet
-    X, y = batch(24, 0)
-    straight = DataParallel(P, cpus(2), "momentum", model=net, sync_batchnorm=True)
-    for _ in range(3):
-        straight.step(X, y, 0.01)
-    first = DataParallel(P, cpus(2), "momentum", model=net, sync_batchnorm=True)
-    first.step(X, y, 0.01)
-    state = first.state_dict()
-    resumed = DataParallel(P, cpus(2), "momentum", model=net, sync_batchnorm=True)
-    resumed.load_state_dict(state)
-    for _ in range(2):
-        resumed.step(X, y, 0.01)
+    def make():
+        return DataParallel(P, cpus(2), "momentum", model=net, sync_batchnorm=True)
+    straight, resumed, state = straight_and_resumed(make, make(), *batch(24, 0))
     for kind in ("params", "opt_state"):
         assert digest(np.concatenate([np.ravel(a) for a in np.array(resumed.state_dict()[kind], dtype=object).ravel()])) == \
             digest(np.concatenate([np.ravel(a) for a in np.array(straight.state_dict()[kind], dtype=object).ravel()]))
