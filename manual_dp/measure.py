@@ -3,6 +3,7 @@ copy bound (one cpu(0) -> cpu(1) copy of the same payload) and the memory floor 
 the traffic no all-reduce over k contexts of one memory can avoid). Each function returns one
 record (a dict), allreduce_sweep a list of them; the benchmark (python -m manual_dp.bench) and
 notebook 02 call them."""
+import resource
 import time
 
 import mxnet as mx
@@ -83,26 +84,55 @@ def allreduce_point(name, k, nbytes, repeats):
     return allreduce_record(name, k, nbytes, timed(lambda: fn(arrays), repeats, calls_for(nbytes * k)))
 
 
+SETTLE_CALLS = 12     # warm-up calls at most, until one makes the process fault no new page
+
+
+def page_faults():
+    """Minor page faults of this process so far: pages the kernel mapped in on first touch."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def settle(fn):
+    """Call fn (draining the engine) until one call faults no new page, at most SETTLE_CALLS times.
+
+    An algorithm that copies into fresh arrays (the lesson's `copyto`, the KVStore's buffers) asks
+    the allocator for new memory every call. MXNet allocates CPU arrays aligned (posix_memalign),
+    and glibc serves an aligned request from a free chunk only if the chunk also holds the
+    alignment's slack: the chunk the last copy freed is too small by that slack, so the heap grows
+    over the first calls, each touching pages the kernel must map in (measured: 4,096 faults, one
+    16 MB array, per call; the lesson's 16 MB all-reduce then took 10.3 ms on 2 contexts against
+    3.0 ms once the heap had grown). A training step reaches that steady heap in its first steps;
+    a timing that includes the growth measures the allocator's history, not the algorithm."""
+    for _ in range(SETTLE_CALLS):
+        before = page_faults()
+        fn()
+        nd.waitall()
+        if page_faults() == before:
+            return
+
+
 def allreduce_sweep(names, ks, payloads, rounds):
     """Records for every (algorithm, contexts, payload), in interleaved rounds: each round times
-    every point once (fresh replicas, one warm-up call, then calls_for(...) calls back to back),
-    and a record's us is the median over the rounds. On a shared machine a neighbour's burst of
-    work then falls on one round of many points rather than on every repeat of a few."""
+    every point once (fresh replicas, warm-up calls until the heap is steady (settle), then
+    calls_for(...) calls back to back), and a record's us is the median over the rounds, its
+    page_faults the median per call. On a shared machine a neighbour's burst of work then falls on
+    one round of many points rather than on every repeat of a few."""
     points = [(name, k, b) for k in ks for name in names for b in payloads]
-    times = {p: [] for p in points}
+    times, faults = {p: [] for p in points}, {p: [] for p in points}
     for _ in range(rounds):
         for name, k, nbytes in points:
             arrays, fn = replicas(k, nbytes), make_allreduce(name)
-            fn(arrays)
+            settle(lambda: fn(arrays))
             calls = calls_for(nbytes * k)
             nd.waitall()
-            start = time.perf_counter()
+            before, start = page_faults(), time.perf_counter()
             for _ in range(calls):
                 fn(arrays)
             nd.waitall()
             times[name, k, nbytes].append((time.perf_counter() - start) / calls)
-    return [allreduce_record(name, k, b, float(np.median(times[name, k, b])), rounds=rounds)
-            for name, k, b in points]
+            faults[name, k, nbytes].append((page_faults() - before) / calls)
+    return [allreduce_record(name, k, b, float(np.median(times[name, k, b])), rounds=rounds,
+                             page_faults=float(np.median(faults[name, k, b]))) for name, k, b in points]
 
 
 def lenet_point(name, k, fused, repeats):

@@ -57,7 +57,7 @@ def test_every_algorithm_and_figure_is_measured(tiny_run):
     _, records, _ = tiny_run
     comm = [r for r in records if r["bench"] == "allreduce"]
     assert {r["impl"] for r in comm} == set(ALLREDUCE_ALGORITHMS)
-    assert all(r["us"] > 0 and r["algbw_gbps"] > 0 for r in comm)
+    assert all(r["us"] > 0 and r["algbw_gbps"] > 0 and r["page_faults"] >= 0 for r in comm)
     train = [r for r in records if r["bench"] == "train"]
     assert {(r["impl"], r["devices"]) for r in train} >= {("manual_dp", 1), ("manual_dp", 2), ("lesson", 2)}
     for r in train:
@@ -185,3 +185,23 @@ def test_local_sgd_side_by_side_logs_accuracy_and_communication_rounds(tmp_path,
     assert {H: [e["comm_rounds"] for e in r["epochs"]] for H, r in runs.items()} == {1: [8], 4: [2]}
     assert all(0 <= r["final_test_acc"] <= 1 for r in runs.values())
     assert (tmp_path / "local_sgd.png").stat().st_size > 1000
+
+
+def test_the_warm_up_lasts_until_a_call_maps_no_new_page():
+    """measure.settle: a call that touches fresh memory (kept, so the heap grows) faults pages in;
+    the warm-up goes on until one call does not, and stops at SETTLE_CALLS when every call does."""
+    import numpy as np
+
+    from manual_dp.measure import SETTLE_CALLS, settle
+    kept = []
+
+    def grows_three_times():
+        if len(kept) < 3:
+            kept.append(np.ones(1 << 20))          # 8 MB written: about 2,048 pages mapped in
+        else:
+            kept.append(None)
+    settle(grows_three_times)
+    assert len(kept) == 4
+    kept.clear()
+    settle(lambda: kept.append(np.ones(1 << 18)))
+    assert len(kept) == SETTLE_CALLS
