@@ -162,17 +162,18 @@ class Model:
         context on its own."""
         if not self.stats():
             return [self.forward(X, P) for X, P in zip(Xs, shards)]
-        hs = Xs
+        hs, Fs = Xs, [self.noisy(nd, X) for X in Xs]
         for l, s in enumerate(self.slices()):
-            hs = self.layer_group(l, hs, [P[s] for P in shards], moments)
+            hs = self.layer_group(l, hs, [P[s] for P in shards], moments, Fs)
         return hs
 
-    def layer_group(self, l, hs, own, moments):
+    def layer_group(self, l, hs, own, moments, Fs=None):
         """Layer l on every context of a data-parallel step at once (ZeRO's layer-at-a-time
         forward of a model with running statistics): hs[c] its input, own[c] its parameters on
-        context c, `moments` as in forward_group. By default each context on its own."""
-        layer = self.layers[l]
-        return [layer.forward(h, P, nd, [p.shape for p in P]) for h, P in zip(hs, own)]
+        context c, `moments` as in forward_group, Fs[c] context c's namespace (Model.noisy: its
+        dropout masks; default nd). By default each context on its own."""
+        layer, Fs = self.layers[l], Fs or [nd] * len(hs)
+        return [layer.forward(h, P, F, [p.shape for p in P]) for h, P, F in zip(hs, own, Fs)]
 
     def n_params(self):
         return sum(p.size for p in self.param_table())

@@ -25,7 +25,7 @@ computes (axis 1, eps 1e-5, momentum 0.9, a trained gamma and beta).
 Refused, in one line: a file that is missing or does not define FUNCTION, a FUNCTION that raises
 or returns no HybridBlock, a block that fails on a (2, 1, 28, 28) batch or does not give (2, 10)
 scores, a BatchNorm with other settings or inside another child (its running statistics would be
-hidden in that child's graph), and a block with both BatchNorm and Dropout children (not yet).
+hidden in that child's graph).
 """
 import importlib.util
 import os
@@ -189,15 +189,13 @@ class GluonModel(Model):
         self.layers = tuple(layers)
         self.outputs = [s[1] for s in sizes]
         self.noise = Noise(0.0, seed) if self.dropout_sites() else None
-        if self.noise and self.stats():
-            raise UsageError(f"--model {spec}: a block with both BatchNorm and Dropout children is not supported "
-                             f"yet (its dropout masks would not reach a step run on every context at once)")
 
-    def layer_group(self, l, hs, own, moments):
-        """Layer l on every context at once: a BatchNorm child normalising with `moments`."""
+    def layer_group(self, l, hs, own, moments, Fs=None):
+        """Layer l on every context at once: a BatchNorm child normalising with `moments`, a
+        Dropout child with each context's masks (Fs[c])."""
         if self.layers[l].extra["type"] == "BatchNorm":
             return norm_group(hs, own, moments)
-        return super().layer_group(l, hs, own, moments)
+        return super().layer_group(l, hs, own, moments, Fs)
 
     def dropout_sites(self):
         return sum(layer.extra["type"] == "Dropout" for layer in self.layers)

@@ -92,7 +92,8 @@ class ResNet(Model):
         self.group = {l.name: f for l, f in zip(layers, [stem_forward] + [
             make_unit(2 if (i // 2 > 0 and i % 2 == 0) else 1, i // 2 > 0 and i % 2 == 0) for i in range(8)])}
 
-    def layer_group(self, l, hs, own, moments):
+    def layer_group(self, l, hs, own, moments, Fs=None):
         """Layer l on every context at once, its BatchNorms normalising with `moments`."""
         name = self.layers[l].name
-        return self.group[name](hs, own, moments) if name in self.group else super().layer_group(l, hs, own, moments)
+        return self.group[name](hs, own, moments) if name in self.group else \
+            super().layer_group(l, hs, own, moments, Fs)

@@ -204,7 +204,7 @@ class ZeroRedundancy(RunningStats, Strategy):
                 scores = self.net.forward_group(X_shards, [r.params for r in self.replicas[:len(ctx)]], moments) \
                     if moments else [self.net.forward(Xs, r.params) for Xs, r in zip(X_shards, self.replicas)]
             else:
-                group = moments and (lambda l, hs, P: self.net.layer_group(l, hs, P, moments))
+                group = moments and (lambda l, hs, P, Fs: self.net.layer_group(l, hs, P, moments, Fs))
                 scores = zero_layers.scores(X_shards, self.fetch, self.net.layers, group)
         counts = [n_correct(s, ys).copyto(ctx[0]) for s, ys in zip(scores, y_shards)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]

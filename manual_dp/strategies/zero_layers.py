@@ -41,9 +41,9 @@ def hand_made(layer, last):
 
 def run_layer(l, layers, hs, params, Fs, group=None):
     """Layer l's output per context from its input hs[c] and parameters params[c]: each context on
-    its own in its namespace Fs[c], or all at once by group(l, hs, params) (running statistics)."""
+    its own in its namespace Fs[c], or all at once by group(l, hs, params, Fs) (running statistics)."""
     if group is not None:
-        return group(l, hs, params)
+        return group(l, hs, params, Fs)
     return [layers[l].forward(h, P, F, [p.shape for p in P]) for h, P, F in zip(hs, params, Fs)]
 
 
@@ -171,11 +171,11 @@ def forward_backward(X_shards, y_shards, sink):
     per context (loss sum, number correct), left on the devices."""
     layers, Fs = sink.net.layers, [sink.net.noisy(nd, X) for X in X_shards]
     stats = sink.moments(True) if sink.net.stats() else None
-    step = (lambda l, hs, P: sink.net.layer_group(l, hs, P, stats)) if stats else None
+    step = (lambda l, hs, P, Fs: sink.net.layer_group(l, hs, P, stats, Fs)) if stats else None
 
-    def again(l, hs, P):           # a layer recomputed: its statistics again, counted once (the docstring)
+    def again(l, hs, P, Fs):       # a layer recomputed: its statistics again, counted once (the docstring)
         moments = stats if l == len(layers) - 1 else sink.moments(True, first=first_norm(layers, l))
-        return sink.net.layer_group(l, hs, P, moments)
+        return sink.net.layer_group(l, hs, P, moments, Fs)
     acts = forward(X_shards, sink.fetch, layers, sink.note, Fs=Fs, group=step)
     heads, metrics = [None] * len(acts), None
     for l in reversed(range(len(layers))):
