@@ -64,6 +64,22 @@ def test_zero_with_per_context_statistics_equals_sync(resnet, stage):
     assert not close(got["params"], whole["params"], 1e-3)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_cached_graph_normalises_per_context_as_the_imperative_step(resnet, k):
+    """The fast step's cached graph (fast.graph) with per-context statistics: its BatchNorms
+    inside the graph, their batch statistics out of it and folded, equal the imperative step's
+    (1e-5: the graph may fuse or order float additions its own way); --sync-batchnorm keeps the
+    imperative step (its statistics cross contexts mid-forward)."""
+    net, P, _ = resnet
+    fast = DataParallel(P, cpus(k), "momentum", model=net)
+    assert fast.graph is not None and fast.graph.stats
+    assert DataParallel(P, cpus(k), "momentum", model=net, sync_batchnorm=True).graph is None
+    got, want = after(fast), after(DataParallel(P, cpus(k), "momentum", model=net, graph=False))
+    assert close(got["params"], want["params"]) and close(got["extra"]["running"], want["extra"]["running"])
+    moved = [np.abs(r - r0).max() for r, r0 in zip(got["extra"]["running"], [s.asnumpy() for s in net.init_stats()])]
+    assert min(moved) > 0                                       # every statistic was folded
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_zero_evaluates_with_the_running_statistics(resnet, stage):
     net, P, _ = resnet

@@ -53,7 +53,7 @@ class Progress:
 def describe(cfg):
     """One line on what the mode does with these settings."""
     line = {"sync": f"sync: replicas in lock-step, gradients all-reduced ({cfg.allreduce}"
-                    f"{', fused' if cfg.fuse_grads else ''}{', cached graph' if cfg.graph and cfg.model != 'resnet' else ''}"
+                    f"{', fused' if cfg.fuse_grads else ''}{', cached graph' if cfg.graph and not cfg.sync_batchnorm else ''}"
                     f"{f', buckets of {cfg.bucket_mb:g} MB overlapping backward' if cfg.bucket_mb is not None else ''})",
             "async": f"async: master on the first context, replicas up to {cfg.staleness} updates stale",
             "model": "model: convs on the first context, dense layers on the second" if (cfg.stages or 2) == 2

@@ -14,6 +14,11 @@ pooling and meet zero rows of W3. The function and the gradients of the real par
 same (concat's backward hands each its slice); only the order of float additions changes. Which
 multiple is fastest depends on the CPU, so manual_dp.fast.autotune measures it.
 
+A model with BatchNorm (models.batchnorm) normalises with each context's batch statistics inside
+the graph (the namespace Batch hands its layers a symbolic Moments); the statistics, one (mean,
+variance) per BatchNorm, are the graph's further outputs, which the strategy folds into the running
+ones. --sync-batchnorm's statistics cross contexts mid-forward: that step stays imperative.
+
 bulk: MXNet runs a cached graph's backward in segments of up to 15 operators, each one engine
 operation, whose outputs (the gradients among them) are released only when the whole segment is
 done: fewer engine pushes, but no gradient is ready before its segment ends. bulk=False runs
@@ -28,6 +33,7 @@ from mxnet import nd
 
 from ..lesson import cross_entropy
 from ..models import as_model
+from ..models.batchnorm import Batch, Moments, moments_of
 from ..models.dropout import Sites, row_keys
 
 FLAGS = [("static_alloc", "true"), ("static_shape", "true")]
@@ -37,14 +43,17 @@ UNBULKED = [("backward_bulk_size", "0")]
 def loss_symbol(model, conv_pad=1, shapes=None, F=mx.sym):
     """Outputs (sum of the batch's losses, number correct), of inputs X, y and the model's
     parameters of `shapes` (default: the model's table), as `model.graph_params` lays them out.
-    F: mx.sym, or models.dropout.Sites over it (then the dropout masks are inputs too)."""
+    F: mx.sym, or models.dropout.Sites over it (then the dropout masks are inputs too), over
+    models.batchnorm.Batch if the model has BatchNorms (then each one's batch mean and variance,
+    (C,) each, are outputs too, after those two)."""
     X, y = mx.sym.var("X"), mx.sym.var("y")
     params = [mx.sym.var(name) for name in model.names()]
     params, shapes = model.graph_params(params, shapes or [shape for _, shape in model.shapes()], conv_pad)
     scores = model.forward(X, params, F=F, shapes=shapes)                  # (B, 10)
     loss_sum = mx.sym.sum(cross_entropy(scores, y, F=mx.sym))             # (1,)
     correct = mx.sym.sum(mx.sym.argmax(scores, axis=1) == mx.sym.cast(y, "float32"))
-    return mx.sym.Group([mx.sym.make_loss(loss_sum), mx.sym.BlockGrad(correct)])
+    stats = [s for per_norm in (moments_of(F).batch if moments_of(F) else []) for s in per_norm[0]]
+    return mx.sym.Group([mx.sym.make_loss(loss_sum), mx.sym.BlockGrad(correct)] + stats)
 
 
 def lenet_loss_symbol(conv_pad=1, shapes=None):
@@ -53,15 +62,18 @@ def lenet_loss_symbol(conv_pad=1, shapes=None):
 
 
 class ModelGraph:
-    """Call as graph(X, y, params) under autograd.record(): (loss sum, correct) on X's context;
+    """Call as graph(X, y, params) under autograd.record(): (loss sum, correct) on X's context, and
+    for a model with BatchNorms a third item, [mean, variance of each BatchNorm] of the batch;
     backward from the loss sum fills the parameters' gradients, as the imperative pass does.
     model: a models.Model (None: the lesson's LeNet of `shapes`); shapes: the parameters' shapes
     (default: the model's table)."""
 
     def __init__(self, conv_pad=1, shapes=None, bulk=True, model=None):
         model = as_model(model, [np.empty(s) for s in shapes] if shapes else None)
-        self.sites = Sites(mx.sym, model.noise) if model.noise is not None else None
-        self.symbol = loss_symbol(model, conv_pad, shapes, self.sites or mx.sym)
+        base = Batch(mx.sym, Moments(train=True, F=mx.sym)) if model.stats() else mx.sym
+        self.sites = Sites(base, model.noise) if model.noise is not None else None
+        self.symbol = loss_symbol(model, conv_pad, shapes, self.sites or base)
+        self.stats = bool(model.stats())
         self.conv_pad, self.bulk, self.param_names = conv_pad, bulk, model.names()
         self.names = self.symbol.list_inputs()
         self.op = nd.CachedOp(self.symbol, FLAGS if bulk else FLAGS + UNBULKED)
@@ -70,8 +82,8 @@ class ModelGraph:
         inputs = dict(zip(self.param_names, params), X=X, y=y)
         if self.sites is not None and self.sites.inputs:
             inputs.update(self.masks(X, params))
-        loss_sum, correct = self.op(*[inputs[name] for name in self.names])
-        return loss_sum, correct
+        outs = self.op(*[inputs[name] for name in self.names])
+        return (outs[0], outs[1], outs[2:]) if self.stats else (outs[0], outs[1])
 
     @functools.lru_cache(maxsize=8)
     def input_shapes(self, X_shape, param_shapes):

@@ -11,6 +11,11 @@ contexts of a data-parallel step at once, layer by layer (Model.forward_group), 
                 context computes on the whole batch
     inference   the running statistics instead (evaluation)
 
+Per context, a BatchNorm is a function of one context's arrays, so it runs inside the fast step's
+cached graph too (fast.graph): Moments(F=mx.sym) builds it from symbols, and the namespace
+Batch(F, moments) hands the graph's BatchNorms that Moments, whose batch statistics become
+outputs of the graph. With `join` the statistics cross contexts mid-forward: no graph.
+
 After the step the strategy folds the batch statistics into the running ones (`fold`): the mean over
 every context (of every process: `gather`, the job's all-reduce) of each context's batch mean and
 variance, running = m running + (1 - m) batch, the same on every replica (with join, every context
@@ -29,12 +34,30 @@ def first_norm(layers, l):
     return sum(len(layer.stats) for layer in layers[:l]) // 2
 
 
+class Batch:
+    """The operators' namespace F of a cached graph whose BatchNorms normalise with `moments`
+    (Moments(F=mx.sym)): each call's batch statistics, collected in moments.batch as symbols."""
+
+    def __init__(self, F, moments):
+        self.F, self.moments = F, moments
+
+    def __getattr__(self, name):
+        return getattr(self.F, name)
+
+
+def moments_of(F):
+    """The Moments of the Batch under F (through dropout's and a precision's namespaces), or None."""
+    while F is not None and not isinstance(F, Batch):
+        F = getattr(F, "F", None)
+    return F and F.moments
+
+
 def single(group_forward):
     """forward(h, params, F, shapes) of a layer that runs on a group of contexts (group_forward(hs,
-    params per context, moments)): one context, the batch's own statistics (F must be nd: these
-    layers have no symbolic form)."""
+    params per context, moments), its operators moments.F's): one context, the batch's own
+    statistics, those of F's Batch in a cached graph."""
     def forward(h, params, F=nd, shapes=None):
-        return group_forward([h], [params], Moments(train=True))[0]
+        return group_forward([h], [params], moments_of(F) or Moments(train=True))[0]
     return forward
 
 
@@ -53,6 +76,12 @@ def per_channel(v, h):
     return v.reshape((1, -1) + (1,) * (h.ndim - 2))
 
 
+def channel_mean(h, F=nd):
+    """The mean per channel of h (B, C, ...), shaped (1, C, 1, ...) to broadcast against it (a
+    symbol's rank is not known: the axes are "all but 1")."""
+    return F.mean(h, axis=1, exclude=True, keepdims=True)
+
+
 class Moments:
     """What a forward's BatchNorms normalise with (see the module docstring). running[c]: context
     c's running statistics in the model's stat order (mean, var of each BatchNorm), or None
@@ -61,38 +90,38 @@ class Moments:
     first: the number of the first BatchNorm it meets (a layer run again on its own, by ZeRO's
     recomputation: first_norm)."""
 
-    def __init__(self, train=True, running=None, join=None, first=0):
-        self.train, self.running, self.join = train, running, join
+    def __init__(self, train=True, running=None, join=None, first=0, F=nd):
+        self.train, self.running, self.join, self.F = train, running, join, F
         self.index, self.batch = first, []      # batch: per context (mean, var) of each BatchNorm met
 
     def normalize(self, hs, gammas, betas):
         """BatchNorm of each context's h (B, C, ...) with its gamma, beta (C,)."""
-        i, self.index = self.index, self.index + 1
+        i, self.index, F = self.index, self.index + 1, self.F
         if self.train:
-            means, variances = self.moments(hs, f"bn{i}")
-            self.batch.append([(m.detach(), v.detach()) for m, v in zip(means, variances)])
+            means, variances = self.moments(hs, f"bn{i}")              # each (1, C, 1, ...)
+            self.batch.append([(F.BlockGrad(F.reshape(m, (-1,))), F.BlockGrad(F.reshape(v, (-1,))))
+                               for m, v in zip(means, variances)])
         else:
-            means = [r[2 * i] for r in self.running]
-            variances = [r[2 * i + 1] for r in self.running]
-        return [nd.broadcast_add(nd.broadcast_mul(nd.broadcast_div(
-                    nd.broadcast_sub(h, per_channel(m, h)), per_channel(nd.sqrt(v + EPS), h)),
-                    per_channel(g, h)), per_channel(b, h))
+            means = [per_channel(r[2 * i], h) for r, h in zip(self.running, hs)]
+            variances = [per_channel(r[2 * i + 1], h) for r, h in zip(self.running, hs)]
+        return [F.broadcast_add(F.broadcast_mul(F.broadcast_div(F.broadcast_sub(h, m), F.sqrt(v + EPS)),
+                                                F.reshape_like(g, m)), F.reshape_like(b, m))
                 for h, m, v, g, b in zip(hs, means, variances, gammas, betas)]
 
     def moments(self, hs, key):
-        """Per context the (mean, variance) per channel of its shard, or with join of every
-        shard together (two passes: the mean, then the squared deviations from it)."""
-        axes = channel_axes(hs[0])
+        """Per context the (mean, variance) per channel of its shard, shaped (1, C, 1, ...), or with
+        join of every shard together (two passes: the mean, then the squared deviations from it)."""
+        F = self.F
         if self.join is None:
-            means = [nd.mean(h, axis=axes) for h in hs]
-            return means, [nd.mean(nd.square(nd.broadcast_sub(h, per_channel(m, h))), axis=axes)
-                           for h, m in zip(hs, means)]
+            means = [channel_mean(h, F) for h in hs]
+            return means, [channel_mean(F.square(F.broadcast_sub(h, m)), F) for h, m in zip(hs, means)]
+        axes = channel_axes(hs[0])
         counts = [nd.full((1,), h.size // h.shape[1], ctx=h.context) for h in hs]     # values per channel
         sums = self.join([nd.concat(nd.sum(h, axis=axes), n, dim=0) for h, n in zip(hs, counts)], key + "m")
-        means = [nd.broadcast_div(s[:-1], s[-1:]) for s in sums]                  # every shard's count
-        squares = self.join([nd.sum(nd.square(nd.broadcast_sub(h, per_channel(m, h))), axis=axes)
-                             for h, m in zip(hs, means)], key + "v")
-        return means, [nd.broadcast_div(q, s[-1:]) for q, s in zip(squares, sums)]
+        means = [per_channel(nd.broadcast_div(s[:-1], s[-1:]), h) for s, h in zip(sums, hs)]   # every shard's count
+        squares = self.join([nd.sum(nd.square(nd.broadcast_sub(h, m)), axis=axes) for h, m in zip(hs, means)],
+                            key + "v")
+        return means, [per_channel(nd.broadcast_div(q, s[-1:]), h) for q, s, h in zip(squares, sums, hs)]
 
     def fold_each(self, running):
         """Afterwards each context's running statistics (running[c]) took its own batch statistics

@@ -21,29 +21,31 @@ from .contract import CLASSES, IMAGE, Layer, Model, Param, fc
 CHANNELS = (8, 16, 32, 64)       # x --width
 
 
-def conv(hs, Ws, stride=1, bias=None):
-    """Each context's h convolved with its W (out, in, k, k), 'same' padding, optional bias."""
-    k = Ws[0].shape[2]
-    return [nd.Convolution(h, W, b, kernel=(k, k), stride=(stride, stride), pad=(k // 2, k // 2),
-                           num_filter=W.shape[0], no_bias=b is None)
+def conv(hs, Ws, k, c, stride=1, bias=None, F=nd):
+    """Each context's h convolved with its W (c, in, k, k), 'same' padding, optional bias."""
+    return [F.Convolution(h, W, b, kernel=(k, k), stride=(stride, stride), pad=(k // 2, k // 2),
+                          num_filter=c, no_bias=b is None)
             for h, W, b in zip(hs, Ws, bias or [None] * len(hs))]
 
 
-def stem_forward(hs, P, moments):
-    """conv, BatchNorm, ReLU on every context (P[c] = [W, gamma, beta])."""
-    h = conv(hs, [p[0] for p in P])
-    return [relu(x) for x in moments.normalize(h, [p[1] for p in P], [p[2] for p in P])]
+def make_stem(c):
+    def stem(hs, P, moments):
+        """conv, BatchNorm, ReLU on every context (P[c] = [W, gamma, beta]); moments.F's operators."""
+        h = conv(hs, [p[0] for p in P], 3, c, F=moments.F)
+        return [relu(x, moments.F) for x in moments.normalize(h, [p[1] for p in P], [p[2] for p in P])]
+    return stem
 
 
-def make_unit(stride, shortcut):
+def make_unit(stride, shortcut, c):
     def unit(hs, P, moments):
         """relu(BN(conv(relu(BN(conv(h))))) + shortcut(h)) on every context; P[c] = [W1, g1, b1,
-        W2, g2, b2] (+ [W3, b3], the 1x1 shortcut)."""
-        y = conv(hs, [p[0] for p in P], stride)
-        y = [relu(x) for x in moments.normalize(y, [p[1] for p in P], [p[2] for p in P])]
-        y = moments.normalize(conv(y, [p[3] for p in P]), [p[4] for p in P], [p[5] for p in P])
-        skip = conv(hs, [p[6] for p in P], stride, [p[7] for p in P]) if shortcut else hs
-        return [relu(a + b) for a, b in zip(y, skip)]
+        W2, g2, b2] (+ [W3, b3], the 1x1 shortcut); moments.F's operators."""
+        F = moments.F
+        y = conv(hs, [p[0] for p in P], 3, c, stride, F=F)
+        y = [relu(x, F) for x in moments.normalize(y, [p[1] for p in P], [p[2] for p in P])]
+        y = moments.normalize(conv(y, [p[3] for p in P], 3, c, F=F), [p[4] for p in P], [p[5] for p in P])
+        skip = conv(hs, [p[6] for p in P], 1, c, stride, [p[7] for p in P], F) if shortcut else hs
+        return [relu(a + b, F) for a, b in zip(y, skip)]
     return unit
 
 
@@ -59,7 +61,7 @@ class ResNet(Model):
     def __init__(self, width=1):
         self.config = {"width": width}
         chans = [c * width for c in CHANNELS]
-        side, layers = IMAGE[1], []
+        side, layers, self.group = IMAGE[1], [], {"stem": make_stem(chans[0])}
 
         def bn(prefix, c):
             return ([Param(f"{prefix}_gamma", (c,), "ones"), Param(f"{prefix}_beta", (c,))],
@@ -67,7 +69,7 @@ class ResNet(Model):
         g, s = bn("stem_bn", chans[0])
         conv_flops = 2 * side * side * chans[0] * 9 * IMAGE[0]
         layers.append(Layer("stem", tuple([Param("stem_w", (chans[0], IMAGE[0], 3, 3), "he", 9 * IMAGE[0])] + g),
-                            single(stem_forward), conv_flops, side * side * IMAGE[0], 3 * side * side * chans[0],
+                            single(self.group["stem"]), conv_flops, side * side * IMAGE[0], 3 * side * side * chans[0],
                             "block", stats=tuple(s)))
         c_in = chans[0]
         for stage, c in enumerate(chans):
@@ -83,14 +85,13 @@ class ResNet(Model):
                 if down:
                     params += [Param(f"{name}_w3", (c, c_in, 1, 1), "he", c_in), Param(f"{name}_b3", (c,))]
                     flops += 2 * out * out * c * c_in
-                layers.append(Layer(name, tuple(params), single(make_unit(stride, down)), flops,
+                self.group[name] = make_unit(stride, down, c)
+                layers.append(Layer(name, tuple(params), single(self.group[name]), flops,
                                     side * side * c_in, 8 * out * out * c, "block", stats=tuple(s1 + s2)))
                 side, c_in = out, c
         layers.append(Layer("head", (Param("head_w", (CLASSES, c_in), "lecun", c_in), Param("head_b", (CLASSES,))),
                             head, 2 * c_in * CLASSES, side * side * c_in, c_in + 3 * CLASSES + 1, "head"))
         self.layers = tuple(layers)
-        self.group = {l.name: f for l, f in zip(layers, [stem_forward] + [
-            make_unit(2 if (i // 2 > 0 and i % 2 == 0) else 1, i // 2 > 0 and i % 2 == 0) for i in range(8)])}
 
     def layer_group(self, l, hs, own, moments, Fs=None):
         """Layer l on every context at once, its BatchNorms normalising with `moments`."""

@@ -33,8 +33,8 @@ def graph_forward_backward(graph, X_shards, y_shards, device_params, on_forward=
     with autograd.record():
         metrics = [graph(X, y, W) for X, y, W in zip(X_shards, y_shards, device_params)]
     if on_forward:
-        on_forward([loss_sum for loss_sum, _ in metrics])
-    autograd.backward([loss_sum for loss_sum, _ in metrics])
+        on_forward([m[0] for m in metrics])
+    autograd.backward([m[0] for m in metrics])
     return metrics
 
 
@@ -63,8 +63,9 @@ class DataParallel(RunningStats, Strategy):
     None takes this machine's measured choice (manual_dp.fast.autotune). bucket_mb: None keeps one
     flat buffer (or none); a size in MB takes buckets of it instead (manual_dp.fast.buckets).
     model: the network (manual_dp.models; None: the lesson's LeNet of the parameters' width). A
-    model with running statistics (BatchNorm) runs every context's forward at once, imperatively
-    (models.batchnorm): statistics per context, or across them with sync_batchnorm.
+    model with running statistics (BatchNorm) normalises with each context's statistics, in the
+    cached graph too, or with sync_batchnorm across them: then every context's forward runs at
+    once, imperatively (models.batchnorm).
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, allreduce_fn=None,
@@ -76,7 +77,7 @@ class DataParallel(RunningStats, Strategy):
         self.ctx, self.optimizer, self.net = list(ctx), optimizer, as_model(model, params)
         self.allreduce_fn = allreduce_fn or make_allreduce(choice["allreduce"])
         self.keep_running(sync_batchnorm, self.allreduce_fn)
-        graph = graph and self.running is None      # BatchNorm by hand has no symbolic form here
+        graph = graph and not self.sync_batchnorm   # statistics across contexts: no one context's graph
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
         self.buckets = Buckets(params, self.ctx, bucket_mb, optimizer, self.net.names()) if bucket_mb is not None else None
@@ -132,8 +133,11 @@ class DataParallel(RunningStats, Strategy):
         if self.tracer:
             self.tracer.step_begins(X_shards)
         if self.graph:
-            return graph_forward_backward(self.graph, X_shards, y_shards, self.replicas,
-                                          self.tracer and self.tracer.forward_done)
+            metrics = graph_forward_backward(self.graph, X_shards, y_shards, self.replicas,
+                                             self.tracer and self.tracer.forward_done)
+            if self.running:
+                self.fold_graph([m[2] for m in metrics])
+            return [m[:2] for m in metrics]
         if self.running:
             return self.grouped_forward_backward(X_shards, y_shards, self.replicas)
         return forward_backward(X_shards, y_shards, self.replicas, self.net.forward)

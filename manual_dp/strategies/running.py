@@ -39,6 +39,13 @@ class RunningStats:
         """Afterwards every replica's running statistics took the step's batch statistics."""
         moments.fold(self.running, self.stats_reduce)
 
+    def fold_graph(self, stats):
+        """fold of the batch statistics a cached graph gave (fast.graph): stats[c] context c's
+        [mean, variance of each BatchNorm]."""
+        moments = Moments()
+        moments.batch = [[(s[2 * i], s[2 * i + 1]) for s in stats] for i in range(len(stats[0]) // 2)]
+        self.fold(moments)
+
     def grouped_forward_backward(self, X_shards, y_shards, replicas, each=False):
         """Every context's forward at once (its BatchNorms may sum across contexts), one backward
         for all, then the fold: into every replica alike, or with each=True into each replica its
