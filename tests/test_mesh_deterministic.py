@@ -8,7 +8,6 @@ with one thread per op (jobs.PINNED, and what the command line sets for --determ
 """
 import hashlib
 
-import numpy as np
 import pytest
 
 from conftest import batch, cpus, run_main

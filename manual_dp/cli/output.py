@@ -98,7 +98,8 @@ def describe(cfg):
                 f"each stage's gradients per piece added in the fixed tree: the bits of every layout given "
                 f"--tensor-pieces {cfg.tensor_pieces}")
     line += (f", every split layer in {cfg.tensor_pieces} fixed pieces (--tensor-pieces: the bits of --mode tensor "
-             f"with any --tensor-parallel dividing it)" if (cfg.tensor_pieces or 1) > 1 and cfg.mode not in ("tensor", "mesh") else "")
+             f"with any --tensor-parallel dividing it)" if (cfg.tensor_pieces or 1) > 1
+             and cfg.mode not in ("tensor", "mesh") else "")
     line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel else ""
     line += ", optimiser state sharded over the data dimension (ZeRO-1)" if cfg.zero_stage and cfg.mode != "zero" else ""
     line += (f", {cfg.precision} parameters and gradients kept, float32 master weights beside the optimiser "

@@ -42,7 +42,7 @@ from .fixed_sums import FixedSums, WholeBatch, leaf, pieces, spans
 from .group_stages import GroupPass, tensor_stage
 from .mesh_parallel import MeshParallel
 from .pipeline_pass import piece_actions
-from .schedules import bubbles, check_micro, check_name, plan, run_order, simulate
+from .schedules import bubbles, check_micro, check_name, run_order, simulate
 from .tensor import copies
 from .tensor_deterministic import TensorDeterministic
 from .tensor_pieces import PieceJoin, cut, join, names, pieced
