@@ -90,7 +90,12 @@ def check_model(cfg):
     if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and cfg.mode in ("pipeline", "hybrid", "mesh"):
         raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
     if cfg.sequence_parallel and cfg.deterministic:
-        raise UsageError("--sequence-parallel: not yet with --deterministic")
+        raise UsageError("--sequence-parallel: not with --deterministic yet: a layer norm's gradient is summed over "
+                         "the group's blocks of tokens, a sum one context takes inside one kernel")
+    if cfg.deterministic and cfg.mode == "mesh" and ((cfg.context_parallel or 1) > 1 or (cfg.zero_stage or 0)):
+        raise UsageError("--deterministic --mode mesh: dp x pp x tp only: " + (
+            f"not cp > 1 ({UNREACHED['context']})" if (cfg.context_parallel or 1) > 1 else
+            "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
     if cfg.mode in ("tensor", "context", "mesh") and (cfg.zero_stage or 1) > 1:
         raise UsageError(f"--zero-stage {cfg.zero_stage} with --mode {cfg.mode}: only stage 1 (the optimiser state) "
                          f"over the data dimension so far")
@@ -129,13 +134,12 @@ RUNNING_REFUSED = {     # why a model with BatchNorm is refused, where there is 
     "--mode hybrid": "each micro-batch would normalise with its own statistics, not the batch's",
     "--mode mesh": "each micro-batch would normalise with its own statistics, not the batch's",
 }
-UNREACHED = {
+UNREACHED = {     # (and --mode mesh's cp > 1: check_model refuses it with "context"'s reason)
     "async": "stale replicas compute other gradients than one context by design; use --mode sync",
     "local": "local SGD averages the replicas' parameters, not their gradients, so its rounding differs "
              "from one context's even at --sync-every 1; use --mode sync",
     "context": "ring and Ulysses attention add a sequence's blocks in an order of their own (the online "
                "softmax): not yet",
-    "mesh": "its tensor groups add partial products (g) that one context adds inside one kernel: not yet",
 }
 
 
@@ -184,8 +188,9 @@ def check_layout(cfg, n_contexts, n_processes=1):
                              + f" does not divide the {n} contexts into groups")
     if cfg.mode == "tensor" and (cfg.model == "lenet" or n % (cfg.tensor_parallel or n)):
         check_tensor_layout(cfg.tensor_parallel or n, n, cfg.width)   # other models: Model.tensor_refusal
-    if cfg.mode == "tensor" and cfg.deterministic:
-        check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or n)
+    if cfg.mode in ("tensor", "mesh") and cfg.deterministic:
+        check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or (n if cfg.mode == "tensor" else MESH_TP),
+                            cfg.mode)
     if (cfg.tensor_pieces or 1) > 1 and cfg.model == "lenet":
         for what, size in tensor_split_sizes(cfg.width).items():
             if size % cfg.tensor_pieces:
@@ -212,12 +217,12 @@ def check_tensor_layout(T, n, width):
 
 
 
-def check_tensor_pieces(Q, T):
+def check_tensor_pieces(Q, T, mode="tensor"):
     """Raise UsageError unless T divides --deterministic's Q pieces of every split layer
-    (strategies/tensor_deterministic.py)."""
+    (strategies/tensor_deterministic.py, mesh_deterministic.py)."""
     if Q % T:
         fits = [t for t in range(1, Q + 1) if Q % t == 0]
-        raise UsageError(f"--deterministic --mode tensor cuts every split layer into {Q} pieces "
+        raise UsageError(f"--deterministic --mode {mode} cuts every split layer into {Q} pieces "
                          f"(--tensor-pieces): --tensor-parallel {T} does not divide them (use "
                          f"{' or '.join(map(str, fits))}, or give --tensor-pieces a multiple of {T})")
 

@@ -74,14 +74,14 @@ class RunConfig:
                                "example), the same in every layout, micro-batching, recompute and resume "
                                "(manual_dp/models/dropout.py)", "model")
     deterministic: bool = flag(False, "the same bits on any number of contexts and processes, and in sync, "
-                                      "zero, model, pipeline and hybrid alike: every batch cut into pieces of "
+                                      "zero, model, pipeline, hybrid, tensor and mesh (dp x pp x tp) alike: every batch cut into pieces of "
                                       f"{PIECE_ROWS} rows whose gradients are added in one fixed tree; one thread "
                                       "per op (manual_dp/strategies/fixed_sums.py)")
     tensor_pieces: Optional[int] = flag(None, "--deterministic: every split layer (channels, heads, hidden units) "
                                               "computed in Q fixed pieces whose partial sums are added in one tree, "
                                               "in every layout: then --mode tensor with any --tensor-parallel dividing "
-                                              "Q has the bits of sync, zero and pipelines given the same Q (default "
-                                              f"{TENSOR_PIECES} in tensor mode, else 1: whole; "
+                                              "Q (and --mode mesh with tp dividing Q) has the bits of sync, zero and pipelines given the same Q "
+                                              f"(default {TENSOR_PIECES} in tensor and mesh mode, else 1: whole; "
                                               "manual_dp/strategies/tensor_pieces.py)", "parallelism")
     sync_batchnorm: bool = flag(False, "sync and zero, --model resnet: BatchNorm statistics over every context's "
                                        "shard (summed by hand), equal to one context; default: each "
@@ -235,7 +235,7 @@ APPLIES = {
     "no_autotune": ("sync",),
     "deterministic": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "sync_batchnorm": ("sync", "zero"),
-    "tensor_pieces": ("sync", "zero", "model", "pipeline", "hybrid", "tensor"),
+    "tensor_pieces": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "mesh"),
     "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
     "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "loss_scale": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
@@ -259,7 +259,7 @@ APPLIES = {
     "compress": ("sync",),
 }
 # Flags whose default holds only in some of the modes they apply to (elsewhere: off unless given).
-DEFAULT_ONLY_IN = {"zero_stage": ("zero",), "tensor_pieces": ("tensor",)}      # tensor, context and mesh: ZeRO over the data dimension if asked
+DEFAULT_ONLY_IN = {"zero_stage": ("zero",), "tensor_pieces": ("tensor", "mesh")}      # tensor, context and mesh: ZeRO over the data dimension if asked
 # The model each size flag applies to (given for another: refused), and its default there.
 MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer",), "d_model": ("transformer",),
                  "heads": ("transformer",), "patch": ("transformer",)}

@@ -28,6 +28,7 @@ from ..strategies.deterministic import DeterministicDataParallel
 from ..strategies.fixed_sums import FixedSums
 from ..strategies.local_sgd import LocalSGD
 from ..strategies.loss_scaled import LossScaled
+from ..strategies.mesh_deterministic import MeshDeterministic
 from ..strategies.mesh_parallel import MeshParallel
 from ..strategies.pipeline import PipelineParallel
 from ..strategies.stage_costs import priced_lines, relative
@@ -187,6 +188,13 @@ def build_model(cfg, params, ctx, world, policy=None):
     elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
         model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name), model=net,
                                sequence_parallel=cfg.sequence_parallel, zero_stage=cfg.zero_stage or 0)
+    elif cfg.mode == "mesh" and cfg.deterministic:   # tensor groups in Q pieces; every stage's leaves in the tree
+        try:
+            model = MeshDeterministic(params, ctx, cfg.optimizer, cfg.stages or config.STAGES, mesh_tp(cfg),
+                                      cfg.micro_batches or 1, cfg.schedule or "gpipe", virtual_stages(cfg),
+                                      sums=fixed_sums(cfg, world), model=net)
+        except ValueError as e:
+            raise UsageError(f"--deterministic --mode mesh: {e}") from None
     elif cfg.mode == "mesh":     # tensor groups inside pipelines inside data parallelism
         try:
             model = MeshParallel(params, ctx, cfg.optimizer, cfg.stages or config.STAGES, mesh_tp(cfg),

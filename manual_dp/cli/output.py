@@ -91,8 +91,15 @@ def describe(cfg):
         line = (f"tensor, deterministic: layers split over {cfg.tensor_parallel or 'all'} context(s) per "
                 f"tensor group in {cfg.tensor_pieces} fixed pieces, pieces of the batch and of the split "
                 f"layers added in fixed trees: the bits of every layout given --tensor-pieces {cfg.tensor_pieces}")
+    if cfg.deterministic and cfg.mode == "mesh":
+        line = (f"mesh, deterministic: {cfg.stages or 2}-stage pipelines of {cfg.tensor_parallel or 2}-context "
+                f"tensor groups, every split layer in {cfg.tensor_pieces} fixed pieces, {cfg.micro_batches} "
+                f"micro-batches of whole batch pieces on {SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule, "
+                f"each stage's gradients per piece added in the fixed tree: the bits of every layout given "
+                f"--tensor-pieces {cfg.tensor_pieces}")
     line += (f", every split layer in {cfg.tensor_pieces} fixed pieces (--tensor-pieces: the bits of --mode tensor "
-             f"with any --tensor-parallel dividing it)" if (cfg.tensor_pieces or 1) > 1 and cfg.mode != "tensor" else "")
+             f"with any --tensor-parallel dividing it)" if (cfg.tensor_pieces or 1) > 1
+             and cfg.mode not in ("tensor", "mesh") else "")
     line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel else ""
     line += ", optimiser state sharded over the data dimension (ZeRO-1)" if cfg.zero_stage and cfg.mode != "zero" else ""
     line += (f", {cfg.precision} parameters and gradients kept, float32 master weights beside the optimiser "
