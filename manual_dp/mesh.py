@@ -23,6 +23,8 @@ KINDS = {"dp": "data", "pp": "pipeline", "cp": "context", "tp": "tensor"}
 COLLECTIVES = {"dp": "gradient all-reduce", "pp": "activations and gradients sent stage to stage",
                "cp": "attention's ring (key and value blocks) or all-to-all (Ulysses)",
                "tp": "Megatron's f and g (all-reduces; with --sequence-parallel all-gathers and reduce-scatters)"}
+FIXED = {"dp": "pieces of the batch, their gradients added in --deterministic's one tree",   # --deterministic's sums
+         "tp": "Megatron's f and g, the partial products of --tensor-pieces' pieces added in one fixed tree"}
 
 
 @dataclass(frozen=True)
@@ -108,23 +110,25 @@ class Mesh:
     def __str__(self):
         return " x ".join(f"{d}={getattr(self, d)}" for d in self.used())
 
-    def describe(self, ctx, processes=1):
+    def describe(self, ctx, processes=1, deterministic=False):
         """Lines for a run's header: the mesh, the coordinates of each context, and, per
         dimension used, its groups and the collective that runs over each (one line for a mesh of
-        one dimension). Across `processes`, data parallelism spans them: the mesh is each one's."""
+        one dimension); `deterministic`: the sums as --deterministic fixes them. Across
+        `processes`, data parallelism spans them: the mesh is each one's."""
         names = [str(c) for c in ctx]
+        collectives = dict(COLLECTIVES, **FIXED) if deterministic else COLLECTIVES
         used = self.used()
         across = f"; dp also spans the {processes} processes" if processes > 1 else ""
         if len(used) == 1:
             group = "[" + " ".join(names) + "]"
-            return [f"mesh {self} ({KINDS[used[0]]}): {group}, {COLLECTIVES[used[0]]}{across}"]
+            return [f"mesh {self} ({KINDS[used[0]]}): {group}, {collectives[used[0]]}{across}"]
         lines = [f"mesh {self} over {len(ctx)} contexts (outermost first; "
                  + ", ".join(f"{d}: {KINDS[d]}" for d in used) + ")" + across]
         lines.append("  " + ", ".join(f"{names[r]} ({' '.join(f'{d}{self.coords(r)[d]}' for d in used)})"
                                       for r in range(self.size)))
         for d in used:
             groups = " ".join("[" + " ".join(names[r] for r in g) + "]" for g in self.groups(d))
-            lines.append(f"  {d} groups {groups}: {COLLECTIVES[d]}")
+            lines.append(f"  {d} groups {groups}: {collectives[d]}")
         return lines
 
 

@@ -53,6 +53,8 @@ def test_the_header_names_every_context_and_group():
     assert "cpu(3) (dp1 cp1)" in lines[1]
     assert any(l.startswith("  cp groups [cpu(0) cpu(1)] [cpu(2) cpu(3)]") for l in lines)
     assert any(l.startswith("  dp groups [cpu(0) cpu(2)] [cpu(1) cpu(3)]") for l in lines)
+    fixed = Mesh.parse("pp=2,tp=2", 4).describe(cpus(4), deterministic=True)      # --deterministic's sums
+    assert any(l.startswith("  tp groups") and "one fixed tree" in l and "all-reduces" not in l for l in fixed)
 
 
 @pytest.mark.parametrize("text,n,message", [

@@ -247,7 +247,7 @@ def dry_run(cfg, ctx, world):
     model = build_model(cfg, net.init_params(cfg.seed, cfg.init_scale), ctx, world)   # refuses what cannot run
     print(f"model {net.name}: {net.n_params():,} parameters in {len(net.layers)} layers")
     print(f"mode {describe(cfg)}")
-    print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg, len(ctx))).describe(ctx, world.size)))
+    print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg, len(ctx))).describe(ctx, world.size, cfg.deterministic)))
     if cfg.mode in ("model", "pipeline", "hybrid", "mesh"):
         S = cfg.stages or config.STAGES
         replicas = len(ctx) // (S * (mesh_tp(cfg) * (cfg.context_parallel or 1) if cfg.mode == "mesh" else 1))

@@ -152,7 +152,7 @@ def train_in(cfg, world, ctx):
     print(f"model {net.name} ({', '.join(f'{k} {v}' for k, v in net.config.items())}): "
           f"{net.n_params():,} parameters in {len(net.layers)} layers")
     print(f"mode {describe(cfg)}; lr {lr}")
-    print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg, len(ctx))).describe(ctx, world.size)))
+    print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg, len(ctx))).describe(ctx, world.size, cfg.deterministic)))
     print(f"memory per context: {memory.format_report(mem)}")
     if policy.precision != "fp32":
         print(f"precision {policy.describe()}")
