@@ -112,11 +112,13 @@ def check_model(cfg):
 def check_running(cfg, running):
     """UsageError where --model's running statistics (BatchNorm's; `running`: whether it keeps any)
     meet a mode or flag that does not carry them, or --sync-batchnorm a model without them."""
-    if running and (cfg.mode not in ("sync", "zero", "local") or cfg.deterministic or cfg.backend == "dist_async"):
+    carried = ("sync", "zero", "local", "model", "pipeline", "hybrid")
+    if running and (cfg.mode not in carried or cfg.deterministic or cfg.backend == "dist_async" or
+                    (cfg.recompute and cfg.mode in PIPELINES)):
         why = "--deterministic" if cfg.deterministic else "--backend dist_async" \
-            if cfg.mode in ("sync", "zero", "local") else f"--mode {cfg.mode}"
-        raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, zero and "
-                         f"local carry, not {why}: {RUNNING_REFUSED.get(why, 'not yet')}")
+            if cfg.backend == "dist_async" else "--recompute" if cfg.mode in carried else f"--mode {cfg.mode}"
+        raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, zero, "
+                         f"local, model, pipeline and hybrid carry, not {why}: {RUNNING_REFUSED.get(why, 'not yet')}")
     if running and cfg.compress != "none":
         raise UsageError(f"--compress {cfg.compress}: BatchNorm's statistics are summed with the gradients' "
                          f"all-reduce and must stay exact: not with --model {cfg.model}")
@@ -130,10 +132,10 @@ RUNNING_REFUSED = {     # why a model with BatchNorm is refused, where there is 
     "--deterministic": "its pieces would normalise with their own statistics, not the batch's",
     "--backend dist_async": "each worker steps on its own",
     "--mode async": "each replica steps on its own",
-    "--mode pipeline": "each micro-batch would normalise with its own statistics, not the batch's",
-    "--mode hybrid": "each micro-batch would normalise with its own statistics, not the batch's",
-    "--mode mesh": "each micro-batch would normalise with its own statistics, not the batch's",
+    "--recompute": "a stage run again would meet its BatchNorms twice",
+    "--mode mesh": "its tensor groups split layers that ResNet and a user's BatchNorm block do not have",
 }
+PIPELINES = ("model", "pipeline", "hybrid")
 UNREACHED = {     # (and --mode mesh's cp > 1: check_model refuses it with "context"'s reason)
     "async": "stale replicas compute other gradients than one context by design; use --mode sync",
     "local": "local SGD averages the replicas' parameters, not their gradients, so its rounding differs "

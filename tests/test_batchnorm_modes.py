@@ -17,6 +17,7 @@ from manual_dp import models
 from manual_dp.errors import CheckpointError
 from manual_dp.strategies.data_parallel import DataParallel
 from manual_dp.strategies.local_sgd import LocalSGD
+from manual_dp.strategies.pipeline import PipelineParallel
 from manual_dp.strategies.zero import ZeroRedundancy
 
 TOL = 1e-5
@@ -78,6 +79,34 @@ def test_the_cached_graph_normalises_per_context_as_the_imperative_step(resnet, 
     assert close(got["params"], want["params"]) and close(got["extra"]["running"], want["extra"]["running"])
     moved = [np.abs(r - r0).max() for r, r0 in zip(got["extra"]["running"], [s.asnumpy() for s in net.init_stats()])]
     assert min(moved) > 0                                       # every statistic was folded
+
+
+@pytest.mark.parametrize("contexts,stages,micro,schedule", [
+    (2, 2, 2, "gpipe"), (2, 2, 3, "1f1b"), (3, 3, 2, "zb-h1"), (4, 2, 2, "1f1b"), (2, 1, 2, "gpipe"),
+    (2, 2, 4, "interleaved")])
+def test_a_pipeline_normalises_each_micro_batch_as_data_parallelism_each_context(resnet, contexts, stages, micro,
+                                                                                  schedule):
+    """Model, pipeline and hybrid parallelism: each micro-batch normalised with its own statistics,
+    their mean folded once a step (torchgpipe's deferred BatchNorm), is data parallelism over as
+    many contexts as the step has micro-batches, each with its own statistics: the same parameters,
+    running statistics (on every context alike) and evaluation."""
+    net, P, whole = resnet
+    pipe = PipelineParallel(P, cpus(contexts), "momentum", micro, stages=stages, schedule=schedule, model=net,
+                            virtual_stages=2 if schedule == "interleaved" else 1)
+    replicas = contexts // stages
+    want_model = DataParallel(P, cpus(replicas * micro), "momentum", model=net)
+    got, want = after(pipe), after(want_model)
+    assert close(got["params"], want["params"]) and close(got["extra"]["running"], want["extra"]["running"])
+    assert not close(got["params"], whole["params"], 1e-3)          # not one context's statistics
+    prints = pipe.fingerprints()["running statistics"]
+    assert len(prints) == contexts and len({tuple(sums) for _, sums in prints}) == 1
+    assert [r[0].context for r in pipe.running] == cpus(contexts)
+    X, y = (nd.array(a) for a in batch(40, 5))
+    autograd.set_training(True)          # as loop.evaluate
+    try:
+        assert float(pipe.correct(X, y).asscalar()) == float(want_model.correct(X, y).asscalar())
+    finally:
+        autograd.set_training(False)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

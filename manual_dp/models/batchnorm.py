@@ -144,10 +144,15 @@ class Moments:
             total = rows[0].as_in_context(home)
         else:
             total = nd.add_n(*[r.as_in_context(home) for r in rows]) if len(rows) > 1 else rows[0]
-        batch = nd.broadcast_div(total[:-1], total[-1:])           # (mean, var) of each BatchNorm
-        at = 0
-        for i, stat in enumerate(running[0]):
-            new = MOMENTUM * stat + (1 - MOMENTUM) * batch[at:at + stat.size]
-            at += stat.size
-            for r in running:
-                new.copyto(r[i])
+        fold_mean(running, nd.broadcast_div(total[:-1], total[-1:]))
+
+
+def fold_mean(running, batch):
+    """Afterwards every running[c][i] holds m running[0][i] + (1 - m) (its slice of `batch`, the
+    batch statistics' mean, every BatchNorm's (mean, var) in stat order, on running[0]'s context)."""
+    at = 0
+    for i, stat in enumerate(running[0]):
+        new = MOMENTUM * stat + (1 - MOMENTUM) * batch[at:at + stat.size]
+        at += stat.size
+        for r in running:
+            new.copyto(r[i])

@@ -115,16 +115,20 @@ def pipeline_refusal(net, S, schedule, micro):
     return None
 
 
-def pipelines(devices, batch_size, net, stats):
-    """[(layout, why not)] of every pipeline (times data parallelism) of `devices` devices."""
+def pipelines(devices, batch_size, net):
+    """[(layout, why not)] of every pipeline (times data parallelism) of `devices` devices (a model
+    with BatchNorm: each micro-batch normalised with its own statistics, not with --recompute)."""
     out = []
+    twice = f"{net.name} keeps BatchNorm's running statistics: --recompute would meet them twice" \
+        if net.stats() else None
     for s in divisors(devices)[1:]:
         dp = devices // s
         micro = min(MICRO_BATCHES, max(1, batch_size // dp))
         for sched in SCHEDULES:
-            why = stats or pipeline_refusal(net, s, sched, micro)
+            why = pipeline_refusal(net, s, sched, micro)
             out += [(layout("pipeline", dp, pp=s, schedule=sched, micro=micro, recompute=rc,
-                            virtual=VIRTUAL if sched == "interleaved" else 1), why) for rc in (False, True)]
+                            virtual=VIRTUAL if sched == "interleaved" else 1), why or (twice if rc else None))
+                    for rc in (False, True)]
     return out
 
 
@@ -180,8 +184,8 @@ def context_meshes(devices, batch_size, net, stats):
 def candidates(devices, batch_size, net):
     """[(layout, why net cannot run it, or None)] for every layout of `devices` devices whose
     replicas each get at least one example (and each micro-batch at least one), in a fixed order."""
-    stats = (f"{net.name} keeps BatchNorm's running statistics, which only data parallelism and ZeRO "
-             f"(--mode sync, zero) carry") if net.stats() else None
+    stats = (f"{net.name} keeps BatchNorm's running statistics, which data parallelism, ZeRO and "
+             f"pipelines carry") if net.stats() else None
     out = [(layout("data", devices), None)] + [(layout("zero", devices, zero_stage=s), None) for s in (1, 2, 3)]
     for t in divisors(devices)[1:]:
         why, sp = stats or net.tensor_refusal(t), net.sequence_refusal(t, "ring")
@@ -189,7 +193,7 @@ def candidates(devices, batch_size, net):
                 (layout("tensor", devices // t, tp=t, sp=True), why or (sp and f"--sequence-parallel: {sp}"))]
     out += [(layout("context", devices // c, cp=c, attention=a), stats or net.sequence_refusal(c, a))
             for c in divisors(devices)[1:] for a in ATTENTIONS]
-    out += grids(devices, net, stats) + pipelines(devices, batch_size, net, stats) + meshes(devices, batch_size, net, stats)
+    out += grids(devices, net, stats) + pipelines(devices, batch_size, net) + meshes(devices, batch_size, net, stats)
     out += context_meshes(devices, batch_size, net, stats)
     return [(l, why) for l, why in out if batch_size >= l.dp]
 

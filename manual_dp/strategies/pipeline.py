@@ -7,11 +7,13 @@ from mxnet import nd
 from ..config import FAST_STEP, RunConfig
 from ..fast.collectives import make_allreduce
 from ..lesson import n_correct, shard_sizes, split_and_load
-from ..models import as_model, stateless
+from ..models import as_model
+from ..models.batchnorm import Batch, Moments, first_norm, fold_mean
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
 from .data_parallel import host_state, load_into
+from .running import RunningStats
 from ..memory import part_activation_elems
 from .schedules import bubbles, check_micro, check_name, held, plan, run_order, simulate
 from .pipeline_pass import ReplicaPass, SplitPass, cut, piece_actions, stage_params
@@ -20,7 +22,7 @@ from .stages import make_stages, param_slices, split_params
 from .tensor_pieces import piece_stage
 
 
-class PipelineParallel(FixedPipeline, Strategy):
+class PipelineParallel(RunningStats, FixedPipeline, Strategy):
     """len(ctx) // S data-parallel replicas of an S-device pipeline; replica r's device d is ctx[S r + d].
 
     S contexts and micro_batches=1: model parallelism. More micro-batches: a pipeline, on the
@@ -35,12 +37,22 @@ class PipelineParallel(FixedPipeline, Strategy):
     by allreduce_fn; or --deterministic's FixedSums (strategies/fixed_sums.py): every replica runs its
     run of the batch's pieces, a micro-batch piece by piece, and each stage's per-piece gradients
     are the leaves of the one tree, so the parameters take the bits of --deterministic --mode sync.
+
+    A model with BatchNorm normalises each micro-batch with its own statistics (GPipe's choice:
+    waiting for the whole batch's would stop the pipeline), and after the step the mean of every
+    micro-batch's statistics, of every replica, is folded into the running ones (as torchgpipe's
+    deferred BatchNorm): a step of m micro-batches is data parallelism's over m contexts with
+    per-context statistics. Not with recompute (a stage run again would meet its BatchNorms twice)
+    nor sums (a piece's statistics are not its micro-batch's).
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, micro_batches=1, allreduce_fn=None,
                  stages=2, schedule="gpipe", recompute=False, model=None, virtual_stages=1, measure=False,
                  sums=None):
-        self.net = stateless(as_model(model, params), "model, pipeline and hybrid parallelism")
+        self.net = as_model(model, params)
+        if self.net.stats() and (recompute or sums):
+            raise ValueError(f"{'--recompute' if recompute else '--deterministic'} with BatchNorm: "
+                             f"{'a stage run again would meet its BatchNorms twice' if recompute else 'a piece would normalise with its own statistics, not its micro-batch`s'}")
         if not 1 <= stages <= len(self.net.layers) or len(ctx) < stages or len(ctx) % stages:
             raise ValueError(f"{len(ctx)} contexts cannot be cut into {stages}-stage pipelines "
                              f"of {self.net.name}'s {len(self.net.layers)} layers")
@@ -67,6 +79,9 @@ class PipelineParallel(FixedPipeline, Strategy):
         self.states = [[init_states(P, optimizer) for P in row] for row in self.params]
         self.t, self.bubbles, self.measured, self.peaks = 0, [], [], {}
         self.sums, self.held = sums, None
+        self.keep_running(False, self.allreduce_fn)
+        # norms[s]: the number of the first BatchNorm of stage s (evaluation starts there)
+        self.norms = [first_norm(self.net.layers, ids[0]) for ids in self.cuts]
         for p in (p for row in self.params for P in row for p in P) if sums else ():
             p.attach_grad(grad_req="write")              # each piece's backward overwrites
 
@@ -84,8 +99,36 @@ class PipelineParallel(FixedPipeline, Strategy):
         if self.sums:
             return self.fixed_backward(X, y)
         firsts, lasts = [p[0] for p in self.places], [p[-1] for p in self.places]
-        return [self.run_replica(row, places, P, Xr, yr) for row, places, P, Xr, yr in zip(
+        self.batch_moments = []
+        metrics = [self.run_replica(row, places, P, Xr, yr) for row, places, P, Xr, yr in zip(
             self.grid, self.places, self.params, split_and_load(X, firsts), split_and_load(y, lasts))]
+        if self.running:
+            self.fold_micro()
+        return metrics
+
+    def namespaces(self, Xs):
+        """Each micro-batch's operators' namespace: its dropout masks, and with BatchNorm a Moments
+        of its own (the micro-batch's statistics, kept in self.batch_moments for the fold)."""
+        if not self.running:
+            return [self.net.noisy(nd, X) for X in Xs]
+        moments = [Moments(train=True) for _ in Xs]
+        self.batch_moments.append(moments)
+        return [self.net.noisy(Batch(nd, M), X) for M, X in zip(moments, Xs)]
+
+    def fold_micro(self):
+        """Afterwards every context's running statistics took the mean of every micro-batch's (of
+        every replica and process) batch statistics: each replica sums its micro-batches' on its
+        first context, the replicas' sums are all-reduced (the strategy's all-reduce, across
+        processes too), and the first context's result is copied everywhere."""
+        sums = []
+        for places, moments in zip(self.places, self.batch_moments):
+            home = places[0]
+            rows = [nd.concat(*[x.as_in_context(home) for per_norm in M.batch for x in per_norm[0]],
+                              nd.ones((1,), ctx=home), dim=0) for M in moments]
+            sums.append(nd.add_n(*rows) if len(rows) > 1 else rows[0])
+        self.stats_reduce(sums)
+        total = sums[0].as_in_context(self.running[0][0].context)
+        fold_mean(self.running, nd.broadcast_div(total[:-1], total[-1:]))
 
     def run_replica(self, row, places, P, Xr, yr, parts=None, collect=None):
         """One replica's pass over its shard (Xr, yr), on the devices `row`, stage k on places[k];
@@ -99,7 +142,7 @@ class PipelineParallel(FixedPipeline, Strategy):
         self.bubbles.append(bubbles(p, simulate(p))[0])
         run = (SplitPass if p.split else ReplicaPass)(Xs, ys, P, places, self.stages, self.elems,
                                                       self.recompute, self.S, self.measure,
-                                                      [self.net.noisy(nd, X) for X in Xs], collect)
+                                                      self.namespaces(Xs), collect)
         groups = np.cumsum([0] + shard_sizes(len(Xs), p.n_micro))
         metrics = run.run(run_order(p) if not parts else
                           piece_actions(run_order(p), [range(a, b) for a, b in zip(groups, groups[1:])]))
@@ -150,15 +193,22 @@ class PipelineParallel(FixedPipeline, Strategy):
                                      split_and_load(y, [r[-1] for r in rows])):
             h = Xr
             for s, (stage, c) in enumerate(zip(self.stages, places)):
-                h = stage(h if s == 0 else h.copyto(c), P[s])
+                h = stage(h if s == 0 else h.copyto(c), P[s], self.evaluating(s, c))
             counts.append(n_correct(h, yr).copyto(self.ctx[0]))
         return nd.add_n(*counts)
 
+    def evaluating(self, s, c):
+        """Stage s's namespace on context c at evaluation: its BatchNorms normalise with c's running
+        statistics (numbered from the stage's first)."""
+        if not self.running:
+            return nd
+        return Batch(nd, Moments(False, [self.running[self.ctx.index(c)]], first=self.norms[s]))
+
     def fingerprints(self):
-        """Per stage, the copy of every pipeline replica."""
+        """Per stage, the copy of every pipeline replica (and every context's running statistics)."""
         names = self.net.names()
-        return {f"stage {s}": [fingerprint(places[s], P[s], names[sl]) for places, P in zip(self.places, self.params)]
-                for s, sl in enumerate(param_slices(len(self.stages), self.net))}
+        return {**{f"stage {s}": [fingerprint(places[s], P[s], names[sl]) for places, P in zip(self.places, self.params)]
+                   for s, sl in enumerate(param_slices(len(self.stages), self.net))}, **self.running_fingerprints()}
 
     def layout(self, batch_size):
         """(context, part, examples whose activations of `part` it holds at the peak) per placement
@@ -184,7 +234,7 @@ class PipelineParallel(FixedPipeline, Strategy):
     def arrays(self):
         """Every array this strategy keeps: {"param", "grad", "state"} (see Strategy.arrays)."""
         params = [p for row in self.params for P in row for p in P]
-        state = [s for row in self.states for S in row for st in S for s in st]
+        state = [s for row in self.states for S in row for st in S for s in st] + self.running_arrays()
         return {"param": params, "grad": [p.grad for p in params], "state": state}
 
     @property
@@ -199,9 +249,10 @@ class PipelineParallel(FixedPipeline, Strategy):
     def state_dict(self):
         """Replica 0's parameters and optimiser state, in the model's order."""
         return host_state([p for P in self.params[0] for p in P], [st for S in self.states[0] for st in S],
-                          self.t)
+                          self.t, **self.running_state())
 
     def load_state_dict(self, state):
+        self.load_running(state)
         for row, row_states in zip(self.params, self.states):
             load_into([p for P in row for p in P], [st for S in row_states for st in S], state)
         self.t = state["t"]
