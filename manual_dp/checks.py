@@ -91,9 +91,9 @@ def check_model(cfg):
         raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
     if cfg.sequence_parallel and cfg.deterministic:
         raise UsageError("--sequence-parallel: not yet with --deterministic")
-    if cfg.mode in ("tensor", "context", "mesh") and (cfg.zero_stage or 1) > 1:
-        raise UsageError(f"--zero-stage {cfg.zero_stage} with --mode {cfg.mode}: only stage 1 (the optimiser state) "
-                         f"over the data dimension so far")
+    if cfg.mode in ("tensor", "context", "mesh") and (cfg.zero_stage or 1) > 2:
+        raise UsageError(f"--zero-stage {cfg.zero_stage} with --mode {cfg.mode}: only stages 1 and 2 (the optimiser "
+                         f"state and the gradients) over the data dimension so far, not the parameters")
     if cfg.mode == "mesh" and cfg.model != "transformer":
         raise UsageError(f"--mode mesh (tp x pp) needs layers that split on their own: --model transformer, not "
                          f"--model {cfg.model}")
