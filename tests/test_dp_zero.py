@@ -198,3 +198,23 @@ def test_cli_zero_stage_2_checkpoint_resumes(capsys, data_dir, tmp_path):
 def test_bad_zero_over_dp_is_one_line(capsys, data_dir, argv, message):
     code, _, err = run_main(capsys, [*SMALL, "--data-dir", str(data_dir), *argv])
     assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_over_dp_across_processes_is_refused_in_one_line(stage):
+    """Every process would shard over its own contexts only: refused before anything is built (the
+    trainer prints the UsageError as one line and exits 2)."""
+    from manual_dp.cli.build import build_model
+    from manual_dp.config import RunConfig, resolve
+    from manual_dp.errors import UsageError
+    from manual_dp.multiprocess.world import World
+
+    class TwoProcesses(World):
+        size = 2
+    cfg = resolve(RunConfig(mode="tensor", tensor_parallel=2, zero_stage=stage, model="transformer", layers=4,
+                            d_model=16, heads=4))
+    net = models.build("transformer", layers=4, d_model=16, heads=4)
+    with pytest.raises(UsageError) as e:
+        build_model(cfg, net.init_params(0), cpus(4), TwoProcesses())
+    assert str(e.value).splitlines() == [f"--zero-stage with --mode tensor shards over this process's contexts only: "
+                                         f"not yet across 2 processes"]
