@@ -20,6 +20,7 @@ LAYOUTS = {                                # 4 contexts each, the work shared ev
     "async": ["--mode", "async"],
     "dp=2 x tp=2": ["--mesh", "dp=2,tp=2"],
     "dp=2 x tp=2 +sp": ["--mesh", "dp=2,tp=2", "--sequence-parallel"],
+    "dp=2 x tp=2 zero 2": ["--mesh", "dp=2,tp=2", "--zero-stage", "2"],
     "dp=2 x cp=2 ring": ["--mesh", "dp=2,cp=2", "--attention", "ring"],
     "dp=2 x cp=2 ulysses": ["--mesh", "dp=2,cp=2", "--attention", "ulysses"],
     "cp=2 x tp=2": ["--mode", "context", "--context-parallel", "2", "--tensor-parallel", "2"],

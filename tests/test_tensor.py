@@ -76,7 +76,8 @@ def test_each_context_holds_only_its_shards(n, T):
     whole = sum(int(np.prod(s)) for s in full)
     unsplit = sum(int(np.prod(full[i])) for i, a in enumerate(SPLIT) if a is None)
     assert set(per_ctx.values()) == {(whole - unsplit) // T + unsplit}
-    assert sum(a.size for a in held["state"]) == 3 * sum(per_ctx.values())
+    assert sum(a.size for a in held["grad"]) == sum(per_ctx.values())
+    assert sum(a.size for a in held["state"]) == 2 * sum(per_ctx.values())
 
 
 def test_checkpoints_move_between_tensor_and_sync_and_back():

@@ -24,15 +24,12 @@ PARTS = ("params", "grads", "optimiser state")
 
 
 def held_bytes(model):
-    """{context: {part: bytes}} of what `model` holds; its arrays()["state"] is the gradients of
-    its parameters, then its optimiser state."""
+    """{context: {part: bytes}} of what `model` holds (Strategy.arrays: "param", "grad", "state")."""
     held = model.arrays()
     out = {str(c): dict.fromkeys(PARTS, 0) for c in model.ctx}
-    grads = [p.grad for p in held["param"]]
-    for part, arrays, sign in (("params", held["param"], 1), ("grads", grads, 1),
-                               ("optimiser state", held["state"], 1), ("optimiser state", grads, -1)):
-        for a in arrays:
-            out[str(a.context)][part] += sign * a.size * np.dtype(a.dtype).itemsize
+    for part, kind in zip(PARTS, ("param", "grad", "state")):
+        for a in held[kind]:
+            out[str(a.context)][part] += a.size * np.dtype(a.dtype).itemsize
     return out
 
 

@@ -101,7 +101,8 @@ def describe(cfg):
              f"with any --tensor-parallel dividing it)" if (cfg.tensor_pieces or 1) > 1
              and cfg.mode not in ("tensor", "mesh") else "")
     line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel else ""
-    line += ", optimiser state sharded over the data dimension (ZeRO-1)" if cfg.zero_stage and cfg.mode != "zero" else ""
+    line += (f", {'optimiser state' if cfg.zero_stage == 1 else 'optimiser state and gradients'} sharded over the "
+             f"data dimension (ZeRO-{cfg.zero_stage})") if cfg.zero_stage and cfg.mode != "zero" else ""
     line += (f", {cfg.precision} parameters and gradients kept, float32 master weights beside the optimiser "
              f"state (strategies/zero_mixed.py)") if cfg.mode == "zero" and cfg.precision != "fp32" \
         and not cfg.deterministic else ""

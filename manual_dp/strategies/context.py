@@ -29,7 +29,7 @@ from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from ..errors import CheckpointError
 from .base import Strategy, placed
-from .dp_zero import DataShardedOptimizer
+from .dp_zero import DataShardedOptimizer, backward
 from .data_parallel import host_state, load_into
 from .tensor import copies
 from .tensor_layout import even_split
@@ -52,7 +52,8 @@ class ContextParallel(Strategy):
     """len(ctx) // C data-parallel groups of C contexts; group r's block j on ctx[r * C + j].
     attention: "ring" or "ulysses"; allreduce_fn sums the gradients over every context (and, under
     a multi-process world, the processes); cp_allreduce is seq.sum's, inside a group. zero_stage 1:
-    each context keeps the optimiser state of 1/N of every parameter (strategies/dp_zero.py)."""
+    each context keeps the optimiser state of 1/N of every parameter (strategies/dp_zero.py); 2: and
+    1/N of its summed gradient."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, context_parallel=None, attention="ring",
                  allreduce_fn=None, cp_allreduce=None, model=None, zero_stage=0):
@@ -72,7 +73,7 @@ class ContextParallel(Strategy):
         values = [p.asnumpy() for p in params]
         self.params = [[placed(values, c) for c in row] for row in self.grid]
         groups = [[P[i] for P in self.copies] for i in range(len(values))]
-        self.zero = DataShardedOptimizer(groups, optimizer) if zero_stage else None
+        self.zero = DataShardedOptimizer(groups, optimizer, zero_stage) if zero_stage else None
         self.states = None if self.zero else [[init_states(P, optimizer) for P in row] for row in self.params]
         self.t = 0
 
@@ -100,7 +101,7 @@ class ContextParallel(Strategy):
                 losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
                 heads += [l * (1 / self.C) for l in losses]
                 metrics.append((losses[0], n_correct(scores[0], ys[0])))
-        autograd.backward(heads)
+        backward(heads, [p for P in self.copies for p in P], self.zero)
         return metrics
 
     def update(self, lr, n_examples):
@@ -123,7 +124,7 @@ class ContextParallel(Strategy):
         reduce-scatters it instead)."""
         if self.zero:
             home = self.ctx[0]
-            return [nd.add_n(*[P[i].grad.as_in_context(home) for P in self.copies]) for i in range(len(self.copies[0]))]
+            return [self.zero.total(i, home) for i in range(len(self.copies[0]))]
         return [p.grad for p in self.params[0][0]]
 
     def correct(self, X, y):
@@ -156,7 +157,8 @@ class ContextParallel(Strategy):
     def arrays(self):
         params = [p for P in self.copies for p in P]
         state = self.zero.state_arrays() if self.zero else [s for row in self.states for S in row for st in S for s in st]
-        return {"param": params, "grad": [p.grad for p in params], "state": state}
+        return {"param": params, "grad": self.zero.grad_arrays() if self.zero else [p.grad for p in params],
+                "state": state}
 
     def state_dict(self):
         if self.zero:

@@ -25,7 +25,7 @@ from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy, placed
 from .context import Sequence
-from .dp_zero import DataShardedOptimizer
+from .dp_zero import DataShardedOptimizer, backward
 from .tensor import copies
 from .tensor_layout import even_split, shard, unshard
 
@@ -57,7 +57,7 @@ class ContextTensorParallel(Strategy):
         self.params = [[[placed([shard(v, a, t, T) for v, a in zip(values, self.split)], c)
                          for t, c in enumerate(row)] for row in grid] for grid in self.grids]
         groups = [g for _, g in self.copy_groups()]
-        self.zero = DataShardedOptimizer(groups, optimizer) if zero_stage else None
+        self.zero = DataShardedOptimizer(groups, optimizer, zero_stage) if zero_stage else None
         self.states = None if self.zero else [[[init_states(P, optimizer) for P in row] for row in grid]
                                               for grid in self.params]
 
@@ -89,7 +89,7 @@ class ContextTensorParallel(Strategy):
                 losses = [[cross_entropy(s, yj).sum() for s, yj in zip(srow, yrow)] for srow, yrow in zip(scores, ys)]
                 heads += [l * (1 / self.C) for row in losses for l in row]
                 metrics.append((losses[0][0], n_correct(scores[0][0], ys[0][0])))
-        autograd.backward(heads)
+        backward(heads, [p for _, P, _ in self.every() for p in P], self.zero)
         return metrics
 
     def update(self, lr, n_examples):
@@ -112,8 +112,7 @@ class ContextTensorParallel(Strategy):
 
     def reduced_grads(self):
         if self.zero:
-            total = {key: nd.add_n(*[a.grad.as_in_context(self.ctx[0]) for a in arrays])
-                     for key, arrays in self.copy_groups()}
+            total = {key: self.zero.total(g, self.ctx[0]) for g, (key, _) in enumerate(self.copy_groups())}
             return self.whole(lambda t, i: total[(t, i)])
         return self.whole(lambda t, i: self.params[0][0][t][i].grad)
 
@@ -142,7 +141,8 @@ class ContextTensorParallel(Strategy):
     def arrays(self):
         params = [p for _, P, _ in self.every() for p in P]
         state = self.zero.state_arrays() if self.zero else [s for _, _, S in self.every() for st in S for s in st]
-        return {"param": params, "grad": [p.grad for p in params], "state": state}
+        return {"param": params, "grad": self.zero.grad_arrays() if self.zero else [p.grad for p in params],
+                "state": state}
 
     def state_dict(self):
         params = [a.asnumpy() for a in self.whole(lambda t, i: self.params[0][0][t][i])]

@@ -1,5 +1,6 @@
-"""ZeRO stage 1 over a mesh's data dimension (`--zero-stage 1` with tensor, context and mesh modes):
-each of the D copies of a parameter keeps the optimiser state of 1/D of it.
+"""ZeRO over a mesh's data dimension (`--zero-stage 1|2` with tensor, context and mesh modes): each
+of the D copies of a parameter keeps the optimiser state of 1/D of it (stage 1) and, in stage 2,
+the gradient of 1/D of it.
 
 A copy group is the arrays that hold the same parameter (or the same tensor shard of it) on D
 contexts, whose gradients are summed: the data-parallel replicas, or under sequence and context
@@ -8,45 +9,113 @@ gradients are reduce-scattered (context r receives the sum of chunk r of the fla
 context updates its chunk of the parameter with its chunk of the state, and the updated chunks are
 all-gathered into every copy: the same arithmetic per element as the all-reduce and the update,
 so the same parameters (to the rounding of the sum's order), and 1/D of the state per context.
+
+                 gradient kept between the backward and the update     per context
+    stage 1      every copy's .grad (grad_req "add"), whole             the whole gradient
+    stage 2      grad_chunks[g][r]: chunk r of the summed gradient      1/D of it
+
+Stage 2 and MXNet: a buffer attached to an array (attach_grad) lives as long as the array, so
+stage 2 attaches none (a 1-element stand-in: the arrays stay autograd variables) and takes each
+backward's gradients from autograd.grad, new arrays that exist only until `scatter` has added
+their chunks into the chunk buffers. A backward is one autograd call (tensor, context: the whole
+step's; a mesh's pipeline: one stage's micro-batch), so within it the copy's whole gradient exists
+once, as in ZeRO-2's bucketed reduce-scatter; between backwards and until the update only chunks.
 """
 import numpy as np
-from mxnet import nd
+from mxnet import autograd, nd
 
 from ..fast.collectives import chunk_bounds
 from ..optim import OPTIMIZERS
 
 
+def backward(heads, arrays, zero=None, head_grads=None, inputs=()):
+    """The backward of `heads` (with `head_grads`, or ones); returns the gradients of `inputs`
+    (marked arrays the graph starts from). Afterwards the gradients of `arrays` (the parameters
+    whose graph it is) are added into their .grad, or under ZeRO stage 2 into zero's chunks."""
+    if zero is not None and zero.stage == 2:
+        grads = autograd.grad(heads, list(arrays) + list(inputs), head_grads)
+        zero.scatter(arrays, grads[:len(arrays)])
+        return grads[len(arrays):]
+    autograd.backward(heads, head_grads)
+    return [x.grad for x in inputs]
+
+
 class DataShardedOptimizer:
     """The optimiser of every copy group: groups[g] the D arrays (one per context, equal shapes)
-    whose gradients are summed; they must have .grad (grad_req "add")."""
+    whose gradients are summed, marked for autograd (grad_req "add"); stage 1 reads their .grad,
+    stage 2 swaps it for a stand-in and keeps grad_chunks instead (gradients come in by `scatter`)."""
 
-    def __init__(self, groups, optimizer):
-        self.groups, self.optimizer = groups, optimizer
+    def __init__(self, groups, optimizer, stage=1):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO over the data dimension has stages 1 and 2, not {stage}")
+        self.groups, self.optimizer, self.stage = groups, optimizer, stage
         init, self.rule = OPTIMIZERS[optimizer]
         self.bounds = [chunk_bounds(int(np.prod(g[0].shape)), len(g)) for g in self.groups]
         # states[g][r]: the state of chunk r of group g, on copy r's context (None for an empty chunk)
         self.states = [[init(nd.zeros((b - a,), ctx=p.context, dtype=p.dtype)) if b > a else None
                         for p, a, b in zip(group, bounds, bounds[1:])]
                        for group, bounds in zip(self.groups, self.bounds)]
+        self.grad_chunks = None
+        if stage == 2:           # grad_chunks[g][r]: chunk r of group g's summed gradient, on copy r's context
+            self.grad_chunks = [[nd.zeros((b - a,), ctx=p.context, dtype=p.dtype) if b > a else None
+                                 for p, a, b in zip(group, bounds, bounds[1:])]
+                                for group, bounds in zip(self.groups, self.bounds)]
+            self.where = {id(p): (g, r) for g, group in enumerate(self.groups) for r, p in enumerate(group)}
+            for group in self.groups:    # the whole .grad buffers freed: each array keeps a 1-element stand-in
+                autograd.mark_variables(group, [nd.zeros((1,), ctx=p.context, dtype=p.dtype) for p in group], "write")
+
+    def scatter(self, arrays, grads):
+        """Stage 2: afterwards chunk r of every group holds itself plus chunk r of the sum of `grads`
+        (grads[n] the gradient of arrays[n], a copy in some group), summed in copy order."""
+        by_group = {}
+        for p, grad in zip(arrays, grads):
+            g, r = self.where[id(p)]
+            by_group.setdefault(g, []).append((r, grad.reshape((-1,))))
+        for g, pieces in by_group.items():
+            flats = [flat for _, flat in sorted(pieces, key=lambda rf: rf[0])]
+            for chunk, a, b in zip(self.grad_chunks[g], self.bounds[g], self.bounds[g][1:]):
+                if chunk is not None:
+                    total = nd.add_n(*[f[a:b].as_in_context(chunk.context) for f in flats])    # (b - a,)
+                    nd.elemwise_add(chunk, total, out=chunk)
+
+    def summed_chunk(self, g, r, a, b):
+        """Chunk r ([a, b) of the flat gradient) of group g summed over its copies, on copy r's context."""
+        if self.stage == 2:
+            return self.grad_chunks[g][r]
+        p = self.groups[g][r]
+        return nd.add_n(*[q.grad.reshape((-1,))[a:b].as_in_context(p.context) for q in self.groups[g]])
 
     def step(self, lr, t, n_examples):
-        """Reduce-scatter, update each chunk where its state lives, all-gather; then zero the
-        gradients. n_examples None: a skipped update (the gradients only zeroed)."""
-        for group, bounds, states in zip(self.groups, self.bounds, self.states):
+        """Reduce-scatter (stage 2: already done, chunk by chunk), update each chunk where its state
+        lives, all-gather; then zero the gradients. n_examples None: a skipped update (the
+        gradients only zeroed)."""
+        for g, (group, bounds, states) in enumerate(zip(self.groups, self.bounds, self.states)):
             if n_examples is not None:
                 flats = [p.reshape((-1,)) for p in group]
-                grads = [p.grad.reshape((-1,)) for p in group]
                 for r, (p, a, b, state) in enumerate(zip(flats, bounds, bounds[1:], states)):
                     if b > a:
-                        total = nd.add_n(*[g[a:b].as_in_context(p.context) for g in grads])    # chunk r, summed
-                        self.rule(p[a:b], total / n_examples, state, lr, t)
+                        self.rule(p[a:b], self.summed_chunk(g, r, a, b) / n_examples, state, lr, t)
                 for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
                     if b > a:
                         for p in flats:
                             if p is not flats[r]:
                                 p[a:b] = flats[r][a:b].as_in_context(p.context)
-            for p in group:
-                p.grad[:] = 0
+            for grad in self.grad_arrays(g):
+                grad[:] = 0
+
+    def grad_arrays(self, g=None):
+        """The gradient arrays kept (of group g, or of all): every copy's .grad (stage 1), or the chunks."""
+        groups = range(len(self.groups)) if g is None else [g]
+        if self.stage == 1:
+            return [p.grad for n in groups for p in self.groups[n]]
+        return [c for n in groups for c in self.grad_chunks[n] if c is not None]
+
+    def total(self, g, home):
+        """Group g's gradient summed over its copies, whole, in the parameter's shape, on `home`."""
+        if self.stage == 1:
+            return nd.add_n(*[a.grad.as_in_context(home) for a in self.groups[g]])
+        chunks = [c.as_in_context(home) for c in self.grad_chunks[g] if c is not None]
+        return nd.concat(*chunks, dim=0).reshape(self.groups[g][0].shape)
 
     def state_arrays(self):
         """Every state array (for the memory report)."""

@@ -7,6 +7,7 @@ from mxnet import autograd, nd
 
 from ..lesson import cross_entropy, n_correct
 from ..models.contract import grid_layer
+from .dp_zero import backward
 from .stages import send
 from .tensor import copies
 
@@ -69,14 +70,18 @@ def tensor_stage(net, ids, join):
 class GroupPass:
     """One pipeline replica's run of a schedule: stage k on the contexts groups[k] (a tensor group),
     micro-batches Xs (on groups[0][0]) and ys (on groups[-1][0]); scale: what each context's loss
-    is multiplied by before its backward; Fs[m]: micro-batch m's namespace (Model.noisy: dropout)."""
+    is multiplied by before its backward; Fs[m]: micro-batch m's namespace (Model.noisy: dropout);
+    zero: the mesh's DataShardedOptimizer, whose stage 2 takes each stage's micro-batch gradients
+    as they are made (dp_zero.backward)."""
 
-    def __init__(self, Xs, ys, params, groups, stages, scale, Fs=None):
+    def __init__(self, Xs, ys, params, groups, stages, scale, Fs=None, zero=None):
         self.Xs, self.ys, self.params, self.groups, self.stages, self.scale = Xs, ys, params, groups, stages, scale
+        self.zero = zero
         self.Fs = Fs or [nd] * len(Xs)
         self.last, M = len(stages) - 1, len(Xs)
         self.received = [[None] * M for _ in stages]
         self.produced = [[None] * M for _ in stages]
+        self.sent = [[None] * M for _ in stages]        # sent[k][m]: the gradient of stage k's input, per rank
         self.metrics = []
 
     def forward(self, k, m):
@@ -93,12 +98,11 @@ class GroupPass:
         self.produced[k][m] = out
 
     def backward(self, k, m):
-        if k == self.last:
-            autograd.backward(self.produced[k][m])
-        else:
-            autograd.backward(self.produced[k][m], [x.grad.copyto(c) for x, c in
-                                                    zip(self.received[k + 1][m], self.groups[k])])
-            self.received[k + 1][m] = None
+        head_grads = None if k == self.last else [g.copyto(c) for g, c in zip(self.sent[k + 1][m], self.groups[k])]
+        self.sent[k][m] = backward(self.produced[k][m], [p for P in self.params[k] for p in P], self.zero,
+                                   head_grads, self.received[k][m] if k > 0 else ())
+        if k < self.last:
+            self.received[k + 1][m] = self.sent[k + 1][m] = None
         self.produced[k][m] = None
 
     def run(self, actions):

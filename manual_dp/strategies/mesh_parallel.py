@@ -103,7 +103,7 @@ class MeshParallel(Strategy):
         values = [p.asnumpy() for p in params]
         self.params = [[[placed([shard(values[i], self.split[i], j % T, T) for i in range(sl.start, sl.stop)], c)
                          for j, c in enumerate(group)] for sl, group in zip(self.own, row)] for row in self.groups]
-        self.zero = DataShardedOptimizer([g for _, g in self.copy_groups()], optimizer) if zero_stage else None
+        self.zero = DataShardedOptimizer([g for _, g in self.copy_groups()], optimizer, zero_stage) if zero_stage else None
         self.states = None if self.zero else \
             [[[init_states(P, optimizer) for P in stage] for stage in row] for row in self.params]
         self.t, self.bubbles = 0, []
@@ -151,7 +151,8 @@ class MeshParallel(Strategy):
             p = self.plan(Xr.shape[0])
             self.bubbles.append(bubbles(p, simulate(p))[0])
             Xs = cut(Xr, p.n_micro)
-            run = GroupPass(Xs, cut(yr, p.n_micro), P, row, self.stages, scale, [self.net.noisy(nd, X) for X in Xs])
+            run = GroupPass(Xs, cut(yr, p.n_micro), P, row, self.stages, scale, [self.net.noisy(nd, X) for X in Xs],
+                            self.zero)
             metrics.append(run.run(run_order(p)))
         return metrics
 
@@ -197,9 +198,7 @@ class MeshParallel(Strategy):
         reduce-scatters it instead)."""
         if not self.zero:
             return self.whole(lambda k, j, i: self.params[0][k][j][i].grad)
-        home, total = self.ctx[0], {}
-        for (k, j, i), arrays in self.copy_groups():
-            total[(k, j, i)] = nd.add_n(*[a.grad.as_in_context(home) for a in arrays])
+        total = {key: self.zero.total(n, self.ctx[0]) for n, (key, _) in enumerate(self.copy_groups())}
         return self.whole(lambda k, j, i: total.get((k, j, i), total.get((k, None, i))))
 
     def end_epoch(self, lr):
@@ -246,7 +245,8 @@ class MeshParallel(Strategy):
         params = [p for row in self.params for stage in row for P in stage for p in P]
         state = self.zero.state_arrays() if self.zero else \
             [s for row in self.states for stage in row for S in stage for st in S for s in st]
-        return {"param": params, "grad": [p.grad for p in params], "state": state}
+        return {"param": params, "grad": self.zero.grad_arrays() if self.zero else [p.grad for p in params],
+                "state": state}
 
     def first_state(self):
         """get(k, j, i, slot): replica 0's optimiser state of stage k's parameter i on rank j (under

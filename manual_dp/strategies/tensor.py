@@ -41,7 +41,7 @@ from ..models import as_model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy, placed
-from .dp_zero import DataShardedOptimizer
+from .dp_zero import DataShardedOptimizer, backward
 from .tensor_layout import even_split, group_layout, held_whole, shard, shard_of_whole, unshard, whole_layout
 
 # The axis along which each of LeNet's 8 parameters is split; None: whole on every context.
@@ -77,7 +77,8 @@ class TensorParallel(Strategy):
     so the replicated parameters after the gather (the head) also get 1/T each and sum to theirs.
 
     zero_stage 1: ZeRO over the data dimension (strategies/dp_zero.py): each group's copy of a
-    shard keeps the optimiser state of 1/D of it, in this process's contexts.
+    shard keeps the optimiser state of 1/D of it, in this process's contexts; 2: and 1/D of its
+    summed gradient.
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
@@ -101,7 +102,7 @@ class TensorParallel(Strategy):
         host_params = [p.asnumpy() for p in params]
         self.shards = [[placed([shard(v, a, j, T) for v, a in zip(host_params, self.split)], c)
                         for j, c in enumerate(row)] for row in self.grid]
-        self.zero = DataShardedOptimizer([g for _, g in self.copy_groups()], optimizer) if zero_stage else None
+        self.zero = DataShardedOptimizer([g for _, g in self.copy_groups()], optimizer, zero_stage) if zero_stage else None
         self.states = None if self.zero else [[init_states(P, optimizer) for P in row] for row in self.shards]
         self.t = 0
 
@@ -133,7 +134,7 @@ class TensorParallel(Strategy):
                 losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
                 heads += [l * (1 / self.T) for l in losses] if self.sequence_parallel else losses
                 metrics.append((losses[0], n_correct(scores[0], ys[0])))
-        autograd.backward(heads)
+        backward(heads, [p for P_row in self.shards for P in P_row for p in P], self.zero)
         return metrics
 
     def update(self, lr, n_examples):
@@ -161,7 +162,7 @@ class TensorParallel(Strategy):
         the update reduce-scatters them instead)."""
         row, home = self.shards[0], self.grid[0][0]
         if self.zero:
-            total = {key: nd.add_n(*[a.grad.as_in_context(home) for a in arrays]) for key, arrays in self.copy_groups()}
+            total = {key: self.zero.total(g, home) for g, (key, _) in enumerate(self.copy_groups())}
             return [total[(None, i)] if (None, i) in total else
                     nd.concat(*[total[(j, i)] for j in range(self.T)], dim=a) if a is not None and self.T > 1
                     else total[(0, i)] for i, a in enumerate(self.split)]
@@ -203,7 +204,8 @@ class TensorParallel(Strategy):
     def arrays(self):
         params = [p for P_row in self.shards for P in P_row for p in P]
         states = self.zero.state_arrays() if self.zero else [s for S_row in self.states for S in S_row for st in S for s in st]
-        return {"param": params, "state": [p.grad for p in params] + states}
+        return {"param": params, "grad": self.zero.grad_arrays() if self.zero else [p.grad for p in params],
+                "state": states}
 
     def first_states(self):
         """Group 0's optimiser state, S_row[j][i] a list per slot (under ZeRO, gathered whole)."""
