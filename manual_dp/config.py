@@ -35,6 +35,7 @@ ZERO_MEMORY = dict(width=16, cpus=4, optimizer="adam", precision="bf16", batch=6
 PIECE_ROWS = 64               # --deterministic: rows per piece, the unit whose gradient is computed whole
                               # (64, not 32: half the calls; measured in docs/performance.md, 2026-11-26)
 TENSOR_PIECES = 4             # --deterministic --mode tensor's default --tensor-pieces: pieces of every split layer, whatever T
+SEQUENCE_PIECES = 4           # --deterministic --mode context's default --sequence-pieces: pieces of the sequence, whatever C
 
 
 def flag(default, help, group="training", **argparse):
