@@ -59,7 +59,8 @@ def fixed_attention(C, attention):
         out = lanes.attend(*pieces)
     autograd.backward(out, cut(dout))
     assert [o.context for o in out] == lanes.where == [cpus(C)[b * C // 4] for b in range(4)]
-    joined = [np.concatenate([x.asnumpy() for x in xs], axis=1) for xs in [out] + [[x.grad for x in xs] for xs in pieces]]
+    arrays = [out] + [[x.grad for x in xs] for xs in pieces]                  # outputs, dq, dk, dv
+    joined = [np.concatenate([x.asnumpy() for x in xs], axis=1) for xs in arrays]
     np.testing.assert_allclose(joined[0], full(*(nd.array(x) for x in (q, k, v))).asnumpy(), rtol=1e-5, atol=1e-6)
     return joined
 

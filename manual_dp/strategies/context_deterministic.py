@@ -129,7 +129,8 @@ class ContextDeterministic(WholeBatch, Strategy):
             for a, b in bounds[lo:hi]:
                 Xs = [host(X[a:b]).as_in_context(c) for c in lanes.where]
                 scores = self.net.sequence_forward(Xs, [self.own(c) for c in lanes.where], lanes)
-                counts.append(n_correct(scores[0], host(y[a:b]).as_in_context(lanes.where[0])).as_in_context(self.ctx[0]))
+                right = n_correct(scores[0], host(y[a:b]).as_in_context(lanes.where[0]))
+                counts.append(right.as_in_context(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
