@@ -12,7 +12,7 @@ def check(cfg):
     """Raise UsageError for values no run can use (before any device, file or MXNet is touched)."""
     for name in ("batch_size", "gpus", "cpus", "width", "train_size", "test_size", "micro_batches",
                  "grad_accum", "check_replicas", "tensor_parallel", "context_parallel", "virtual_stages",
-                 "layers", "d_model", "heads", "tensor_pieces"):
+                 "layers", "d_model", "heads", "tensor_pieces", "sequence_pieces"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -61,6 +61,8 @@ def check(cfg):
                          "--allreduce, --fuse-grads, --bucket-mb, --trace and --compress")
     if cfg.tensor_pieces is not None and not cfg.deterministic:
         raise UsageError("--tensor-pieces fixes the order of --deterministic's sums: give --deterministic too")
+    if cfg.sequence_pieces is not None and not cfg.deterministic:
+        raise UsageError("--sequence-pieces fixes the order of --deterministic's sums: give --deterministic too")
     if cfg.deterministic and cfg.backend == "dist_async":
         raise UsageError("--deterministic needs synchronous updates: --backend local, horovod or dist_sync")
     if cfg.no_autotune and cfg.deterministic:
@@ -94,8 +96,10 @@ def check_model(cfg):
                          "the group's blocks of tokens, a sum one context takes inside one kernel")
     if cfg.deterministic and cfg.mode == "mesh" and ((cfg.context_parallel or 1) > 1 or (cfg.zero_stage or 0)):
         raise UsageError("--deterministic --mode mesh: dp x pp x tp only: " + (
-            f"not cp > 1 ({UNREACHED['context']})" if (cfg.context_parallel or 1) > 1 else
+            "not cp > 1 (the sequence's fixed pieces run in --mode context, not in pipeline stages yet)"
+            if (cfg.context_parallel or 1) > 1 else
             "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
+    check_sequence_pieces(cfg)
     if cfg.mode in ("tensor", "context", "mesh") and (cfg.zero_stage or 1) > 2:
         raise UsageError(f"--zero-stage {cfg.zero_stage} with --mode {cfg.mode}: only stages 1 and 2 (the optimiser "
                          f"state and the gradients) over the data dimension so far, not the parameters")
@@ -136,13 +140,27 @@ RUNNING_REFUSED = {     # why a model with BatchNorm is refused, where there is 
     "--mode mesh": "its tensor groups split layers that ResNet and a user's BatchNorm block do not have",
 }
 PIPELINES = ("model", "pipeline", "hybrid")
-UNREACHED = {     # (and --mode mesh's cp > 1: check_model refuses it with "context"'s reason)
+UNREACHED = {
     "async": "stale replicas compute other gradients than one context by design; use --mode sync",
     "local": "local SGD averages the replicas' parameters, not their gradients, so its rounding differs "
              "from one context's even at --sync-every 1; use --mode sync",
-    "context": "ring and Ulysses attention add a sequence's blocks in an order of their own (the online "
-               "softmax): not yet",
 }
+
+
+def check_sequence_pieces(cfg):
+    """UsageError where --deterministic's fixed pieces of the sequence (strategies/sequence_pieces.py)
+    do not reach: other models, split layers, cp x tp, ZeRO."""
+    K = cfg.sequence_pieces or 1
+    if K > 1 and cfg.model != "transformer":
+        raise UsageError(f"--sequence-pieces cuts a sequence of tokens: --model transformer has one, --model "
+                         f"{cfg.model} does not")
+    if K > 1 and (cfg.tensor_pieces or 1) > 1:
+        raise UsageError("--sequence-pieces with --tensor-pieces: not yet (a piece of the sequence runs its split "
+                         "layers whole)")
+    if cfg.deterministic and cfg.mode == "context" and ((cfg.tensor_parallel or 1) > 1 or cfg.zero_stage):
+        raise UsageError("--deterministic --mode context: dp x cp only, " + (
+            "not --tensor-parallel > 1 (cp x tp's split layers are not cut in the fixed pieces yet)"
+            if (cfg.tensor_parallel or 1) > 1 else "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
 
 
 def check_local(cfg):
@@ -190,6 +208,9 @@ def check_layout(cfg, n_contexts, n_processes=1):
                              + f" does not divide the {n} contexts into groups")
     if cfg.mode == "tensor" and (cfg.model == "lenet" or n % (cfg.tensor_parallel or n)):
         check_tensor_layout(cfg.tensor_parallel or n, n, cfg.width)   # other models: Model.tensor_refusal
+    if cfg.mode == "context" and cfg.deterministic and (cfg.sequence_pieces or 1) % cp:
+        raise UsageError(f"--deterministic --mode context cuts the sequence into {cfg.sequence_pieces or 1} pieces: "
+                         f"--context-parallel {cp} does not divide them (give --sequence-pieces a multiple of {cp})")
     if cfg.mode in ("tensor", "mesh") and cfg.deterministic:
         check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or (n if cfg.mode == "tensor" else MESH_TP),
                             cfg.mode)

@@ -35,6 +35,7 @@ ZERO_MEMORY = dict(width=16, cpus=4, optimizer="adam", precision="bf16", batch=6
 PIECE_ROWS = 64               # --deterministic: rows per piece, the unit whose gradient is computed whole
                               # (64, not 32: half the calls; measured in docs/performance.md, 2026-11-26)
 TENSOR_PIECES = 4             # --deterministic --mode tensor's default --tensor-pieces: pieces of every split layer, whatever T
+SEQUENCE_PIECES = 4           # --deterministic --mode context's default --sequence-pieces: pieces of the sequence, whatever C
 
 
 def flag(default, help, group="training", **argparse):
@@ -74,7 +75,7 @@ class RunConfig:
                                "example), the same in every layout, micro-batching, recompute and resume "
                                "(manual_dp/models/dropout.py)", "model")
     deterministic: bool = flag(False, "the same bits on any number of contexts and processes, and in sync, "
-                                      "zero, model, pipeline, hybrid, tensor and mesh (dp x pp x tp) alike: every batch cut into pieces of "
+                                      "zero, model, pipeline, hybrid, tensor, context (dp x cp) and mesh (dp x pp x tp) alike: every batch cut into pieces of "
                                       f"{PIECE_ROWS} rows whose gradients are added in one fixed tree; one thread "
                                       "per op (manual_dp/strategies/fixed_sums.py)")
     tensor_pieces: Optional[int] = flag(None, "--deterministic: every split layer (channels, heads, hidden units) "
@@ -83,6 +84,12 @@ class RunConfig:
                                               "Q (and --mode mesh with tp dividing Q) has the bits of sync, zero and pipelines given the same Q "
                                               f"(default {TENSOR_PIECES} in tensor and mesh mode, else 1: whole; "
                                               "manual_dp/strategies/tensor_pieces.py)", "parallelism")
+    sequence_pieces: Optional[int] = flag(None, "--deterministic, --model transformer: the sequence computed in K "
+                                                "fixed pieces, attention folded in one order and every sum over "
+                                                "them in one tree: then --mode context with any --context-parallel "
+                                                "dividing K has the bits of --mode sync given the same K (default "
+                                                f"{SEQUENCE_PIECES} in context mode, else 1: whole; "
+                                                "manual_dp/strategies/sequence_pieces.py)", "parallelism")
     sync_batchnorm: bool = flag(False, "sync and zero, --model resnet: BatchNorm statistics over every context's "
                                        "shard (summed by hand), equal to one context; default: each "
                                        "context its own, as Gluon computes them", "parallelism")
@@ -225,7 +232,8 @@ class RunConfig:
 # Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
 MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "stages": STAGES, "schedule": "gpipe", "zero_stage": 1,
                  "sync_every": 4, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.9,
-                 "attention": "ring", "tensor_pieces": TENSOR_PIECES}
+                 "attention": "ring", "tensor_pieces": TENSOR_PIECES,
+                 "sequence_pieces": SEQUENCE_PIECES}
 APPLIES = {
     "staleness": ("async",),
     "micro_batches": ("pipeline", "hybrid", "mesh"),
@@ -236,6 +244,7 @@ APPLIES = {
     "deterministic": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "sync_batchnorm": ("sync", "zero"),
     "tensor_pieces": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "mesh"),
+    "sequence_pieces": ("sync", "context"),
     "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
     "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "loss_scale": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
@@ -259,7 +268,7 @@ APPLIES = {
     "compress": ("sync",),
 }
 # Flags whose default holds only in some of the modes they apply to (elsewhere: off unless given).
-DEFAULT_ONLY_IN = {"zero_stage": ("zero",), "tensor_pieces": ("tensor", "mesh")}      # tensor, context and mesh: ZeRO over the data dimension if asked
+DEFAULT_ONLY_IN = {"zero_stage": ("zero",), "tensor_pieces": ("tensor", "mesh"), "sequence_pieces": ("context",)}      # tensor, context and mesh: ZeRO over the data dimension if asked
 # The model each size flag applies to (given for another: refused), and its default there.
 MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer",), "d_model": ("transformer",),
                  "heads": ("transformer",), "patch": ("transformer",)}
@@ -289,7 +298,7 @@ def resolve(cfg):
         default = default if cfg.mode in DEFAULT_ONLY_IN.get(name, modes) else None
         values[name] = given if given is not None else default
     if not cfg.deterministic:                                # --tensor-pieces orders --deterministic's sums only
-        values["tensor_pieces"] = None
+        values["tensor_pieces"] = values["sequence_pieces"] = None
     for name, default in LOSS_SCALE.items():                 # fp16's loss scale, and only fp16's
         given = getattr(cfg, name)
         if given is not None and cfg.precision != "fp16":

@@ -22,6 +22,7 @@ from ..strategies.async_dp import AsyncDataParallel
 from ..strategies.base import innermost
 from ..strategies.compressed import Compressed
 from ..strategies.context import ContextParallel
+from ..strategies.context_deterministic import ContextDeterministic
 from ..strategies.context_tensor import ContextTensorParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
@@ -144,7 +145,14 @@ def build_model(cfg, params, ctx, world, policy=None):
     reduce = world.reducer(make_allreduce(name))
     grad_reduce = world.reducer(policy.reducer(make_allreduce(name), name))   # gradients: in the precision
     grad_reduce = policy.rounding(grad_reduce) if world.size > 1 else grad_reduce
-    if cfg.mode == "sync":
+    if cfg.deterministic and (cfg.mode == "context" or (cfg.sequence_pieces or 1) > 1):   # the sequence in K pieces
+        try:
+            C = context_degree(cfg, len(ctx)) if cfg.mode == "context" else 1
+            model = ContextDeterministic(params, ctx, cfg.optimizer, C, cfg.attention or "ring", cfg.sequence_pieces,
+                                         sums=fixed_sums(cfg, world), model=net)
+        except ValueError as e:
+            raise UsageError(f"--deterministic --sequence-pieces {cfg.sequence_pieces}: {e}") from None
+    elif cfg.mode == "sync":
         pad = graph_pad(cfg, world)                                              # rank 0's
         if pad is not None:
             print(f"cached graph: convolution channels padded to multiples of {pad}" if pad > 1 else

@@ -97,6 +97,14 @@ def describe(cfg):
                 f"micro-batches of whole batch pieces on {SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule, "
                 f"each stage's gradients per piece added in the fixed tree: the bits of every layout given "
                 f"--tensor-pieces {cfg.tensor_pieces}")
+    if cfg.deterministic and cfg.mode == "context":
+        line = (f"context, deterministic: every sequence in {cfg.sequence_pieces} fixed pieces over "
+                f"{cfg.context_parallel or 'all'} context(s) per group, {cfg.attention} attention folding them in "
+                f"one order, their sums and the batch's pieces added in fixed trees: the bits of every layout "
+                f"given --sequence-pieces {cfg.sequence_pieces}")
+    line += (f", the sequence in {cfg.sequence_pieces} fixed pieces (--sequence-pieces: the bits of --mode context "
+             f"with any --context-parallel dividing it)" if (cfg.sequence_pieces or 1) > 1
+             and cfg.mode != "context" else "")
     line += (f", every split layer in {cfg.tensor_pieces} fixed pieces (--tensor-pieces: the bits of --mode tensor "
              f"with any --tensor-parallel dividing it)" if (cfg.tensor_pieces or 1) > 1
              and cfg.mode not in ("tensor", "mesh") else "")
