@@ -41,7 +41,7 @@ from ..models import as_model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy, placed
-from .dp_zero import DataShardedOptimizer, backward
+from .dp_zero import DataShardedOptimizer, backward, gathered, peak
 from .tensor_layout import even_split, group_layout, held_whole, shard, shard_of_whole, unshard, whole_layout
 
 # The axis along which each of LeNet's 8 parameters is split; None: whole on every context.
@@ -78,7 +78,8 @@ class TensorParallel(Strategy):
 
     zero_stage 1: ZeRO over the data dimension (strategies/dp_zero.py): each group's copy of a
     shard keeps the optimiser state of 1/D of it, in this process's contexts; 2: and 1/D of its
-    summed gradient.
+    summed gradient; 3: and 1/D of the shard itself between steps, gathered whole for a step's
+    forward and backward, an evaluation or a checkpoint.
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
@@ -126,7 +127,7 @@ class TensorParallel(Strategy):
     def backward(self, X, y):
         """Every group runs its shard of the batch through its T contexts; gradients add up."""
         heads, metrics = [], []
-        with autograd.record():
+        with gathered(self.zero), autograd.record():
             for row, P, Xg, yg in zip(self.grid, self.shards, split_and_load(host(X), [r[0] for r in self.grid]),
                                       split_and_load(host(y), [r[0] for r in self.grid])):
                 ys = copies(yg, row)
@@ -134,7 +135,7 @@ class TensorParallel(Strategy):
                 losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
                 heads += [l * (1 / self.T) for l in losses] if self.sequence_parallel else losses
                 metrics.append((losses[0], n_correct(scores[0], ys[0])))
-        backward(heads, [p for P_row in self.shards for P in P_row for p in P], self.zero)
+            backward(heads, [p for P_row in self.shards for P in P_row for p in P], self.zero)
         return metrics
 
     def update(self, lr, n_examples):
@@ -173,14 +174,19 @@ class TensorParallel(Strategy):
         """Correct predictions on (X, y), sharded over the groups (idle ones if X is tiny)."""
         rows = self.grid[:min(len(self.grid), X.shape[0])]
         counts = []
-        for row, P, Xg, yg in zip(rows, self.shards, split_and_load(X, [r[0] for r in rows]),
-                                  split_and_load(y, [r[0] for r in rows])):
-            scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join)
-            counts.append(n_correct(scores[0], yg).copyto(self.ctx[0]))
+        with gathered(self.zero):
+            for row, P, Xg, yg in zip(rows, self.shards, split_and_load(X, [r[0] for r in rows]),
+                                      split_and_load(y, [r[0] for r in rows])):
+                scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join)
+                counts.append(n_correct(scores[0], yg).copyto(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
-        """Shard j of every group; and b2, b4, whole on every context."""
+        """Shard j of every group; and b2, b4, whole on every context (under ZeRO-3 gathered)."""
+        with gathered(self.zero):
+            return self.fingerprints_of_wholes()
+
+    def fingerprints_of_wholes(self):
         names = self.net.names()
         groups = {f"tensor shard {j}": [fingerprint(row[j], P_row[j], names) for row, P_row in zip(self.grid, self.shards)]
                   for j in range(self.T)}
@@ -202,10 +208,13 @@ class TensorParallel(Strategy):
         return out
 
     def arrays(self):
-        params = [p for P_row in self.shards for P in P_row for p in P]
+        params = [p for P_row in self.shards for P in P_row for p in P] + (self.zero.param_arrays() if self.zero else [])
         states = self.zero.state_arrays() if self.zero else [s for S_row in self.states for S in S_row for st in S for s in st]
         return {"param": params, "grad": self.zero.grad_arrays() if self.zero else [p.grad for p in params],
                 "state": states}
+
+    def peak_arrays(self):
+        return peak(self.arrays(), self.zero)
 
     def first_states(self):
         """Group 0's optimiser state, S_row[j][i] a list per slot (under ZeRO, gathered whole)."""
@@ -219,12 +228,17 @@ class TensorParallel(Strategy):
     def state_dict(self):
         """Group 0's shards joined: the whole parameters and optimiser state, in the model's order."""
         P_row, S_row = self.shards[0], self.first_states()
-        params = [unshard([P[i].asnumpy() for P in P_row], a) for i, a in enumerate(self.split)]
+        with gathered(self.zero):
+            params = [unshard([P[i].asnumpy() for P in P_row], a) for i, a in enumerate(self.split)]
         opt_state = [[unshard([S[i][k].asnumpy() for S in S_row], a) for k in range(len(S_row[0][i]))]
                      for i, a in enumerate(self.split)]
         return {"params": params, "opt_state": opt_state, "t": self.t, "extra": {}}
 
     def load_state_dict(self, state):
+        with gathered(self.zero, keep=True):
+            self.load_wholes(state)
+
+    def load_wholes(self, state):
         want = [tuple(s if a != k else s * self.T for k, s in enumerate(p.shape))
                 for p, a in zip(self.shards[0][0], self.split)]
         got = [tuple(np.shape(v)) for v in state["params"]]
