@@ -29,7 +29,7 @@ from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from ..errors import CheckpointError
 from .base import Strategy, placed
-from .dp_zero import DataShardedOptimizer, backward
+from .dp_zero import DataShardedOptimizer, backward, gathered, peak
 from .data_parallel import host_state, load_into
 from .tensor import copies
 from .tensor_layout import even_split
@@ -53,7 +53,7 @@ class ContextParallel(Strategy):
     attention: "ring" or "ulysses"; allreduce_fn sums the gradients over every context (and, under
     a multi-process world, the processes); cp_allreduce is seq.sum's, inside a group. zero_stage 1:
     each context keeps the optimiser state of 1/N of every parameter (strategies/dp_zero.py); 2: and
-    1/N of its summed gradient."""
+    1/N of its summed gradient; 3: and 1/N of it between steps (gathered whole for a use)."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, context_parallel=None, attention="ring",
                  allreduce_fn=None, cp_allreduce=None, model=None, zero_stage=0):
@@ -94,14 +94,15 @@ class ContextParallel(Strategy):
         """Every group runs its shard of the batch, each context on its block of tokens."""
         heads, metrics = [], []
         firsts = [r[0] for r in self.grid]
-        with autograd.record():
-            for row, P, Xg, yg in zip(self.grid, self.params, split_and_load(host(X), firsts),
-                                      split_and_load(host(y), firsts)):
-                ys, scores = copies(yg, row), self.scores(row, P, Xg)
-                losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
-                heads += [l * (1 / self.C) for l in losses]
-                metrics.append((losses[0], n_correct(scores[0], ys[0])))
-        backward(heads, [p for P in self.copies for p in P], self.zero)
+        with gathered(self.zero):
+            with autograd.record():
+                for row, P, Xg, yg in zip(self.grid, self.params, split_and_load(host(X), firsts),
+                                          split_and_load(host(y), firsts)):
+                    ys, scores = copies(yg, row), self.scores(row, P, Xg)
+                    losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
+                    heads += [l * (1 / self.C) for l in losses]
+                    metrics.append((losses[0], n_correct(scores[0], ys[0])))
+            backward(heads, [p for P in self.copies for p in P], self.zero)
         return metrics
 
     def update(self, lr, n_examples):
@@ -131,15 +132,17 @@ class ContextParallel(Strategy):
         """Correct predictions on (X, y), sharded over the groups."""
         rows = self.grid[:min(len(self.grid), X.shape[0])]
         counts = []
-        for row, P, Xg, yg in zip(rows, self.params, split_and_load(X, [r[0] for r in rows]),
-                                  split_and_load(y, [r[0] for r in rows])):
-            counts.append(n_correct(self.scores(row, P, Xg)[0], yg).copyto(self.ctx[0]))
+        with gathered(self.zero):
+            for row, P, Xg, yg in zip(rows, self.params, split_and_load(X, [r[0] for r in rows]),
+                                      split_and_load(y, [r[0] for r in rows])):
+                counts.append(n_correct(self.scores(row, P, Xg)[0], yg).copyto(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
         """Every context's copy of the parameters: one group, all equal."""
         names = self.net.names()
-        return {"replicas": [fingerprint(c, P, names) for c, P in zip(self.ctx, self.copies)]}
+        with gathered(self.zero):
+            return {"replicas": [fingerprint(c, P, names) for c, P in zip(self.ctx, self.copies)]}
 
     def layout(self, batch_size):
         """Each context of a group holds the group's examples but 1/C of their tokens: priced as
@@ -155,18 +158,26 @@ class ContextParallel(Strategy):
         return out
 
     def arrays(self):
-        params = [p for P in self.copies for p in P]
+        params = [p for P in self.copies for p in P] + (self.zero.param_arrays() if self.zero else [])
         state = self.zero.state_arrays() if self.zero else [s for row in self.states for S in row for st in S for s in st]
         return {"param": params, "grad": self.zero.grad_arrays() if self.zero else [p.grad for p in params],
                 "state": state}
 
+    def peak_arrays(self):
+        return peak(self.arrays(), self.zero)
+
     def state_dict(self):
-        if self.zero:
-            whole = [[nd.array(v) for v in self.zero.whole_state(i)] for i in range(len(self.copies[0]))]
-            return host_state(self.params[0][0], whole, self.t)
-        return host_state(self.params[0][0], self.states[0][0], self.t)
+        with gathered(self.zero):
+            if self.zero:
+                whole = [[nd.array(v) for v in self.zero.whole_state(i)] for i in range(len(self.copies[0]))]
+                return host_state(self.params[0][0], whole, self.t)
+            return host_state(self.params[0][0], self.states[0][0], self.t)
 
     def load_state_dict(self, state):
+        with gathered(self.zero, keep=True):
+            self.load_wholes(state)
+
+    def load_wholes(self, state):
         if not self.zero:
             for P, S in zip(self.copies, [S for row in self.states for S in row]):
                 load_into(P, S, state)

@@ -25,7 +25,7 @@ from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy, placed
 from .context import Sequence
-from .dp_zero import DataShardedOptimizer, backward
+from .dp_zero import DataShardedOptimizer, backward, gathered, peak
 from .tensor import copies
 from .tensor_layout import even_split, shard, unshard
 
@@ -82,14 +82,16 @@ class ContextTensorParallel(Strategy):
 
     def backward(self, X, y):
         heads, metrics, firsts = [], [], [g[0][0] for g in self.grids]
-        with autograd.record():
-            for grid, P, Xg, yg in zip(self.grids, self.params, split_and_load(host(X), firsts),
-                                       split_and_load(host(y), firsts)):
-                scores, ys = self.scores(grid, P, Xg), [copies(yg, row) for row in grid]
-                losses = [[cross_entropy(s, yj).sum() for s, yj in zip(srow, yrow)] for srow, yrow in zip(scores, ys)]
-                heads += [l * (1 / self.C) for row in losses for l in row]
-                metrics.append((losses[0][0], n_correct(scores[0][0], ys[0][0])))
-        backward(heads, [p for _, P, _ in self.every() for p in P], self.zero)
+        with gathered(self.zero):
+            with autograd.record():
+                for grid, P, Xg, yg in zip(self.grids, self.params, split_and_load(host(X), firsts),
+                                           split_and_load(host(y), firsts)):
+                    scores, ys = self.scores(grid, P, Xg), [copies(yg, row) for row in grid]
+                    losses = [[cross_entropy(s, yj).sum() for s, yj in zip(srow, yrow)]
+                              for srow, yrow in zip(scores, ys)]
+                    heads += [l * (1 / self.C) for row in losses for l in row]
+                    metrics.append((losses[0][0], n_correct(scores[0][0], ys[0][0])))
+            backward(heads, [p for _, P, _ in self.every() for p in P], self.zero)
         return metrics
 
     def update(self, lr, n_examples):
@@ -119,15 +121,17 @@ class ContextTensorParallel(Strategy):
     def correct(self, X, y):
         grids = self.grids[:min(len(self.grids), X.shape[0])]
         counts = []
-        for grid, P, Xg, yg in zip(grids, self.params, split_and_load(X, [g[0][0] for g in grids]),
-                                   split_and_load(y, [g[0][0] for g in grids])):
-            counts.append(n_correct(self.scores(grid, P, Xg)[0][0], yg).copyto(self.ctx[0]))
+        with gathered(self.zero):
+            for grid, P, Xg, yg in zip(grids, self.params, split_and_load(X, [g[0][0] for g in grids]),
+                                       split_and_load(y, [g[0][0] for g in grids])):
+                counts.append(n_correct(self.scores(grid, P, Xg)[0][0], yg).copyto(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
         names = self.net.names()
-        return {f"tensor shard {t}": [fingerprint(c, P, names) for c, P, _ in self.every()
-                                      if self.mesh.coords(self.ctx.index(c))["tp"] == t] for t in range(self.T)}
+        with gathered(self.zero):
+            return {f"tensor shard {t}": [fingerprint(c, P, names) for c, P, _ in self.every()
+                                          if self.mesh.coords(self.ctx.index(c))["tp"] == t] for t in range(self.T)}
 
     def layout(self, batch_size):
         """Each context: 1/(C T) of its grid's examples' activations (a floor, as tensor's and
@@ -139,13 +143,17 @@ class ContextTensorParallel(Strategy):
         return out
 
     def arrays(self):
-        params = [p for _, P, _ in self.every() for p in P]
+        params = [p for _, P, _ in self.every() for p in P] + (self.zero.param_arrays() if self.zero else [])
         state = self.zero.state_arrays() if self.zero else [s for _, _, S in self.every() for st in S for s in st]
         return {"param": params, "grad": self.zero.grad_arrays() if self.zero else [p.grad for p in params],
                 "state": state}
 
+    def peak_arrays(self):
+        return peak(self.arrays(), self.zero)
+
     def state_dict(self):
-        params = [a.asnumpy() for a in self.whole(lambda t, i: self.params[0][0][t][i])]
+        with gathered(self.zero):
+            params = [a.asnumpy() for a in self.whole(lambda t, i: self.params[0][0][t][i])]
         if self.zero:
             whole = {key: self.zero.whole_state(g) for g, (key, _) in enumerate(self.copy_groups())}
             opt = [[unshard([whole[(t, i)][k] for t in range(self.T)], a) for k in range(len(whole[(0, i)]))]
@@ -158,6 +166,10 @@ class ContextTensorParallel(Strategy):
 
     def load_state_dict(self, state):
         mine = self.state_dict()
+        with gathered(self.zero, keep=True):
+            self.load_wholes(state, mine)
+
+    def load_wholes(self, state, mine):
         if [np.shape(v) for v in state["params"]] != [np.shape(v) for v in mine["params"]] or \
                 [len(s) for s in state["opt_state"]] != [len(s) for s in mine["opt_state"]]:
             raise CheckpointError("the checkpoint's parameters or optimiser state do not fit this run")

@@ -33,7 +33,7 @@ from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy, placed
 from .context import Sequence
-from .dp_zero import DataShardedOptimizer
+from .dp_zero import DataShardedOptimizer, gathered, peak
 from .group_stages import GroupPass, grid_stage, sequence_stage, tensor_stage
 from .pipeline_pass import cut
 from .schedules import bubbles, check_micro, check_name, held, plan, run_order, simulate
@@ -146,14 +146,15 @@ class MeshParallel(Strategy):
         """Every replica pipelines its shard of the batch over its stages' tensor groups."""
         metrics = []
         scale = 1 / (self.C if self.C > 1 else self.T) if self.summed_in_group else 1
-        for row, P, Xr, yr in zip(self.groups, self.params, split_and_load(X, [g[0][0] for g in self.groups]),
-                                  split_and_load(y, [g[-1][0] for g in self.groups])):
-            p = self.plan(Xr.shape[0])
-            self.bubbles.append(bubbles(p, simulate(p))[0])
-            Xs = cut(Xr, p.n_micro)
-            run = GroupPass(Xs, cut(yr, p.n_micro), P, row, self.stages, scale, [self.net.noisy(nd, X) for X in Xs],
-                            self.zero)
-            metrics.append(run.run(run_order(p)))
+        with gathered(self.zero):     # ZeRO-3: every stage whole on its contexts for the step's pass
+            for row, P, Xr, yr in zip(self.groups, self.params, split_and_load(X, [g[0][0] for g in self.groups]),
+                                      split_and_load(y, [g[-1][0] for g in self.groups])):
+                p = self.plan(Xr.shape[0])
+                self.bubbles.append(bubbles(p, simulate(p))[0])
+                Xs = cut(Xr, p.n_micro)
+                run = GroupPass(Xs, cut(yr, p.n_micro), P, row, self.stages, scale,
+                                [self.net.noisy(nd, X) for X in Xs], self.zero)
+                metrics.append(run.run(run_order(p)))
         return metrics
 
     def each_param(self):
@@ -209,19 +210,21 @@ class MeshParallel(Strategy):
     def correct(self, X, y):
         rows = self.groups[:min(len(self.groups), X.shape[0])]
         counts = []
-        for row, P, Xr, yr in zip(rows, self.params, split_and_load(X, [g[0][0] for g in rows]),
-                                  split_and_load(y, [g[-1][0] for g in rows])):
-            hs = copies(Xr, row[0])
-            for k, (stage, group) in enumerate(zip(self.stages, row)):
-                hs = stage(hs if k == 0 else [h.copyto(c) for h, c in zip(hs, group)], P[k])
-            counts.append(n_correct(hs[0], yr).copyto(self.ctx[0]))
+        with gathered(self.zero):
+            for row, P, Xr, yr in zip(rows, self.params, split_and_load(X, [g[0][0] for g in rows]),
+                                      split_and_load(y, [g[-1][0] for g in rows])):
+                hs = copies(Xr, row[0])
+                for k, (stage, group) in enumerate(zip(self.stages, row)):
+                    hs = stage(hs if k == 0 else [h.copyto(c) for h, c in zip(hs, group)], P[k])
+                counts.append(n_correct(hs[0], yr).copyto(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
         names = self.net.names()
-        return {f"stage {k} shard {j}": [fingerprint(row[k][j], P[k][j], names[sl])
-                                         for row, P in zip(self.groups, self.params)]
-                for k, sl in enumerate(self.own) for j in range(self.G)}
+        with gathered(self.zero):
+            return {f"stage {k} shard {j}": [fingerprint(row[k][j], P[k][j], names[sl])
+                                             for row, P in zip(self.groups, self.params)]
+                    for k, sl in enumerate(self.own) for j in range(self.G)}
 
     def layout(self, batch_size):
         """Each context: its stage's activations for the examples the schedule holds there
@@ -242,11 +245,15 @@ class MeshParallel(Strategy):
         return out
 
     def arrays(self):
-        params = [p for row in self.params for stage in row for P in stage for p in P]
+        params = [p for row in self.params for stage in row for P in stage for p in P] + \
+            (self.zero.param_arrays() if self.zero else [])
         state = self.zero.state_arrays() if self.zero else \
             [s for row in self.states for stage in row for S in stage for st in S for s in st]
         return {"param": params, "grad": self.zero.grad_arrays() if self.zero else [p.grad for p in params],
                 "state": state}
+
+    def peak_arrays(self):
+        return peak(self.arrays(), self.zero)
 
     def first_state(self):
         """get(k, j, i, slot): replica 0's optimiser state of stage k's parameter i on rank j (under
@@ -263,13 +270,18 @@ class MeshParallel(Strategy):
 
     def state_dict(self):
         """Replica 0's shards joined: the whole parameters and optimiser state, in the model's order."""
-        params = [a.asnumpy() for a in self.whole(lambda k, j, i: self.params[0][k][j][i])]
+        with gathered(self.zero):
+            params = [a.asnumpy() for a in self.whole(lambda k, j, i: self.params[0][k][j][i])]
         get, slots = self.first_state()
         opt = [[a.asnumpy() for a in self.whole(lambda k, j, i, s=s: get(k, j, i, s))] for s in range(slots)]
         return {"params": params, "opt_state": [[o[g] for o in opt] for g in range(len(params))],
                 "t": self.t, "extra": {}}
 
     def load_state_dict(self, state):
+        with gathered(self.zero, keep=True):
+            self.load_wholes(state)
+
+    def load_wholes(self, state):
         want = len(self.split)
         if len(state["params"]) != want:
             raise CheckpointError(f"the checkpoint holds {len(state['params'])} parameters, this model {want}")

@@ -127,14 +127,15 @@ class TensorParallel(Strategy):
     def backward(self, X, y):
         """Every group runs its shard of the batch through its T contexts; gradients add up."""
         heads, metrics = [], []
-        with gathered(self.zero), autograd.record():
-            for row, P, Xg, yg in zip(self.grid, self.shards, split_and_load(host(X), [r[0] for r in self.grid]),
-                                      split_and_load(host(y), [r[0] for r in self.grid])):
-                ys = copies(yg, row)
-                scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join)
-                losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
-                heads += [l * (1 / self.T) for l in losses] if self.sequence_parallel else losses
-                metrics.append((losses[0], n_correct(scores[0], ys[0])))
+        with gathered(self.zero):
+            with autograd.record():
+                for row, P, Xg, yg in zip(self.grid, self.shards, split_and_load(host(X), [r[0] for r in self.grid]),
+                                          split_and_load(host(y), [r[0] for r in self.grid])):
+                    ys = copies(yg, row)
+                    scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join)
+                    losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
+                    heads += [l * (1 / self.T) for l in losses] if self.sequence_parallel else losses
+                    metrics.append((losses[0], n_correct(scores[0], ys[0])))
             backward(heads, [p for P_row in self.shards for P in P_row for p in P], self.zero)
         return metrics
 
