@@ -100,9 +100,6 @@ def check_model(cfg):
             if (cfg.context_parallel or 1) > 1 else
             "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
     check_sequence_pieces(cfg)
-    if cfg.mode in ("tensor", "context", "mesh") and (cfg.zero_stage or 1) > 2:
-        raise UsageError(f"--zero-stage {cfg.zero_stage} with --mode {cfg.mode}: only stages 1 and 2 (the optimiser "
-                         f"state and the gradients) over the data dimension so far, not the parameters")
     if cfg.mode == "mesh" and cfg.model != "transformer":
         raise UsageError(f"--mode mesh (tp x pp) needs layers that split on their own: --model transformer, not "
                          f"--model {cfg.model}")

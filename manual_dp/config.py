@@ -129,7 +129,7 @@ class RunConfig:
     zero_stage: Optional[int] = flag(None, "zero: ZeRO shards over the contexts 1: the optimiser state, "
                                            "2: also the gradients, 3: also the parameters (default 1); tensor, "
                                            "context, mesh: 1 shards the optimiser state over the data dimension, "
-                                           "2 also the gradients (default off)",
+                                           "2 also the gradients, 3 also the parameters (default off)",
                                      "parallelism", choices=(1, 2, 3))
     grad_accum: int = flag(1, "batches per update", "parallelism")
     clip_norm: Optional[float] = flag(None, "scale the gradient by min(1, C / its global L2 norm) before every "

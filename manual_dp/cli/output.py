@@ -12,6 +12,11 @@ SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 
 from ..errors import Terminated, UsageError
 from ..fast.runtime import environment_problem
 
+# What --zero-stage shards over a mesh's data dimension (strategies/dp_zero.py); stage 3's parameters are
+# all-gathered whole for a step's forward and backward, an evaluation or a checkpoint, and dropped after.
+DP_SHARDED = {1: "optimiser state", 2: "optimiser state and gradients",
+              3: "optimiser state, gradients and parameters (gathered whole for each step's pass)"}
+
 
 def write_atomic(path, text):
     """Replace the file at `path` with `text`: a crash or a full disk leaves the old file or the
@@ -109,8 +114,8 @@ def describe(cfg):
              f"with any --tensor-parallel dividing it)" if (cfg.tensor_pieces or 1) > 1
              and cfg.mode not in ("tensor", "mesh") else "")
     line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel else ""
-    line += (f", {'optimiser state' if cfg.zero_stage == 1 else 'optimiser state and gradients'} sharded over the "
-             f"data dimension (ZeRO-{cfg.zero_stage})") if cfg.zero_stage and cfg.mode != "zero" else ""
+    line += (f", {DP_SHARDED.get(cfg.zero_stage)} sharded over the data dimension (ZeRO-{cfg.zero_stage})"
+             if cfg.zero_stage and cfg.mode != "zero" else "")
     line += (f", {cfg.precision} parameters and gradients kept, float32 master weights beside the optimiser "
              f"state (strategies/zero_mixed.py)") if cfg.mode == "zero" and cfg.precision != "fp32" \
         and not cfg.deterministic else ""
