@@ -15,7 +15,7 @@ from ..fast.runtime import environment_problem
 # What --zero-stage shards over a mesh's data dimension (strategies/dp_zero.py); stage 3's parameters are
 # all-gathered whole for a step's forward and backward, an evaluation or a checkpoint, and dropped after.
 DP_SHARDED = {1: "optimiser state", 2: "optimiser state and gradients",
-              3: "optimiser state, gradients and parameters (gathered whole for each step's pass)"}
+              3: "optimiser state, gradients and parameters"}
 
 
 def write_atomic(path, text):
