@@ -149,18 +149,14 @@ UNREACHED = {
 
 def check_sequence_pieces(cfg):
     """UsageError where --deterministic's fixed pieces of the sequence (strategies/sequence_pieces.py)
-    do not reach: other models, split layers, cp x tp, ZeRO."""
+    do not reach: other models, ZeRO."""
     K = cfg.sequence_pieces or 1
     if K > 1 and cfg.model != "transformer":
         raise UsageError(f"--sequence-pieces cuts a sequence of tokens: --model transformer has one, --model "
                          f"{cfg.model} does not")
-    if K > 1 and (cfg.tensor_pieces or 1) > 1:
-        raise UsageError("--sequence-pieces with --tensor-pieces: not yet (a piece of the sequence runs its split "
-                         "layers whole)")
-    if cfg.deterministic and cfg.mode == "context" and ((cfg.tensor_parallel or 1) > 1 or cfg.zero_stage):
-        raise UsageError("--deterministic --mode context: dp x cp only, " + (
-            "not --tensor-parallel > 1 (cp x tp's split layers are not cut in the fixed pieces yet)"
-            if (cfg.tensor_parallel or 1) > 1 else "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
+    if cfg.deterministic and cfg.mode == "context" and cfg.zero_stage:
+        raise UsageError("--deterministic --mode context: dp x cp x tp only, not --zero-stage (its shards are not "
+                         "cut in the fixed pieces yet)")
 
 
 def check_local(cfg):
@@ -211,6 +207,8 @@ def check_layout(cfg, n_contexts, n_processes=1):
     if cfg.mode == "context" and cfg.deterministic and (cfg.sequence_pieces or 1) % cp:
         raise UsageError(f"--deterministic --mode context cuts the sequence into {cfg.sequence_pieces or 1} pieces: "
                          f"--context-parallel {cp} does not divide them (give --sequence-pieces a multiple of {cp})")
+    if cfg.mode == "context" and cfg.deterministic and (cfg.tensor_parallel or 1) > 1:
+        check_tensor_pieces(cfg.tensor_pieces or 1, cfg.tensor_parallel, "context")
     if cfg.mode in ("tensor", "mesh") and cfg.deterministic:
         check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or (n if cfg.mode == "tensor" else MESH_TP),
                             cfg.mode)

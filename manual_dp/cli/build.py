@@ -23,6 +23,7 @@ from ..strategies.base import innermost
 from ..strategies.compressed import Compressed
 from ..strategies.context import ContextParallel
 from ..strategies.context_deterministic import ContextDeterministic
+from ..strategies.grid_deterministic import GridDeterministic
 from ..strategies.context_tensor import ContextTensorParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
@@ -148,8 +149,12 @@ def build_model(cfg, params, ctx, world, policy=None):
     if cfg.deterministic and (cfg.mode == "context" or (cfg.sequence_pieces or 1) > 1):   # the sequence in K pieces
         try:
             C = context_degree(cfg, len(ctx)) if cfg.mode == "context" else 1
-            model = ContextDeterministic(params, ctx, cfg.optimizer, C, cfg.attention or "ring", cfg.sequence_pieces,
-                                         sums=fixed_sums(cfg, world), model=net)
+            T = (cfg.tensor_parallel or 1) if cfg.mode == "context" else 1
+            model = GridDeterministic(params, ctx, cfg.optimizer, C, T, cfg.attention or "ring", cfg.sequence_pieces,
+                                      cfg.tensor_pieces, fixed_sums(cfg, world), net) \
+                if (cfg.tensor_pieces or 1) > 1 else \
+                ContextDeterministic(params, ctx, cfg.optimizer, C, cfg.attention or "ring", cfg.sequence_pieces,
+                                     sums=fixed_sums(cfg, world), model=net)
         except ValueError as e:
             raise UsageError(f"--deterministic --sequence-pieces {cfg.sequence_pieces}: {e}") from None
     elif cfg.mode == "sync":

@@ -98,16 +98,19 @@ def describe(cfg):
                 f"each stage's gradients per piece added in the fixed tree: the bits of every layout given "
                 f"--tensor-pieces {cfg.tensor_pieces}")
     if cfg.deterministic and cfg.mode == "context":
+        tp = (cfg.tensor_parallel or 1) > 1
         line = (f"context, deterministic: every sequence in {cfg.sequence_pieces} fixed pieces over "
                 f"{cfg.context_parallel or 'all'} context(s) per group, {cfg.attention} attention folding them in "
-                f"one order, their sums and the batch's pieces added in fixed trees: the bits of every layout "
-                f"given --sequence-pieces {cfg.sequence_pieces}")
+                + (f"one order, each piece's split layers in {cfg.tensor_pieces} fixed pieces over "
+                   f"{cfg.tensor_parallel} tensor context(s), " if tp else "one order, ")
+                + f"their sums and the batch's pieces added in fixed trees: the bits of every layout given "
+                f"--sequence-pieces {cfg.sequence_pieces}" + (f" --tensor-pieces {cfg.tensor_pieces}" if tp else ""))
     line += (f", the sequence in {cfg.sequence_pieces} fixed pieces (--sequence-pieces: the bits of --mode context "
              f"with any --context-parallel dividing it)" if (cfg.sequence_pieces or 1) > 1
              and cfg.mode != "context" else "")
-    line += (f", every split layer in {cfg.tensor_pieces} fixed pieces (--tensor-pieces: the bits of --mode tensor "
-             f"with any --tensor-parallel dividing it)" if (cfg.tensor_pieces or 1) > 1
-             and cfg.mode not in ("tensor", "mesh") else "")
+    line += (f", every split layer in {cfg.tensor_pieces} fixed pieces (--tensor-pieces: the bits of --mode "
+             + ("context" if (cfg.sequence_pieces or 1) > 1 else "tensor") + " with any --tensor-parallel dividing it)"
+             if (cfg.tensor_pieces or 1) > 1 and cfg.mode not in ("tensor", "mesh", "context") else "")
     line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel else ""
     line += (f", {'optimiser state' if cfg.zero_stage == 1 else 'optimiser state and gradients'} sharded over the "
              f"data dimension (ZeRO-{cfg.zero_stage})") if cfg.zero_stage and cfg.mode != "zero" else ""

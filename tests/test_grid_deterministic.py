@@ -1,0 +1,95 @@
+"""--deterministic on grids: the sequence in K pieces and every split layer in Q pieces at once
+(cp x tp, strategies/grid_deterministic.py), with the bits of one context's --deterministic step
+given the same --sequence-pieces K and --tensor-pieces Q.
+
+Bit-identity holds when every process runs its ops with the same thread count: the in-process tests
+run in one process (one thread count for every layout), the command-line ones start every process
+with one thread per op (jobs.PINNED, and what the command line sets for --deterministic).
+"""
+import numpy as np
+import pytest
+
+from conftest import batch, cpus, run_main
+from jobs import assert_same_run, train_cmd
+from manual_dp.strategies.context_tensor import ContextTensorParallel
+from manual_dp.strategies.grid_deterministic import GridDeterministic
+from test_context_deterministic import MODEL, TINY, net, same, steps  # noqa: F401 (the net fixture)
+from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
+
+
+def grid(net, n, C=1, T=1, attention="ring", seed=0):
+    """dp x cp x tp on n contexts, the sequence in 4 pieces, every split layer in 2."""
+    return GridDeterministic(net.init_params(seed), cpus(n), "adam", C, T, attention, pieces=4, tensor_pieces=2,
+                             model=net)
+
+
+@pytest.fixture(scope="module")
+def one(net):
+    """One context, K = 4 lanes each with its split layers in Q = 2 pieces: --mode sync's step."""
+    return steps(grid(net, 1))
+
+
+# cp x tp ---------------------------------------------------------------------------------------------
+
+GRIDS = {"tp2": (2, 1, 2, "ring"), "cp2 x tp2 ring": (4, 2, 2, "ring"),
+         "cp2 x tp2 ulysses": (4, 2, 2, "ulysses"), "dp2 x cp2 x tp2": (8, 2, 2, "ring")}
+
+
+@pytest.mark.parametrize("layout", list(GRIDS))
+def test_every_grid_has_one_contexts_bits(net, one, layout):
+    """Both losses and every parameter after 2 adam steps: exactly one context's."""
+    assert same(steps(grid(net, *GRIDS[layout])), one)
+
+
+def test_plain_cp_x_tp_does_not(net, one):
+    """ContextTensorParallel on the same 2 x 2 grid: other bits (the equalities are not vacuous), though close."""
+    plain = steps(ContextTensorParallel(net.init_params(0), cpus(4), "adam", 2, 2, model=net))
+    assert not same(plain, one)
+    np.testing.assert_allclose(plain[0], one[0], rtol=1e-4)
+
+
+def test_every_array_lives_on_its_grid_cell_and_a_checkpoint_moves_to_one_context(net, one):
+    """cp2 x tp2: each cell's pieces, state and tree totals on it, lanes 2 a row; its checkpoint after
+    one step, loaded into one context, gives the reference's second step."""
+    s, (X, y) = grid(net, 4, 2, 2), batch(150, 0)
+    s.backward(X, y)
+    assert [[h.context for h in row] for row in s.held] == s.grid == [cpus(4)[:2], cpus(4)[2:]]
+    s.update(0.01, 150)
+    for row, P_row, S_row in zip(s.grid, s.shards, s.states):
+        for c, P, S in zip(row, P_row, S_row):
+            assert {p.context for p in P} | {p.grad.context for p in P} | {x.context for st in S for x in st} == {c}
+    assert s.lanes[0].where == [cpus(4)[0]] * 2 + [cpus(4)[2]] * 2
+    moved = grid(net, 1, seed=1)
+    moved.load_state_dict(s.state_dict())
+    assert np.array_equal(moved.step(X, y, 0.01)[0][0].asnumpy(), one[0][1])
+    assert all(np.array_equal(a, b) for a, b in zip(moved.state_dict()["params"], one[1]))
+
+
+def test_what_the_grid_refuses(net):
+    with pytest.raises(ValueError, match="cp=2 x tp=2 must divide the 6 contexts"):
+        grid(net, 6, 2, 2)
+    with pytest.raises(ValueError, match="Ulysses needs cp=4 to divide the 2 heads of each of the tp=2 ranks"):
+        GridDeterministic(net.init_params(0), cpus(4), "adam", 4, 1, "ulysses", 4, 2, model=net)
+
+
+def test_cli_cp_x_tp_has_one_contexts_bits(data, tmp_path):
+    """--mode sync --cpus 1 against --mode context cp=2 x tp=2, K = 4, Q = 2: the same losses,
+    accuracies and checkpoints."""
+    pieces = [*TINY, "--tensor-pieces", 2, "--data-dir", data]
+    a = run(tmp_path, "one", train_cmd("--cpus", 1, *pieces))
+    b = run(tmp_path, "grid", train_cmd("--cpus", 4, "--mode", "context", "--context-parallel", 2,
+                                        "--tensor-parallel", 2, *pieces))
+    assert_same_run(*a, *b, exact=True)
+
+
+# What is still refused -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, match", [
+    (["--cpus", "4", "--mesh", "cp=2,tp=2", "--deterministic", "--tensor-pieces", "3"],
+     "--deterministic --mode context cuts every split layer into 3 pieces (--tensor-pieces): --tensor-parallel 2"),
+    (["--cpus", "4", "--mesh", "cp=2,tp=2", "--deterministic", "--zero-stage", "1"],
+     "--deterministic --mode context: dp x cp x tp only, not --zero-stage"),
+])
+def test_cli_refusals_are_one_line(capsys, data_dir, argv, match):
+    code, _, err = run_main(capsys, [*argv, *MODEL, "--data-dir", str(data_dir)])
+    assert code == 2 and len(err) == 1 and match in err[0], err
