@@ -91,9 +91,9 @@ def check_model(cfg):
         check_running(cfg, False)
     if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and cfg.mode in ("pipeline", "hybrid", "mesh"):
         raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
-    if cfg.sequence_parallel and cfg.deterministic:
-        raise UsageError("--sequence-parallel: not with --deterministic yet: a layer norm's gradient is summed over "
-                         "the group's blocks of tokens, a sum one context takes inside one kernel")
+    if cfg.sequence_parallel and cfg.deterministic and cfg.mode == "mesh":
+        raise UsageError("--sequence-parallel --deterministic: --mode tensor only, not --mode mesh (a pipeline's "
+                         "stages do not run the sequence's fixed pieces yet)")
     if cfg.deterministic and cfg.mode == "mesh" and ((cfg.context_parallel or 1) > 1 or (cfg.zero_stage or 0)):
         raise UsageError("--deterministic --mode mesh: dp x pp x tp only: " + (
             "not cp > 1 (the sequence's fixed pieces run in --mode context, not in pipeline stages yet)"
@@ -154,6 +154,8 @@ def check_sequence_pieces(cfg):
     if K > 1 and cfg.model != "transformer":
         raise UsageError(f"--sequence-pieces cuts a sequence of tokens: --model transformer has one, --model "
                          f"{cfg.model} does not")
+    if K > 1 and cfg.mode == "tensor" and not cfg.sequence_parallel:
+        raise UsageError("--sequence-pieces in --mode tensor cuts the sequence of --sequence-parallel: give it too")
     if cfg.deterministic and cfg.mode == "context" and cfg.zero_stage:
         raise UsageError("--deterministic --mode context: dp x cp x tp only, not --zero-stage (its shards are not "
                          "cut in the fixed pieces yet)")
@@ -207,6 +209,11 @@ def check_layout(cfg, n_contexts, n_processes=1):
     if cfg.mode == "context" and cfg.deterministic and (cfg.sequence_pieces or 1) % cp:
         raise UsageError(f"--deterministic --mode context cuts the sequence into {cfg.sequence_pieces or 1} pieces: "
                          f"--context-parallel {cp} does not divide them (give --sequence-pieces a multiple of {cp})")
+    if cfg.mode == "tensor" and cfg.deterministic and cfg.sequence_parallel and \
+            (cfg.sequence_pieces or 1) % (cfg.tensor_parallel or n):
+        raise UsageError(f"--deterministic --sequence-parallel cuts the sequence into {cfg.sequence_pieces or 1} "
+                         f"pieces: --tensor-parallel {cfg.tensor_parallel or n} does not divide them (give "
+                         f"--sequence-pieces a multiple of it)")
     if cfg.mode == "context" and cfg.deterministic and (cfg.tensor_parallel or 1) > 1:
         check_tensor_pieces(cfg.tensor_pieces or 1, cfg.tensor_parallel, "context")
     if cfg.mode in ("tensor", "mesh") and cfg.deterministic:

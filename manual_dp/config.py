@@ -88,8 +88,8 @@ class RunConfig:
     sequence_pieces: Optional[int] = flag(None, "--deterministic, --model transformer: the sequence computed in K "
                                                 "fixed pieces, attention folded in one order and every sum over "
                                                 "them in one tree: then --mode context with any --context-parallel "
-                                                "dividing K has the bits of --mode sync given the same K (default "
-                                                f"{SEQUENCE_PIECES} in context mode, else 1: whole; "
+                                                "dividing K, and --mode tensor --sequence-parallel with T dividing K, have the bits of --mode sync given the same K (default "
+                                                f"{SEQUENCE_PIECES} in context mode and tensor with --sequence-parallel, else 1: whole; "
                                                 "manual_dp/strategies/sequence_pieces.py)", "parallelism")
     sync_batchnorm: bool = flag(False, "sync and zero, --model resnet: BatchNorm statistics over every context's "
                                        "shard (summed by hand), equal to one context; default: each "
@@ -245,7 +245,7 @@ APPLIES = {
     "deterministic": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "sync_batchnorm": ("sync", "zero"),
     "tensor_pieces": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "mesh", "context"),
-    "sequence_pieces": ("sync", "context"),
+    "sequence_pieces": ("sync", "context", "tensor"),
     "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
     "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "loss_scale": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
@@ -302,6 +302,8 @@ def resolve(cfg):
         values["tensor_pieces"] = values["sequence_pieces"] = None
     elif cfg.mode == "context" and (cfg.tensor_parallel or 1) > 1 and cfg.tensor_pieces is None:
         values["tensor_pieces"] = TENSOR_PIECES             # cp x tp: split layers in pieces, as --mode tensor's
+    elif cfg.mode == "tensor" and cfg.sequence_parallel and cfg.sequence_pieces is None:
+        values["sequence_pieces"] = SEQUENCE_PIECES         # Megatron-SP: the sequence in pieces, as --mode context's
     for name, default in LOSS_SCALE.items():                 # fp16's loss scale, and only fp16's
         given = getattr(cfg, name)
         if given is not None and cfg.precision != "fp16":

@@ -1,6 +1,6 @@
 """--deterministic on grids: the sequence in K pieces and every split layer in Q pieces at once
-(cp x tp, strategies/grid_deterministic.py), with the bits of one context's --deterministic step
-given the same --sequence-pieces K and --tensor-pieces Q.
+(cp x tp, strategies/grid_deterministic.py; Megatron-SP, strategies/sequence_deterministic.py), with
+the bits of one context's --deterministic step given the same --sequence-pieces K and --tensor-pieces Q.
 
 Bit-identity holds when every process runs its ops with the same thread count: the in-process tests
 run in one process (one thread count for every layout), the command-line ones start every process
@@ -8,11 +8,14 @@ with one thread per op (jobs.PINNED, and what the command line sets for --determ
 """
 import numpy as np
 import pytest
+from mxnet import nd
 
 from conftest import batch, cpus, run_main
 from jobs import assert_same_run, train_cmd
 from manual_dp.strategies.context_tensor import ContextTensorParallel
 from manual_dp.strategies.grid_deterministic import GridDeterministic
+from manual_dp.strategies.sequence_deterministic import SequenceParallelDeterministic
+from manual_dp.strategies.tensor import TensorParallel
 from test_context_deterministic import MODEL, TINY, net, same, steps  # noqa: F401 (the net fixture)
 from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
 
@@ -72,14 +75,19 @@ def test_what_the_grid_refuses(net):
         GridDeterministic(net.init_params(0), cpus(4), "adam", 4, 1, "ulysses", 4, 2, model=net)
 
 
-def test_cli_cp_x_tp_has_one_contexts_bits(data, tmp_path):
-    """--mode sync --cpus 1 against --mode context cp=2 x tp=2, K = 4, Q = 2: the same losses,
+@pytest.fixture(scope="module")
+def one_cli(data, tmp_path_factory):
+    """(log, checkpoint) of --mode sync --cpus 1 --deterministic --sequence-pieces 4 --tensor-pieces 2."""
+    return run(tmp_path_factory.mktemp("one"), "one", train_cmd("--cpus", 1, *TINY, "--tensor-pieces", 2,
+                                                                "--data-dir", data))
+
+
+def test_cli_cp_x_tp_has_one_contexts_bits(data, one_cli, tmp_path):
+    """--mode context cp=2 x tp=2 against --mode sync --cpus 1, K = 4, Q = 2: the same losses,
     accuracies and checkpoints."""
-    pieces = [*TINY, "--tensor-pieces", 2, "--data-dir", data]
-    a = run(tmp_path, "one", train_cmd("--cpus", 1, *pieces))
-    b = run(tmp_path, "grid", train_cmd("--cpus", 4, "--mode", "context", "--context-parallel", 2,
-                                        "--tensor-parallel", 2, *pieces))
-    assert_same_run(*a, *b, exact=True)
+    grid = run(tmp_path, "grid", train_cmd("--cpus", 4, "--mode", "context", "--context-parallel", 2,
+                                           "--tensor-parallel", 2, *TINY, "--tensor-pieces", 2, "--data-dir", data))
+    assert_same_run(*one_cli, *grid, exact=True)
 
 
 # What is still refused -----------------------------------------------------------------------------------
@@ -91,5 +99,60 @@ def test_cli_cp_x_tp_has_one_contexts_bits(data, tmp_path):
      "--deterministic --mode context: dp x cp x tp only, not --zero-stage"),
 ])
 def test_cli_refusals_are_one_line(capsys, data_dir, argv, match):
+    code, _, err = run_main(capsys, [*argv, *MODEL, "--data-dir", str(data_dir)])
+    assert code == 2 and len(err) == 1 and match in err[0], err
+
+
+# Megatron-SP -------------------------------------------------------------------------------------------
+
+def sp(net, n, T):
+    return SequenceParallelDeterministic(net.init_params(0), cpus(n), "adam", T, pieces=4, tensor_pieces=2, model=net)
+
+
+@pytest.mark.parametrize("n, T", [(2, 2), (4, 2), (4, 4)], ids=["tp2", "dp2 x tp2", "tp4"])
+def test_sequence_parallel_has_one_contexts_bits(net, one, n, T):
+    """--sequence-parallel in tensor groups of T (K = 4 lanes, K/T at home on each context; Q = 2
+    pieces, or 4 for T = 4): both losses and every parameter after 2 adam steps are one context's
+    given the same K and Q."""
+    want = one if T < 4 else steps(GridDeterministic(net.init_params(0), cpus(1), "adam", 1, 1, pieces=4,
+                                                     tensor_pieces=4, model=net))
+    got = SequenceParallelDeterministic(net.init_params(0), cpus(n), "adam", T, pieces=4, tensor_pieces=max(T, 2),
+                                        model=net)
+    assert same(steps(got), want)
+
+
+def test_plain_sequence_parallelism_does_not(net, one):
+    plain = steps(TensorParallel(net.init_params(0), cpus(2), "adam", 2, model=net, sequence_parallel=True))
+    assert not same(plain, one)
+    np.testing.assert_allclose(plain[0], one[0], rtol=1e-4)
+
+
+def test_each_lanes_token_wise_work_stays_home(net):
+    """tp2: lanes 0, 1 at home on cpu(0), lanes 2, 3 on cpu(1): their scores (the pooling, the head,
+    every layer norm before them) there; the tree's totals on every context."""
+    s, (X, y) = sp(net, 2, 2), batch(64, 0)
+    s.backward(X, y)
+    assert [[h.context for h in row] for row in s.held] == [cpus(2)]
+    assert s.homes(0) == [cpus(2)[0]] * 2 + [cpus(2)[1]] * 2
+    scores = s.forward(0, nd.array(X), [[P for P in s.shards[0]]] * 4)
+    assert [[x.context for x in lane] for lane in scores] == [[c] for c in s.homes(0)]
+
+
+def test_cli_sequence_parallel_has_one_contexts_bits(data, one_cli, tmp_path):
+    """--mode tensor on 2 contexts --sequence-parallel against --mode sync --cpus 1, K = 4, Q = 2."""
+    sp = run(tmp_path, "sp", train_cmd("--cpus", 2, "--mode", "tensor", "--sequence-parallel", *TINY,
+                                       "--tensor-pieces", 2, "--data-dir", data))
+    assert_same_run(*one_cli, *sp, exact=True)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--cpus", "4", "--mode", "tensor", "--sequence-parallel", "--deterministic", "--sequence-pieces", "2"],
+     "--deterministic --sequence-parallel cuts the sequence into 2 pieces: --tensor-parallel 4 does not divide them"),
+    (["--cpus", "2", "--mode", "tensor", "--deterministic", "--sequence-pieces", "2"],
+     "--sequence-pieces in --mode tensor cuts the sequence of --sequence-parallel: give it too"),
+    (["--cpus", "4", "--mesh", "pp=2,tp=2", "--sequence-parallel", "--deterministic"],
+     "--sequence-parallel --deterministic: --mode tensor only, not --mode mesh"),
+])
+def test_cli_sequence_parallel_refusals_are_one_line(capsys, data_dir, argv, match):
     code, _, err = run_main(capsys, [*argv, *MODEL, "--data-dir", str(data_dir)])
     assert code == 2 and len(err) == 1 and match in err[0], err

@@ -24,6 +24,7 @@ from ..strategies.compressed import Compressed
 from ..strategies.context import ContextParallel
 from ..strategies.context_deterministic import ContextDeterministic
 from ..strategies.grid_deterministic import GridDeterministic
+from ..strategies.sequence_deterministic import SequenceParallelDeterministic
 from ..strategies.context_tensor import ContextTensorParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
@@ -146,7 +147,7 @@ def build_model(cfg, params, ctx, world, policy=None):
     reduce = world.reducer(make_allreduce(name))
     grad_reduce = world.reducer(policy.reducer(make_allreduce(name), name))   # gradients: in the precision
     grad_reduce = policy.rounding(grad_reduce) if world.size > 1 else grad_reduce
-    if cfg.deterministic and (cfg.mode == "context" or (cfg.sequence_pieces or 1) > 1):   # the sequence in K pieces
+    if cfg.deterministic and (cfg.mode == "context" or (cfg.mode == "sync" and (cfg.sequence_pieces or 1) > 1)):
         try:
             C = context_degree(cfg, len(ctx)) if cfg.mode == "context" else 1
             T = (cfg.tensor_parallel or 1) if cfg.mode == "context" else 1
@@ -193,6 +194,12 @@ def build_model(cfg, params, ctx, world, policy=None):
     elif cfg.mode == "local":
         model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
                          cfg.outer_momentum, reduce, model=net)
+    elif cfg.mode == "tensor" and cfg.deterministic and cfg.sequence_parallel:   # Megatron-SP in the lanes' trees
+        try:
+            model = SequenceParallelDeterministic(params, ctx, cfg.optimizer, cfg.tensor_parallel, cfg.sequence_pieces,
+                                                  cfg.tensor_pieces, fixed_sums(cfg, world), net)
+        except ValueError as e:
+            raise UsageError(f"--deterministic --sequence-parallel: {e}") from None
     elif cfg.mode == "tensor" and cfg.deterministic:   # every sum in a fixed tree; processes swap subtrees
         model = TensorDeterministic(
             params, ctx, cfg.optimizer, cfg.tensor_parallel, pieces=cfg.tensor_pieces, rank=world.rank,

@@ -90,7 +90,10 @@ def describe(cfg):
     if cfg.deterministic and cfg.mode == "tensor":
         line = (f"tensor, deterministic: layers split over {cfg.tensor_parallel or 'all'} context(s) per "
                 f"tensor group in {cfg.tensor_pieces} fixed pieces, pieces of the batch and of the split "
-                f"layers added in fixed trees: the bits of every layout given --tensor-pieces {cfg.tensor_pieces}")
+                f"layers added in fixed trees: the bits of every layout given --tensor-pieces {cfg.tensor_pieces}"
+                + (f" --sequence-pieces {cfg.sequence_pieces}: the sequence parallel regions in {cfg.sequence_pieces} "
+                   f"fixed pieces of the sequence, each on one context, their layer norms' gradients added in the "
+                   f"tree" if cfg.sequence_parallel else ""))
     if cfg.deterministic and cfg.mode == "mesh":
         line = (f"mesh, deterministic: {cfg.stages or 2}-stage pipelines of {cfg.tensor_parallel or 2}-context "
                 f"tensor groups, every split layer in {cfg.tensor_pieces} fixed pieces, {cfg.micro_batches} "
@@ -107,11 +110,12 @@ def describe(cfg):
                 f"--sequence-pieces {cfg.sequence_pieces}" + (f" --tensor-pieces {cfg.tensor_pieces}" if tp else ""))
     line += (f", the sequence in {cfg.sequence_pieces} fixed pieces (--sequence-pieces: the bits of --mode context "
              f"with any --context-parallel dividing it)" if (cfg.sequence_pieces or 1) > 1
-             and cfg.mode != "context" else "")
+             and cfg.mode not in ("context", "tensor") else "")
     line += (f", every split layer in {cfg.tensor_pieces} fixed pieces (--tensor-pieces: the bits of --mode "
              + ("context" if (cfg.sequence_pieces or 1) > 1 else "tensor") + " with any --tensor-parallel dividing it)"
              if (cfg.tensor_pieces or 1) > 1 and cfg.mode not in ("tensor", "mesh", "context") else "")
-    line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel else ""
+    line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel \
+        and not cfg.deterministic else ""
     line += (f", {'optimiser state' if cfg.zero_stage == 1 else 'optimiser state and gradients'} sharded over the "
              f"data dimension (ZeRO-{cfg.zero_stage})") if cfg.zero_stage and cfg.mode != "zero" else ""
     line += (f", {cfg.precision} parameters and gradients kept, float32 master weights beside the optimiser "

@@ -300,7 +300,7 @@ def grid_layer(layer, hs, own, join, seq, F=nd):
     each column (a context-parallel group), or the layer on each block as it is."""
     if layer.grid_forward:
         return layer.grid_forward(hs, own, join, seq, F)
-    own = [join.leads(prow) for prow in own]          # each context's view (own[c] may hold k pieces each)
+    own = [join.for_row(c).leads(prow) for c, prow in enumerate(own)]   # each context's view (k pieces a context)
     if layer.sequence_forward:
         cols = [layer.sequence_forward([row[t] for row in hs], [row[t] for row in own], seq, F)
                 for t in range(len(hs[0]))]

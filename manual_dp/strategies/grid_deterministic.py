@@ -60,7 +60,7 @@ class GridDeterministic(TensorDeterministic):
                                     f"(at most the {model.tokens} tokens) and tp the {tensor_pieces} tensor pieces")
         self.sums = sums or FixedSums()
         super().__init__(params, ctx, optimizer, T, self.sums.piece, tensor_pieces, model=model)
-        self.C, self.K, self.attention = C, pieces, attention
+        self.C, self.K, self.kc, self.attention = C, pieces, pieces // C, attention     # kc lanes a grid row
         self.groups = [self.grid[r:r + C] for r in range(0, len(self.grid), C)]       # groups[r][c][t]
         self.lanes = [Lanes(self.net.tokens, pieces, [row[0] for row in g], attention) for g in self.groups]
 
@@ -88,7 +88,7 @@ class GridDeterministic(TensorDeterministic):
         out = [{} for _ in range(self.T)]
         for r, (lo, hi) in enumerate(runs):
             rows, P = self.members(r)
-            weights = [[[p.copyto(c) for p in Pt] for Pt, c in zip(P[b // self.lanes[r].k], rows[b // self.lanes[r].k])]
+            weights = [[[p.copyto(c) for p in Pt] for Pt, c in zip(P[b // self.kc], rows[b // self.kc])]
                        for b in range(self.K)]                                     # weights[lane][t]: a copy
             for w in (w for W in weights for Wt in W for w in Wt):
                 w.attach_grad()
@@ -100,37 +100,43 @@ class GridDeterministic(TensorDeterministic):
 
     def piece_leaves(self, r, weights, X, y):
         """One batch piece through group r's K lanes: per column, the lanes' gradients added in the
-        tree, the loss sum and correct count (lane 0's, column 0's), one leaf."""
-        rows, lanes = self.groups[r], self.lanes[r]
-        where = [rows[b // lanes.k] for b in range(self.K)]                        # lane b's row
-        shards = [[w for Wt in W for w in pieced(Wt, self.split, self.k)] for W in weights]
+        tree, the loss sum and correct count (lane 0's), one leaf."""
         with autograd.record():
-            scores = self.net.grid_forward([[X.as_in_context(c) for c in row] for row in where], shards,
-                                           LaneJoin(self.k), lanes)
+            scores = self.forward(r, X, weights)
             losses = [[cross_entropy(s, y.as_in_context(s.context)).sum() for s in row] for row in scores]
             heads = [loss * (1 / self.K) for row in losses for loss in row]
         autograd.backward(heads)
-        loss, right = losses[0][0].reshape((1,)), n_correct(scores[0][0], y.as_in_context(rows[0][0]))
-        out = []
-        for t in range(self.T):
-            column = [row[t] for row in rows]
-            total = tree_reduce([leaf([w.grad for w in W[t]]) for W in weights], column, lanes.k)
-            out.append(leaf([total, loss.as_in_context(column[0]),
-                             right.reshape((1,)).astype(loss.dtype).as_in_context(column[0])]))
-        return out
+        loss, right = losses[0][0].reshape((1,)), n_correct(scores[0][0], y.as_in_context(scores[0][0].context))
+        right = right.reshape((1,)).astype(loss.dtype)
+        return [leaf([total, loss.as_in_context(total.context), right.as_in_context(total.context)])
+                for total in self.lane_sums(r, weights)]
+
+    def views(self, weights):
+        """Each lane's parameters as its Q pieces see them (weights[lane][t]: context t's arrays)."""
+        return [[w for Wt in W for w in pieced(Wt, self.split, self.k)] for W in weights]
+
+    def forward(self, r, X, weights):
+        """Class scores [[per context of its row] per lane] of images X through group r's lanes."""
+        rows = self.groups[r]
+        Xs = [[X.as_in_context(c) for c in rows[b // self.kc]] for b in range(self.K)]
+        return self.net.grid_forward(Xs, self.views(weights), LaneJoin(self.k), self.lanes[r])
+
+    def lane_sums(self, r, weights):
+        """Per column t: the tree's sum over the lanes of their gradients of t's arrays, on group r's
+        first row."""
+        return [tree_reduce([leaf([w.grad for w in W[t]]) for W in weights], [row[t] for row in self.groups[r]],
+                            self.kc) for t in range(self.T)]
 
     def correct(self, X, y):
         """Correct predictions on (X, y): batch pieces spread over the groups, each through its lanes."""
         bounds, runs, _ = FixedSums(self.sums.piece).cut(len(X), len(self.groups))
         counts = []
         for r, (lo, hi) in enumerate(runs):
-            rows, P = self.members(r)
-            lanes = self.lanes[r]
-            shards = [[w for Pt in P[b // lanes.k] for w in pieced(Pt, self.split, self.k)] for b in range(self.K)]
+            P = self.members(r)[1]
+            weights = [P[b // self.kc] for b in range(self.K)]
             for a, b in bounds[lo:hi]:
-                Xs = [[host(X[a:b]).as_in_context(c) for c in rows[lane // lanes.k]] for lane in range(self.K)]
-                scores = self.net.grid_forward(Xs, shards, LaneJoin(self.k), lanes)
-                right = n_correct(scores[0][0], host(y[a:b]).as_in_context(rows[0][0]))
+                scores = self.forward(r, host(X[a:b]), weights)
+                right = n_correct(scores[0][0], host(y[a:b]).as_in_context(scores[0][0].context))
                 counts.append(right.as_in_context(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
