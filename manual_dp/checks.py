@@ -94,11 +94,11 @@ def check_model(cfg):
     if cfg.sequence_parallel and cfg.deterministic and cfg.mode == "mesh":
         raise UsageError("--sequence-parallel --deterministic: --mode tensor only, not --mode mesh (a pipeline's "
                          "stages do not run the sequence's fixed pieces yet)")
-    if cfg.deterministic and cfg.mode == "mesh" and ((cfg.context_parallel or 1) > 1 or (cfg.zero_stage or 0)):
-        raise UsageError("--deterministic --mode mesh: dp x pp x tp only: " + (
-            "not cp > 1 (the sequence's fixed pieces run in --mode context, not in pipeline stages yet)"
-            if (cfg.context_parallel or 1) > 1 else
-            "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
+    cp_tp = (cfg.context_parallel or 1) > 1 and ((cfg.tensor_parallel or 1) > 1 or (cfg.tensor_pieces or 1) > 1)
+    if cfg.deterministic and cfg.mode == "mesh" and (cp_tp or (cfg.zero_stage or 0)):
+        raise UsageError("--deterministic --mode mesh: dp x pp x tp or dp x pp x cp only: " + (
+            "not cp with tp or --tensor-pieces in a pipeline (a lane's split layers are not cut in the fixed pieces "
+            "in pipeline stages yet)" if cp_tp else "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
     check_sequence_pieces(cfg)
     if cfg.mode in ("tensor", "context", "mesh") and (cfg.zero_stage or 1) > 2:
         raise UsageError(f"--zero-stage {cfg.zero_stage} with --mode {cfg.mode}: only stages 1 and 2 (the optimiser "
@@ -154,6 +154,8 @@ def check_sequence_pieces(cfg):
     if K > 1 and cfg.model != "transformer":
         raise UsageError(f"--sequence-pieces cuts a sequence of tokens: --model transformer has one, --model "
                          f"{cfg.model} does not")
+    if K > 1 and cfg.mode == "mesh" and (cfg.context_parallel or 1) == 1:
+        raise UsageError("--sequence-pieces in --mode mesh cuts the sequence of cp > 1: give --context-parallel too")
     if K > 1 and cfg.mode == "tensor" and not cfg.sequence_parallel:
         raise UsageError("--sequence-pieces in --mode tensor cuts the sequence of --sequence-parallel: give it too")
     if cfg.deterministic and cfg.mode == "context" and cfg.zero_stage:
@@ -216,8 +218,13 @@ def check_layout(cfg, n_contexts, n_processes=1):
                          f"--sequence-pieces a multiple of it)")
     if cfg.mode == "context" and cfg.deterministic and (cfg.tensor_parallel or 1) > 1:
         check_tensor_pieces(cfg.tensor_pieces or 1, cfg.tensor_parallel, "context")
+    if cfg.mode == "mesh" and cfg.deterministic and (cfg.sequence_pieces or 1) % (cfg.context_parallel or 1):
+        raise UsageError(f"--deterministic --mode mesh cuts the sequence into {cfg.sequence_pieces} pieces: "
+                         f"--context-parallel {cfg.context_parallel} does not divide them (give --sequence-pieces "
+                         f"a multiple of {cfg.context_parallel})")
     if cfg.mode in ("tensor", "mesh") and cfg.deterministic:
-        check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or (n if cfg.mode == "tensor" else MESH_TP),
+        mesh_tp = 1 if (cfg.context_parallel or 1) > 1 else MESH_TP
+        check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or (n if cfg.mode == "tensor" else mesh_tp),
                             cfg.mode)
     if (cfg.tensor_pieces or 1) > 1 and cfg.model == "lenet":
         for what, size in tensor_split_sizes(cfg.width).items():

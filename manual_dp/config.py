@@ -75,7 +75,7 @@ class RunConfig:
                                "example), the same in every layout, micro-batching, recompute and resume "
                                "(manual_dp/models/dropout.py)", "model")
     deterministic: bool = flag(False, "the same bits on any number of contexts and processes, and in sync, "
-                                      "zero, model, pipeline, hybrid, tensor, context (dp x cp x tp) and mesh (dp x pp x tp) alike: every batch cut into pieces of "
+                                      "zero, model, pipeline, hybrid, tensor, context (dp x cp x tp) and mesh (dp x pp x tp or dp x pp x cp) alike: every batch cut into pieces of "
                                       f"{PIECE_ROWS} rows whose gradients are added in one fixed tree; one thread "
                                       "per op (manual_dp/strategies/fixed_sums.py)")
     tensor_pieces: Optional[int] = flag(None, "--deterministic: every split layer (channels, heads, hidden units) "
@@ -88,8 +88,8 @@ class RunConfig:
     sequence_pieces: Optional[int] = flag(None, "--deterministic, --model transformer: the sequence computed in K "
                                                 "fixed pieces, attention folded in one order and every sum over "
                                                 "them in one tree: then --mode context with any --context-parallel "
-                                                "dividing K, and --mode tensor --sequence-parallel with T dividing K, have the bits of --mode sync given the same K (default "
-                                                f"{SEQUENCE_PIECES} in context mode and tensor with --sequence-parallel, else 1: whole; "
+                                                "dividing K, --mode tensor --sequence-parallel with T dividing K and --mode mesh pp x cp, have the bits of --mode sync given the same K (default "
+                                                f"{SEQUENCE_PIECES} in context mode, tensor with --sequence-parallel and mesh with cp > 1, else 1: whole; "
                                                 "manual_dp/strategies/sequence_pieces.py)", "parallelism")
     sync_batchnorm: bool = flag(False, "sync and zero, --model resnet: BatchNorm statistics over every context's "
                                        "shard (summed by hand), equal to one context; default: each "
@@ -245,7 +245,7 @@ APPLIES = {
     "deterministic": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "sync_batchnorm": ("sync", "zero"),
     "tensor_pieces": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "mesh", "context"),
-    "sequence_pieces": ("sync", "context", "tensor"),
+    "sequence_pieces": ("sync", "context", "tensor", "mesh"),
     "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
     "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "loss_scale": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
@@ -304,6 +304,9 @@ def resolve(cfg):
         values["tensor_pieces"] = TENSOR_PIECES             # cp x tp: split layers in pieces, as --mode tensor's
     elif cfg.mode == "tensor" and cfg.sequence_parallel and cfg.sequence_pieces is None:
         values["sequence_pieces"] = SEQUENCE_PIECES         # Megatron-SP: the sequence in pieces, as --mode context's
+    elif cfg.mode == "mesh" and (cfg.context_parallel or 1) > 1:   # lanes in a pipeline: split layers whole
+        values["tensor_pieces"] = cfg.tensor_pieces or 1
+        values["sequence_pieces"] = cfg.sequence_pieces or SEQUENCE_PIECES
     for name, default in LOSS_SCALE.items():                 # fp16's loss scale, and only fp16's
         given = getattr(cfg, name)
         if given is not None and cfg.precision != "fp16":

@@ -1,6 +1,7 @@
 """--deterministic on grids: the sequence in K pieces and every split layer in Q pieces at once
-(cp x tp, strategies/grid_deterministic.py; Megatron-SP, strategies/sequence_deterministic.py), with
-the bits of one context's --deterministic step given the same --sequence-pieces K and --tensor-pieces Q.
+(cp x tp, strategies/grid_deterministic.py; Megatron-SP, strategies/sequence_deterministic.py), and
+the sequence's pieces in pipelines (pp x cp, strategies/mesh_lanes.py), with the bits of one
+context's --deterministic step given the same --sequence-pieces K (and --tensor-pieces Q).
 
 Bit-identity holds when every process runs its ops with the same thread count: the in-process tests
 run in one process (one thread count for every layout), the command-line ones start every process
@@ -14,9 +15,11 @@ from conftest import batch, cpus, run_main
 from jobs import assert_same_run, train_cmd
 from manual_dp.strategies.context_tensor import ContextTensorParallel
 from manual_dp.strategies.grid_deterministic import GridDeterministic
+from manual_dp.strategies.mesh_lanes import MeshLanes
+from manual_dp.strategies.mesh_parallel import MeshParallel
 from manual_dp.strategies.sequence_deterministic import SequenceParallelDeterministic
 from manual_dp.strategies.tensor import TensorParallel
-from test_context_deterministic import MODEL, TINY, net, same, steps  # noqa: F401 (the net fixture)
+from test_context_deterministic import MODEL, TINY, net, reference, same, steps  # noqa: F401 (fixtures)
 from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
 
 
@@ -154,5 +157,63 @@ def test_cli_sequence_parallel_has_one_contexts_bits(data, one_cli, tmp_path):
      "--sequence-parallel --deterministic: --mode tensor only, not --mode mesh"),
 ])
 def test_cli_sequence_parallel_refusals_are_one_line(capsys, data_dir, argv, match):
+    code, _, err = run_main(capsys, [*argv, *MODEL, "--data-dir", str(data_dir)])
+    assert code == 2 and len(err) == 1 and match in err[0], err
+
+
+# cp inside pipelines --------------------------------------------------------------------------------------
+
+PIPES = {"pp2 gpipe": (2, 1, 2, "gpipe", "ring"), "pp2 x cp2 1f1b": (4, 2, 2, "1f1b", "ring"),
+         "pp2 x cp2 ulysses 3 micro": (4, 2, 3, "gpipe", "ulysses"), "dp2 x pp2 x cp2": (8, 2, 2, "1f1b", "ring")}
+
+
+def pipe(net, n, C, micro, schedule, attention, seed=0):
+    return MeshLanes(net.init_params(seed), cpus(n), "adam", 2, C, micro, schedule, attention=attention, pieces=4,
+                     model=net)
+
+
+@pytest.mark.parametrize("layout", list(PIPES))
+def test_every_pipeline_of_lanes_has_one_contexts_bits(net, reference, layout):
+    """2 stages of K = 4 lanes over C contexts: both losses and every parameter after 2 adam steps
+    are one context's given --sequence-pieces 4 (test_context_deterministic's reference)."""
+    assert same(steps(pipe(net, *PIPES[layout])), reference)
+
+
+def test_plain_pp_x_cp_does_not(net, reference):
+    plain = steps(MeshParallel(net.init_params(0), cpus(4), "adam", 2, 1, 2, "1f1b", context_parallel=2, model=net))
+    assert not same(plain, reference)
+    np.testing.assert_allclose(plain[0], reference[0], rtol=1e-4)
+
+
+def test_every_lanes_copy_lives_on_its_context_and_a_checkpoint_moves_to_one_context(net, reference):
+    """pp2 x cp2: stage s's lanes 0, 1 on its cp0 context, 2, 3 on cp1, each copy and its state there;
+    its checkpoint after one step continues on a pp2 x cp1 pipeline with the reference's bits."""
+    s, (X, y) = pipe(net, 4, 2, 2, "1f1b", "ring"), batch(150, 0)
+    s.step(X, y, 0.01)
+    assert s.groups[0] == [[cpus(4)[0]] * 2 + [cpus(4)[1]] * 2, [cpus(4)[2]] * 2 + [cpus(4)[3]] * 2]
+    for group, stage, states in zip(s.groups[0], s.params[0], s.states[0]):
+        for c, P, S in zip(group, stage, states):
+            assert {p.context for p in P} | {x.context for st in S for x in st} == {c}
+    moved = pipe(net, 2, 1, 2, "gpipe", "ring", seed=1)
+    moved.load_state_dict(s.state_dict())
+    assert np.array_equal(moved.step(X, y, 0.01)[0][0].asnumpy(), reference[0][1])
+    assert all(np.array_equal(a, b) for a, b in zip(moved.state_dict()["params"], reference[1]))
+
+
+def test_cli_pp_x_cp_has_one_contexts_bits(data, tmp_path):
+    """--mesh pp=2,cp=2 (1F1B, 2 micro-batches) against --mode sync --cpus 1, K = 4."""
+    a = run(tmp_path, "one", train_cmd("--cpus", 1, *TINY, "--data-dir", data))
+    b = run(tmp_path, "pp_cp", train_cmd("--cpus", 4, "--mesh", "pp=2,cp=2", "--micro-batches", 2, "--schedule",
+                                         "1f1b", *TINY, "--data-dir", data))
+    assert_same_run(*a, *b, exact=True)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--cpus", "4", "--mesh", "pp=2,cp=2", "--deterministic", "--sequence-pieces", "3"],
+     "--deterministic --mode mesh cuts the sequence into 3 pieces: --context-parallel 2 does not divide them"),
+    (["--cpus", "4", "--mesh", "pp=2,tp=2", "--deterministic", "--sequence-pieces", "4"],
+     "--sequence-pieces in --mode mesh cuts the sequence of cp > 1"),
+])
+def test_cli_pipeline_refusals_are_one_line(capsys, data_dir, argv, match):
     code, _, err = run_main(capsys, [*argv, *MODEL, "--data-dir", str(data_dir)])
     assert code == 2 and len(err) == 1 and match in err[0], err

@@ -24,6 +24,7 @@ from ..strategies.compressed import Compressed
 from ..strategies.context import ContextParallel
 from ..strategies.context_deterministic import ContextDeterministic
 from ..strategies.grid_deterministic import GridDeterministic
+from ..strategies.mesh_lanes import MeshLanes
 from ..strategies.sequence_deterministic import SequenceParallelDeterministic
 from ..strategies.context_tensor import ContextTensorParallel
 from ..strategies.data_parallel import DataParallel
@@ -208,6 +209,13 @@ def build_model(cfg, params, ctx, world, policy=None):
     elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
         model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name), model=net,
                                sequence_parallel=cfg.sequence_parallel, zero_stage=cfg.zero_stage or 0)
+    elif cfg.mode == "mesh" and cfg.deterministic and (cfg.context_parallel or 1) > 1:   # lanes in each stage
+        try:
+            model = MeshLanes(params, ctx, cfg.optimizer, cfg.stages or config.STAGES, cfg.context_parallel,
+                              cfg.micro_batches or 1, cfg.schedule or "gpipe", virtual_stages(cfg), cfg.attention or "ring",
+                              cfg.sequence_pieces, fixed_sums(cfg, world), net)
+        except ValueError as e:
+            raise UsageError(f"--deterministic --mode mesh: {e}") from None
     elif cfg.mode == "mesh" and cfg.deterministic:   # tensor groups in Q pieces; every stage's leaves in the tree
         try:
             model = MeshDeterministic(params, ctx, cfg.optimizer, cfg.stages or config.STAGES, mesh_tp(cfg),

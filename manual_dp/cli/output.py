@@ -100,6 +100,12 @@ def describe(cfg):
                 f"micro-batches of whole batch pieces on {SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule, "
                 f"each stage's gradients per piece added in the fixed tree: the bits of every layout given "
                 f"--tensor-pieces {cfg.tensor_pieces}")
+    if cfg.deterministic and cfg.mode == "mesh" and (cfg.context_parallel or 1) > 1:
+        line = (f"mesh, deterministic: {cfg.stages or 2}-stage pipelines of {cfg.context_parallel}-context "
+                f"context-parallel groups, every sequence in {cfg.sequence_pieces} fixed pieces ({cfg.attention} "
+                f"attention folding them in one order), {cfg.micro_batches} micro-batches of whole batch pieces on "
+                f"{SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule, each stage's gradients per piece added in "
+                f"the fixed trees: the bits of every layout given --sequence-pieces {cfg.sequence_pieces}")
     if cfg.deterministic and cfg.mode == "context":
         tp = (cfg.tensor_parallel or 1) > 1
         line = (f"context, deterministic: every sequence in {cfg.sequence_pieces} fixed pieces over "
@@ -110,7 +116,7 @@ def describe(cfg):
                 f"--sequence-pieces {cfg.sequence_pieces}" + (f" --tensor-pieces {cfg.tensor_pieces}" if tp else ""))
     line += (f", the sequence in {cfg.sequence_pieces} fixed pieces (--sequence-pieces: the bits of --mode context "
              f"with any --context-parallel dividing it)" if (cfg.sequence_pieces or 1) > 1
-             and cfg.mode not in ("context", "tensor") else "")
+             and cfg.mode not in ("context", "tensor", "mesh") else "")
     line += (f", every split layer in {cfg.tensor_pieces} fixed pieces (--tensor-pieces: the bits of --mode "
              + ("context" if (cfg.sequence_pieces or 1) > 1 else "tensor") + " with any --tensor-parallel dividing it)"
              if (cfg.tensor_pieces or 1) > 1 and cfg.mode not in ("tensor", "mesh", "context") else "")
