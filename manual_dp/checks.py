@@ -91,14 +91,14 @@ def check_model(cfg):
         check_running(cfg, False)
     if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and cfg.mode in ("pipeline", "hybrid", "mesh"):
         raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
-    if cfg.sequence_parallel and cfg.deterministic:
-        raise UsageError("--sequence-parallel: not with --deterministic yet: a layer norm's gradient is summed over "
-                         "the group's blocks of tokens, a sum one context takes inside one kernel")
-    if cfg.deterministic and cfg.mode == "mesh" and ((cfg.context_parallel or 1) > 1 or (cfg.zero_stage or 0)):
-        raise UsageError("--deterministic --mode mesh: dp x pp x tp only: " + (
-            "not cp > 1 (the sequence's fixed pieces run in --mode context, not in pipeline stages yet)"
-            if (cfg.context_parallel or 1) > 1 else
-            "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
+    if cfg.sequence_parallel and cfg.deterministic and cfg.mode == "mesh":
+        raise UsageError("--sequence-parallel --deterministic: --mode tensor only, not --mode mesh (a pipeline's "
+                         "stages do not run the sequence's fixed pieces yet)")
+    cp_tp = (cfg.context_parallel or 1) > 1 and ((cfg.tensor_parallel or 1) > 1 or (cfg.tensor_pieces or 1) > 1)
+    if cfg.deterministic and cfg.mode == "mesh" and (cp_tp or (cfg.zero_stage or 0)):
+        raise UsageError("--deterministic --mode mesh: dp x pp x tp or dp x pp x cp only: " + (
+            "not cp with tp or --tensor-pieces in a pipeline (a lane's split layers are not cut in the fixed pieces "
+            "in pipeline stages yet)" if cp_tp else "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
     check_sequence_pieces(cfg)
     if cfg.mode == "mesh" and cfg.model != "transformer":
         raise UsageError(f"--mode mesh (tp x pp) needs layers that split on their own: --model transformer, not "
@@ -146,18 +146,18 @@ UNREACHED = {
 
 def check_sequence_pieces(cfg):
     """UsageError where --deterministic's fixed pieces of the sequence (strategies/sequence_pieces.py)
-    do not reach: other models, split layers, cp x tp, ZeRO."""
+    do not reach: other models, ZeRO."""
     K = cfg.sequence_pieces or 1
     if K > 1 and cfg.model != "transformer":
         raise UsageError(f"--sequence-pieces cuts a sequence of tokens: --model transformer has one, --model "
                          f"{cfg.model} does not")
-    if K > 1 and (cfg.tensor_pieces or 1) > 1:
-        raise UsageError("--sequence-pieces with --tensor-pieces: not yet (a piece of the sequence runs its split "
-                         "layers whole)")
-    if cfg.deterministic and cfg.mode == "context" and ((cfg.tensor_parallel or 1) > 1 or cfg.zero_stage):
-        raise UsageError("--deterministic --mode context: dp x cp only, " + (
-            "not --tensor-parallel > 1 (cp x tp's split layers are not cut in the fixed pieces yet)"
-            if (cfg.tensor_parallel or 1) > 1 else "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
+    if K > 1 and cfg.mode == "mesh" and (cfg.context_parallel or 1) == 1:
+        raise UsageError("--sequence-pieces in --mode mesh cuts the sequence of cp > 1: give --context-parallel too")
+    if K > 1 and cfg.mode == "tensor" and not cfg.sequence_parallel:
+        raise UsageError("--sequence-pieces in --mode tensor cuts the sequence of --sequence-parallel: give it too")
+    if cfg.deterministic and cfg.mode == "context" and cfg.zero_stage:
+        raise UsageError("--deterministic --mode context: dp x cp x tp only, not --zero-stage (its shards are not "
+                         "cut in the fixed pieces yet)")
 
 
 def check_local(cfg):
@@ -208,8 +208,20 @@ def check_layout(cfg, n_contexts, n_processes=1):
     if cfg.mode == "context" and cfg.deterministic and (cfg.sequence_pieces or 1) % cp:
         raise UsageError(f"--deterministic --mode context cuts the sequence into {cfg.sequence_pieces or 1} pieces: "
                          f"--context-parallel {cp} does not divide them (give --sequence-pieces a multiple of {cp})")
+    if cfg.mode == "tensor" and cfg.deterministic and cfg.sequence_parallel and \
+            (cfg.sequence_pieces or 1) % (cfg.tensor_parallel or n):
+        raise UsageError(f"--deterministic --sequence-parallel cuts the sequence into {cfg.sequence_pieces or 1} "
+                         f"pieces: --tensor-parallel {cfg.tensor_parallel or n} does not divide them (give "
+                         f"--sequence-pieces a multiple of it)")
+    if cfg.mode == "context" and cfg.deterministic and (cfg.tensor_parallel or 1) > 1:
+        check_tensor_pieces(cfg.tensor_pieces or 1, cfg.tensor_parallel, "context")
+    if cfg.mode == "mesh" and cfg.deterministic and (cfg.sequence_pieces or 1) % (cfg.context_parallel or 1):
+        raise UsageError(f"--deterministic --mode mesh cuts the sequence into {cfg.sequence_pieces} pieces: "
+                         f"--context-parallel {cfg.context_parallel} does not divide them (give --sequence-pieces "
+                         f"a multiple of {cfg.context_parallel})")
     if cfg.mode in ("tensor", "mesh") and cfg.deterministic:
-        check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or (n if cfg.mode == "tensor" else MESH_TP),
+        mesh_tp = 1 if (cfg.context_parallel or 1) > 1 else MESH_TP
+        check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or (n if cfg.mode == "tensor" else mesh_tp),
                             cfg.mode)
     if (cfg.tensor_pieces or 1) > 1 and cfg.model == "lenet":
         for what, size in tensor_split_sizes(cfg.width).items():

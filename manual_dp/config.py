@@ -75,20 +75,21 @@ class RunConfig:
                                "example), the same in every layout, micro-batching, recompute and resume "
                                "(manual_dp/models/dropout.py)", "model")
     deterministic: bool = flag(False, "the same bits on any number of contexts and processes, and in sync, "
-                                      "zero, model, pipeline, hybrid, tensor, context (dp x cp) and mesh (dp x pp x tp) alike: every batch cut into pieces of "
+                                      "zero, model, pipeline, hybrid, tensor, context (dp x cp x tp) and mesh (dp x pp x tp or dp x pp x cp) alike: every batch cut into pieces of "
                                       f"{PIECE_ROWS} rows whose gradients are added in one fixed tree; one thread "
                                       "per op (manual_dp/strategies/fixed_sums.py)")
     tensor_pieces: Optional[int] = flag(None, "--deterministic: every split layer (channels, heads, hidden units) "
                                               "computed in Q fixed pieces whose partial sums are added in one tree, "
                                               "in every layout: then --mode tensor with any --tensor-parallel dividing "
-                                              "Q (and --mode mesh with tp dividing Q) has the bits of sync, zero and pipelines given the same Q "
-                                              f"(default {TENSOR_PIECES} in tensor and mesh mode, else 1: whole; "
+                                              "Q (and --mode mesh with tp dividing Q) has the bits of sync, zero and pipelines given the same Q; "
+                                              "with --sequence-pieces K, --mode context --tensor-parallel T has --mode sync's given K and Q "
+                                              f"(default {TENSOR_PIECES} in tensor and mesh mode and context with --tensor-parallel > 1, else 1: whole; "
                                               "manual_dp/strategies/tensor_pieces.py)", "parallelism")
     sequence_pieces: Optional[int] = flag(None, "--deterministic, --model transformer: the sequence computed in K "
                                                 "fixed pieces, attention folded in one order and every sum over "
                                                 "them in one tree: then --mode context with any --context-parallel "
-                                                "dividing K has the bits of --mode sync given the same K (default "
-                                                f"{SEQUENCE_PIECES} in context mode, else 1: whole; "
+                                                "dividing K, --mode tensor --sequence-parallel with T dividing K and --mode mesh pp x cp, have the bits of --mode sync given the same K (default "
+                                                f"{SEQUENCE_PIECES} in context mode, tensor with --sequence-parallel and mesh with cp > 1, else 1: whole; "
                                                 "manual_dp/strategies/sequence_pieces.py)", "parallelism")
     sync_batchnorm: bool = flag(False, "sync and zero, --model resnet: BatchNorm statistics over every context's "
                                        "shard (summed by hand), equal to one context; default: each "
@@ -243,8 +244,8 @@ APPLIES = {
     "no_autotune": ("sync",),
     "deterministic": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "sync_batchnorm": ("sync", "zero"),
-    "tensor_pieces": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "mesh"),
-    "sequence_pieces": ("sync", "context"),
+    "tensor_pieces": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "mesh", "context"),
+    "sequence_pieces": ("sync", "context", "tensor", "mesh"),
     "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
     "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
     "loss_scale": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
@@ -299,6 +300,13 @@ def resolve(cfg):
         values[name] = given if given is not None else default
     if not cfg.deterministic:                                # --tensor-pieces orders --deterministic's sums only
         values["tensor_pieces"] = values["sequence_pieces"] = None
+    elif cfg.mode == "context" and (cfg.tensor_parallel or 1) > 1 and cfg.tensor_pieces is None:
+        values["tensor_pieces"] = TENSOR_PIECES             # cp x tp: split layers in pieces, as --mode tensor's
+    elif cfg.mode == "tensor" and cfg.sequence_parallel and cfg.sequence_pieces is None:
+        values["sequence_pieces"] = SEQUENCE_PIECES         # Megatron-SP: the sequence in pieces, as --mode context's
+    elif cfg.mode == "mesh" and (cfg.context_parallel or 1) > 1:   # lanes in a pipeline: split layers whole
+        values["tensor_pieces"] = cfg.tensor_pieces or 1
+        values["sequence_pieces"] = cfg.sequence_pieces or SEQUENCE_PIECES
     for name, default in LOSS_SCALE.items():                 # fp16's loss scale, and only fp16's
         given = getattr(cfg, name)
         if given is not None and cfg.precision != "fp16":

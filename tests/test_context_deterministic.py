@@ -159,13 +159,9 @@ MODEL = ["--model", "transformer", "--layers", "1", "--d-model", "16", "--heads"
 @pytest.mark.parametrize("argv, match", [
     (["--cpus", "4", "--mode", "context", "--deterministic", "--sequence-pieces", "2"],
      "--deterministic --mode context cuts the sequence into 2 pieces: --context-parallel 4 does not divide them"),
-    (["--cpus", "4", "--mesh", "cp=2,tp=2", "--deterministic"],
-     "--deterministic --mode context: dp x cp only, not --tensor-parallel > 1"),
-    (["--cpus", "4", "--mesh", "pp=2,cp=2", "--deterministic"], "not cp > 1 (the sequence's fixed pieces run in "
-                                                                "--mode context"),
+    (["--cpus", "8", "--mesh", "pp=2,cp=2,tp=2", "--deterministic"], "not cp with tp or --tensor-pieces in a "
+                                                                      "pipeline"),
     (["--cpus", "1", "--sequence-pieces", "4"], "--sequence-pieces fixes the order of --deterministic's sums"),
-    (["--cpus", "1", "--deterministic", "--sequence-pieces", "4", "--tensor-pieces", "2"],
-     "--sequence-pieces with --tensor-pieces: not yet"),
     (["--cpus", "2", "--mode", "zero", "--deterministic", "--sequence-pieces", "2"],
      "--sequence-pieces applies only to --mode sync or context"),
 ])

@@ -353,7 +353,8 @@ def test_every_run_prints_its_mesh(capsys, data_dir, tmp_path):
      "Ulysses needs cp=4 to divide the transformer's 2 heads"),
     (["--cpus", "4", "--mesh", "dp=2,tp=2", "--tensor-parallel", "4"], "--tensor-parallel 4 and --mesh dp=2,tp=2 disagree"),
     (["--cpus", "2", "--mesh", "dp=2", "--mode", "tensor"], "data parallel only: --mode tensor"),
-    (["--cpus", "4", "--mesh", "cp=2,tp=2", "--deterministic"], "--deterministic --mode context: dp x cp only"),
+    (["--cpus", "4", "--mesh", "cp=2,tp=2", "--deterministic", "--zero-stage", "1"],
+     "--deterministic --mode context: dp x cp x tp only"),
     (["--cpus", "2", "--attention", "ring"], "--attention applies only to --mode context"),
     (["--cpus", "3", "--mode", "context", "--context-parallel", "2"], "does not divide the 3 contexts"),
 ])

@@ -153,10 +153,10 @@ MODEL = ["--model", "transformer", "--layers", "1", "--d-model", "16", "--heads"
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--cpus", "4", "--mesh", "pp=2,cp=2"], "--deterministic --mode mesh: dp x pp x tp only: not cp > 1 "
-                                              "(the sequence's fixed pieces"),
-    (["--cpus", "4", "--mesh", "pp=2,tp=2", "--sequence-parallel"], "--sequence-parallel: not with "
-                                                                     "--deterministic yet: a layer norm's"),
+    (["--cpus", "4", "--mesh", "pp=2,cp=2", "--tensor-pieces", "2"], "--deterministic --mode mesh: dp x pp x tp or "
+                                                                      "dp x pp x cp only: not cp with tp"),
+    (["--cpus", "4", "--mesh", "pp=2,tp=2", "--sequence-parallel"], "--sequence-parallel --deterministic: --mode "
+                                                                     "tensor only, not --mode mesh"),
     (["--cpus", "8", "--mesh", "pp=2,tp=4", "--tensor-pieces", "2"], "--deterministic --mode mesh cuts every "
                                                                       "split layer into 2 pieces"),
     (["--cpus", "4", "--mesh", "pp=2,tp=2", "--schedule", "zb-h1", "--micro-batches", "2"], "zb-h1 with tp"),

@@ -23,6 +23,9 @@ from ..strategies.base import innermost
 from ..strategies.compressed import Compressed
 from ..strategies.context import ContextParallel
 from ..strategies.context_deterministic import ContextDeterministic
+from ..strategies.grid_deterministic import GridDeterministic
+from ..strategies.mesh_lanes import MeshLanes
+from ..strategies.sequence_deterministic import SequenceParallelDeterministic
 from ..strategies.context_tensor import ContextTensorParallel
 from ..strategies.data_parallel import DataParallel
 from ..strategies.deterministic import DeterministicDataParallel
@@ -145,11 +148,15 @@ def build_model(cfg, params, ctx, world, policy=None):
     reduce = world.reducer(make_allreduce(name))
     grad_reduce = world.reducer(policy.reducer(make_allreduce(name), name))   # gradients: in the precision
     grad_reduce = policy.rounding(grad_reduce) if world.size > 1 else grad_reduce
-    if cfg.deterministic and (cfg.mode == "context" or (cfg.sequence_pieces or 1) > 1):   # the sequence in K pieces
+    if cfg.deterministic and (cfg.mode == "context" or (cfg.mode == "sync" and (cfg.sequence_pieces or 1) > 1)):
         try:
             C = context_degree(cfg, len(ctx)) if cfg.mode == "context" else 1
-            model = ContextDeterministic(params, ctx, cfg.optimizer, C, cfg.attention or "ring", cfg.sequence_pieces,
-                                         sums=fixed_sums(cfg, world), model=net)
+            T = (cfg.tensor_parallel or 1) if cfg.mode == "context" else 1
+            model = GridDeterministic(params, ctx, cfg.optimizer, C, T, cfg.attention or "ring", cfg.sequence_pieces,
+                                      cfg.tensor_pieces, fixed_sums(cfg, world), net) \
+                if (cfg.tensor_pieces or 1) > 1 else \
+                ContextDeterministic(params, ctx, cfg.optimizer, C, cfg.attention or "ring", cfg.sequence_pieces,
+                                     sums=fixed_sums(cfg, world), model=net)
         except ValueError as e:
             raise UsageError(f"--deterministic --sequence-pieces {cfg.sequence_pieces}: {e}") from None
     elif cfg.mode == "sync":
@@ -188,6 +195,12 @@ def build_model(cfg, params, ctx, world, policy=None):
     elif cfg.mode == "local":
         model = LocalSGD(params, ctx, cfg.optimizer, cfg.sync_every, cfg.outer_optimizer, cfg.outer_lr,
                          cfg.outer_momentum, reduce, model=net)
+    elif cfg.mode == "tensor" and cfg.deterministic and cfg.sequence_parallel:   # Megatron-SP in the lanes' trees
+        try:
+            model = SequenceParallelDeterministic(params, ctx, cfg.optimizer, cfg.tensor_parallel, cfg.sequence_pieces,
+                                                  cfg.tensor_pieces, fixed_sums(cfg, world), net)
+        except ValueError as e:
+            raise UsageError(f"--deterministic --sequence-parallel: {e}") from None
     elif cfg.mode == "tensor" and cfg.deterministic:   # every sum in a fixed tree; processes swap subtrees
         model = TensorDeterministic(
             params, ctx, cfg.optimizer, cfg.tensor_parallel, pieces=cfg.tensor_pieces, rank=world.rank,
@@ -196,6 +209,13 @@ def build_model(cfg, params, ctx, world, policy=None):
     elif cfg.mode == "tensor":   # f and g inside a group stay in this process; `reduce` sums over groups
         model = TensorParallel(params, ctx, cfg.optimizer, cfg.tensor_parallel, reduce, make_allreduce(name), model=net,
                                sequence_parallel=cfg.sequence_parallel, zero_stage=cfg.zero_stage or 0)
+    elif cfg.mode == "mesh" and cfg.deterministic and (cfg.context_parallel or 1) > 1:   # lanes in each stage
+        try:
+            model = MeshLanes(params, ctx, cfg.optimizer, cfg.stages or config.STAGES, cfg.context_parallel,
+                              cfg.micro_batches or 1, cfg.schedule or "gpipe", virtual_stages(cfg), cfg.attention or "ring",
+                              cfg.sequence_pieces, fixed_sums(cfg, world), net)
+        except ValueError as e:
+            raise UsageError(f"--deterministic --mode mesh: {e}") from None
     elif cfg.mode == "mesh" and cfg.deterministic:   # tensor groups in Q pieces; every stage's leaves in the tree
         try:
             model = MeshDeterministic(params, ctx, cfg.optimizer, cfg.stages or config.STAGES, mesh_tp(cfg),

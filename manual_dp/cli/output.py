@@ -95,25 +95,38 @@ def describe(cfg):
     if cfg.deterministic and cfg.mode == "tensor":
         line = (f"tensor, deterministic: layers split over {cfg.tensor_parallel or 'all'} context(s) per "
                 f"tensor group in {cfg.tensor_pieces} fixed pieces, pieces of the batch and of the split "
-                f"layers added in fixed trees: the bits of every layout given --tensor-pieces {cfg.tensor_pieces}")
+                f"layers added in fixed trees: the bits of every layout given --tensor-pieces {cfg.tensor_pieces}"
+                + (f" --sequence-pieces {cfg.sequence_pieces}: the sequence parallel regions in {cfg.sequence_pieces} "
+                   f"fixed pieces of the sequence, each on one context, their layer norms' gradients added in the "
+                   f"tree" if cfg.sequence_parallel else ""))
     if cfg.deterministic and cfg.mode == "mesh":
         line = (f"mesh, deterministic: {cfg.stages or 2}-stage pipelines of {cfg.tensor_parallel or 2}-context "
                 f"tensor groups, every split layer in {cfg.tensor_pieces} fixed pieces, {cfg.micro_batches} "
                 f"micro-batches of whole batch pieces on {SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule, "
                 f"each stage's gradients per piece added in the fixed tree: the bits of every layout given "
                 f"--tensor-pieces {cfg.tensor_pieces}")
+    if cfg.deterministic and cfg.mode == "mesh" and (cfg.context_parallel or 1) > 1:
+        line = (f"mesh, deterministic: {cfg.stages or 2}-stage pipelines of {cfg.context_parallel}-context "
+                f"context-parallel groups, every sequence in {cfg.sequence_pieces} fixed pieces ({cfg.attention} "
+                f"attention folding them in one order), {cfg.micro_batches} micro-batches of whole batch pieces on "
+                f"{SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule, each stage's gradients per piece added in "
+                f"the fixed trees: the bits of every layout given --sequence-pieces {cfg.sequence_pieces}")
     if cfg.deterministic and cfg.mode == "context":
+        tp = (cfg.tensor_parallel or 1) > 1
         line = (f"context, deterministic: every sequence in {cfg.sequence_pieces} fixed pieces over "
                 f"{cfg.context_parallel or 'all'} context(s) per group, {cfg.attention} attention folding them in "
-                f"one order, their sums and the batch's pieces added in fixed trees: the bits of every layout "
-                f"given --sequence-pieces {cfg.sequence_pieces}")
+                + (f"one order, each piece's split layers in {cfg.tensor_pieces} fixed pieces over "
+                   f"{cfg.tensor_parallel} tensor context(s), " if tp else "one order, ")
+                + f"their sums and the batch's pieces added in fixed trees: the bits of every layout given "
+                f"--sequence-pieces {cfg.sequence_pieces}" + (f" --tensor-pieces {cfg.tensor_pieces}" if tp else ""))
     line += (f", the sequence in {cfg.sequence_pieces} fixed pieces (--sequence-pieces: the bits of --mode context "
              f"with any --context-parallel dividing it)" if (cfg.sequence_pieces or 1) > 1
-             and cfg.mode != "context" else "")
-    line += (f", every split layer in {cfg.tensor_pieces} fixed pieces (--tensor-pieces: the bits of --mode tensor "
-             f"with any --tensor-parallel dividing it)" if (cfg.tensor_pieces or 1) > 1
-             and cfg.mode not in ("tensor", "mesh") else "")
-    line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel else ""
+             and cfg.mode not in ("context", "tensor", "mesh") else "")
+    line += (f", every split layer in {cfg.tensor_pieces} fixed pieces (--tensor-pieces: the bits of --mode "
+             + ("context" if (cfg.sequence_pieces or 1) > 1 else "tensor") + " with any --tensor-parallel dividing it)"
+             if (cfg.tensor_pieces or 1) > 1 and cfg.mode not in ("tensor", "mesh", "context") else "")
+    line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel \
+        and not cfg.deterministic else ""
     line += (f", {DP_SHARDED.get(cfg.zero_stage)} sharded over the data dimension (ZeRO-{cfg.zero_stage})"
              if cfg.zero_stage and cfg.mode != "zero" else "")
     line += (f", {cfg.precision} parameters and gradients kept, float32 master weights beside the optimiser "

@@ -115,6 +115,10 @@ class Join:
         """The first token each of the n contexts holds between shard and unshard: all of them."""
         return [0] * n
 
+    def for_row(self, c):
+        """The join of row c of a grid (Model.grid_forward): this one, for every row."""
+        return self
+
 
 class SequenceJoin(Join):
     """Megatron-SP (Korthikanti et al. 2022): between the split layers every context keeps only its

@@ -295,11 +295,12 @@ class Model:
 
 
 def grid_layer(layer, hs, own, join, seq, F=nd):
-    """One layer on a C x T grid (Model.grid_forward): hs[c][t] its input on each context, own[c][t]
-    that context's pieces of the layer's parameters; its grid_forward, or its sequence_forward on
+    """One layer on a C x T grid (Model.grid_forward): hs[c][t] its input on each context, own[c] the
+    layer's parameters as each piece of row c sees them (join.k a context); its grid_forward, or its sequence_forward on
     each column (a context-parallel group), or the layer on each block as it is."""
     if layer.grid_forward:
         return layer.grid_forward(hs, own, join, seq, F)
+    own = [join.for_row(c).leads(prow) for c, prow in enumerate(own)]   # each context's view (k pieces a context)
     if layer.sequence_forward:
         cols = [layer.sequence_forward([row[t] for row in hs], [row[t] for row in own], seq, F)
                 for t in range(len(hs[0]))]

@@ -171,24 +171,26 @@ def split_mlp(hs, shards, join, F, site, starts):
 def make_grid_block(head_dim, site):
     def grid_block(hs, shards, join, seq, F=nd):
         """The block on a context x tensor grid: hs[c][t] is block c of the tokens on tensor rank t,
-        shards[c][t] its pieces. Each row c is a tensor group (f and g as split_block); each column
-        t a context-parallel group whose blocks' queries, keys and values of rank t's heads meet in
-        seq.attend (ring or Ulysses)."""
-        a = [join.f([layer_norm(h, p[0], p[1], F) for h, p in zip(row, prow)]) for row, prow in zip(hs, shards)]
-        q, k, v = ([[None] * len(hs[0]) for _ in hs] for _ in range(3))
+        shards[c] its pieces (join.k a context). Each row c is a tensor group (f and g as
+        split_block, join.for_row(c)'s); each column of pieces a context-parallel group whose blocks'
+        queries, keys and values of the piece's heads meet in seq.attend (ring or Ulysses)."""
+        joins = [join.for_row(c) for c in range(len(hs))]
+        a = [jc.f([layer_norm(h, p[0], p[1], F) for h, p in zip(row, jc.leads(prow))])
+             for row, prow, jc in zip(hs, shards, joins)]                        # a[c][piece]
+        q, k, v = ([[None] * len(a[0]) for _ in hs] for _ in range(3))
         for c, (arow, prow) in enumerate(zip(a, shards)):
             for t, (aj, p) in enumerate(zip(arow, prow)):
                 q[c][t], k[c][t], v[c][t] = qkv(aj, p[2:8], F, [x.shape for x in p[2:8]], head_dim)
-        heads = [[None] * len(hs[0]) for _ in hs]
-        for t in range(len(hs[0])):
+        heads = [[None] * len(a[0]) for _ in hs]
+        for t in range(len(a[0])):
             outs = seq.attend([q[c][t] for c in range(len(hs))], [k[c][t] for c in range(len(hs))],
                               [v[c][t] for c in range(len(hs))])
             for c, o in enumerate(outs):
-                heads[c][t] = F.reshape(o, shape=(0, 0, -3))                  # (B, T_c, nh/T * dh)
+                heads[c][t] = F.reshape(o, shape=(0, 0, -3))                  # (B, T_c, nh/Q * dh)
         out = []
-        for row, hrow, prow, first in zip(hs, heads, shards, seq.bounds):
-            starts = [first + a for a in join.starts(len(row))]
-            out.append(split_mlp(split_output(row, hrow, prow, join, F, site, starts), prow, join, F, site + 1, starts))
+        for row, hrow, prow, first, jc in zip(hs, heads, shards, seq.bounds, joins):
+            starts = [first + a for a in jc.starts(len(row))]
+            out.append(split_mlp(split_output(row, hrow, prow, jc, F, site, starts), prow, jc, F, site + 1, starts))
         return out
     return grid_block
 

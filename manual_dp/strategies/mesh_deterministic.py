@@ -20,10 +20,9 @@ It composes the two deterministic halves it is made of:
                      after the processes swapped their subtrees)
 
 The update is elementwise, per piece array: the same bits everywhere. Schedules: gpipe, 1f1b and
-interleaved (zb-h1's split backward is not written for tensor groups). Not here: context
-parallelism (ring and Ulysses attention add a sequence's blocks in an order of their own) and
-sequence parallelism (a replicated layer norm's gradient is summed over the group's token blocks),
-refused by the command line. Each process must run its ops with the same thread count (the
+interleaved (zb-h1's split backward is not written for tensor groups). Context parallelism in the
+stages (pp x cp) is strategies/mesh_lanes.py, a subclass; cp with tp in a pipeline and sequence
+parallelism in one are refused by the command line. Each process must run its ops with the same thread count (the
 command line gives one thread per op with --deterministic).
 """
 import numpy as np

@@ -133,15 +133,25 @@ class LaneSum(autograd.Function):
 class Lanes:
     """The Sequence (strategies/context.py) of a group `row` of C contexts holding the K pieces of
     the sequence, K/C consecutive ones each: `bounds` (K + 1 token offsets), `where` (each lane's
-    context), `attend` (FixedAttention: ring's fold, or Ulysses' head groups) and `sum` (LaneSum)."""
+    context), `attend` (FixedAttention: ring's fold, or Ulysses' head groups) and `sum` (LaneSum).
+    attend and sum read the contexts off their arguments, so one Lanes serves every column of a
+    cp x tp grid (strategies/grid_deterministic.py), each column its own contexts."""
 
     def __init__(self, n_tokens, K, row, attention="ring"):
         self.tokens, self.bounds, self.row, self.k = n_tokens, chunk_bounds(n_tokens, K), list(row), K // len(row)
         self.where = [self.row[b // self.k] for b in range(K)]
-        self.groups = self.row if attention == "ulysses" and len(self.row) > 1 else None
+        self.ulysses = attention == "ulysses" and len(self.row) > 1
 
     def attend(self, qs, ks, vs):
-        return as_list(FixedAttention(self.groups)(*qs, *ks, *vs))
+        groups = distinct([q.context for q in qs]) if self.ulysses else None
+        return as_list(FixedAttention(groups)(*qs, *ks, *vs))
 
     def sum(self, xs):
-        return as_list(LaneSum(self.where, self.row, self.k)(*xs))
+        where = [x.context for x in xs]
+        row = distinct(where)
+        return as_list(LaneSum(where, row, len(xs) // len(row))(*xs))
+
+
+def distinct(contexts):
+    """The contexts of a list, each once, in order (the row of a column's lanes)."""
+    return list(dict.fromkeys(contexts))
