@@ -3,6 +3,7 @@ copy bound (one cpu(0) -> cpu(1) copy of the same payload) and the memory floor 
 the traffic no all-reduce over k contexts of one memory can avoid). Each function returns one
 record (a dict), allreduce_sweep a list of them; the benchmark (python -m manual_dp.bench) and
 notebook 02 call them."""
+import ctypes
 import resource
 import time
 
@@ -84,7 +85,9 @@ def allreduce_point(name, k, nbytes, repeats):
     return allreduce_record(name, k, nbytes, timed(lambda: fn(arrays), repeats, calls_for(nbytes * k)))
 
 
-SETTLE_CALLS = 12     # warm-up calls at most, until one makes the process fault no new page
+SETTLE_CALLS = 12     # warm-up calls at most, until one faults as many pages as the one before
+FRESH_FROM = 1 << 20  # bytes from which an allocation is mapped fresh and returned on free (fresh_pages)
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def page_faults():
@@ -92,23 +95,37 @@ def page_faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def settle(fn):
-    """Call fn (draining the engine) until one call faults no new page, at most SETTLE_CALLS times.
+def fresh_pages():
+    """Afterwards (for the rest of the process) glibc maps every allocation of FRESH_FROM bytes or more
+    fresh and returns it on free; True where the C library took it (glibc's mallopt).
 
-    An algorithm that copies into fresh arrays (the lesson's `copyto`, the KVStore's buffers) asks
-    the allocator for new memory every call. MXNet allocates CPU arrays aligned (posix_memalign),
-    and glibc serves an aligned request from a free chunk only if the chunk also holds the
-    alignment's slack: the chunk the last copy freed is too small by that slack, so the heap grows
-    over the first calls, each touching pages the kernel must map in (measured: 4,096 faults, one
-    16 MB array, per call; the lesson's 16 MB all-reduce then took 10.3 ms on 2 contexts against
-    3.0 ms once the heap had grown). A training step reaches that steady heap in its first steps;
-    a timing that includes the growth measures the allocator's history, not the algorithm."""
+    An algorithm that copies into new arrays (the lesson's `copyto`) asks for memory every call.
+    With glibc's default, whether that memory is new pages depends on the process's history: its
+    mmap threshold moves with what was freed before, the heap's top is trimmed or not, and MXNet's
+    aligned requests (posix_memalign) do not fit the chunk the last copy freed, so the heap may grow
+    for many calls. Measured: the lesson's 16 MB all-reduce on 2 contexts took 3.0 ms in one process
+    and 10.3 ms in another (4,096 page faults a call), and after the bench's training every call
+    faulted. A fixed threshold takes the history away: such an algorithm pays its fresh pages every
+    call, in every process (e.g. 4,097 faults a call at 16 MB on 2 contexts, 28,679 on 8)."""
+    try:
+        return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, FRESH_FROM))
+    except (OSError, AttributeError):          # not glibc: the allocator's history stays in the timings
+        return False
+
+
+def settle(fn):
+    """Call fn (draining the engine) until a call faults as many pages as the one before (the
+    allocator in its steady state: none, or an algorithm's fresh pages every call), at most
+    SETTLE_CALLS times."""
+    last = None
     for _ in range(SETTLE_CALLS):
         before = page_faults()
         fn()
         nd.waitall()
-        if page_faults() == before:
+        faults = page_faults() - before
+        if faults == last:
             return
+        last = faults
 
 
 def allreduce_sweep(names, ks, payloads, rounds):
@@ -116,7 +133,9 @@ def allreduce_sweep(names, ks, payloads, rounds):
     every point once (fresh replicas, warm-up calls until the heap is steady (settle), then
     calls_for(...) calls back to back), and a record's us is the median over the rounds, its
     page_faults the median per call. On a shared machine a neighbour's burst of work then falls on
-    one round of many points rather than on every repeat of a few."""
+    one round of many points rather than on every repeat of a few. The allocator is set first
+    (fresh_pages), so that no point's time depends on what the process did before."""
+    fresh_pages()
     points = [(name, k, b) for k in ks for name in names for b in payloads]
     times, faults = {p: [] for p in points}, {p: [] for p in points}
     for _ in range(rounds):

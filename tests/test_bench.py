@@ -187,21 +187,19 @@ def test_local_sgd_side_by_side_logs_accuracy_and_communication_rounds(tmp_path,
     assert (tmp_path / "local_sgd.png").stat().st_size > 1000
 
 
-def test_the_warm_up_lasts_until_a_call_maps_no_new_page():
-    """measure.settle: a call that touches fresh memory (kept, so the heap grows) faults pages in;
-    the warm-up goes on until one call does not, and stops at SETTLE_CALLS when every call does."""
-    import numpy as np
+def test_the_warm_up_lasts_until_a_call_faults_as_many_pages_as_the_one_before(monkeypatch):
+    """measure.settle, with the process's page-fault count played by a list: the warm-up goes on
+    until two calls in a row fault as many pages (none, or the same fresh pages every call), and
+    stops at SETTLE_CALLS when the counts never repeat."""
+    import importlib
+    measure = importlib.import_module("manual_dp.measure")   # `manual_dp.measure` the attribute is memory's
+    for per_call, calls in (([2048, 1024, 512, 0, 0, 0], 5), ([4097] * 20, 2), ([9, 0, 9, 9, 9], 4),
+                            (list(range(1, 40)), measure.SETTLE_CALLS)):
+        total, done = [0], []
+        monkeypatch.setattr(measure, "page_faults", lambda: total[0])
 
-    from manual_dp.measure import SETTLE_CALLS, settle
-    kept = []
-
-    def grows_three_times():
-        if len(kept) < 3:
-            kept.append(np.ones(1 << 20))          # 8 MB written: about 2,048 pages mapped in
-        else:
-            kept.append(None)
-    settle(grows_three_times)
-    assert len(kept) == 4
-    kept.clear()
-    settle(lambda: kept.append(np.ones(1 << 18)))
-    assert len(kept) == SETTLE_CALLS
+        def call():
+            total[0] += per_call[len(done)]
+            done.append(1)
+        measure.settle(call)
+        assert len(done) == calls, per_call

@@ -205,10 +205,10 @@ def model_section(out, records=None):
             lines.append(f"  {alg:14} {c * 1e6:6.1f} {a * 1e6:8.1f} {lat * 1e6:10.1f} {gbps(bc):>10} {gbps(bm):>11} "
                          f"{n:>6} {err:>10.0%}{'' if err <= COST_TARGET else '  (over 25%)'}")
         faulting = [r for r in ok(records, "allreduce") if r.get("page_faults", 0) >= 1]
-        if faulting:    # the heap still growing after measure.settle's warm-up: the allocator's time, not the model's
-            lines.append("  still faulting pages per call after the warm-up (the allocator's time, which the form "
-                         "does not count): " + ", ".join(f"{r['impl']} {r['devices']} x {r['bytes'] >> 10} KB "
-                                                         f"{r['page_faults']:.0f}" for r in faulting))
+        if faulting:    # fresh memory every call (measure.fresh_pages): part of the algorithm's bytes moved
+            lines.append("  pages mapped fresh per call (new arrays of 1 MiB or more; measure.fresh_pages): "
+                         + ", ".join(f"{r['impl']} {r['devices']} x {r['bytes'] >> 10} KB {r['page_faults']:.0f}"
+                                     for r in faulting))
     else:
         lines = [f"(no all-reduce figures in {path}: run `python -m manual_dp.bench` first to fit them)"]
     rows = costmodel.table()
