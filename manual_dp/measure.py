@@ -96,8 +96,9 @@ def page_faults():
 
 
 def fresh_pages():
-    """Afterwards (for the rest of the process) glibc maps every allocation of FRESH_FROM bytes or more
-    fresh and returns it on free; True where the C library took it (glibc's mallopt).
+    """Afterwards (for the rest of the process) glibc maps an allocation of FRESH_FROM bytes or more
+    that no free chunk holds fresh, and returns it on free, whatever was freed before (a fixed mmap
+    threshold); True where the C library took it (glibc's mallopt).
 
     An algorithm that copies into new arrays (the lesson's `copyto`) asks for memory every call.
     With glibc's default, whether that memory is new pages depends on the process's history: its
