@@ -124,13 +124,14 @@ def test_no_mode_fits_names_the_model_s_own_size_flags(monkeypatch, model, hint)
         memcheck.check_limit(cfg, {"cpu(0)": {"peak_bytes": 2 << 20}}, "cpu", 2)
 
 
-def test_a_model_with_running_statistics_probes_sync_zero_and_local_alone(monkeypatch):
-    """resnet's other modes refuse it (checks.check_model): no process is started for them."""
+def test_a_model_with_running_statistics_probes_only_the_modes_that_carry_them(monkeypatch):
+    """resnet's other modes refuse it (checks.check_model): no process is started for them; the
+    pipelines carry its statistics per micro-batch and are probed."""
     started = []
     monkeypatch.setattr(memcheck, "run_probes", lambda probes, kind, pad: started.extend(
         cfg.mode for cfg, _ in probes.values()) or {})
     memcheck.probe_modes(resolve(RunConfig(cpus=2, model="resnet")), "cpu", 2)
-    assert started == ["sync", "zero", "local"]
+    assert started == ["sync", "model", "pipeline", "hybrid", "zero", "local"]
 
 
 def test_generous_limit_trains_and_reports_memory(capsys, tmp_path, data_dir):

@@ -32,7 +32,7 @@ from ..replicas import fingerprint
 from .base import Strategy
 from .context import ContextParallel
 from .data_parallel import host_state, load_into
-from .fixed_sums import FixedSums, WholeBatch, leaf
+from .fixed_sums import FixedSums, WholeBatch, into_grads, leaf
 from .sequence_pieces import Lanes
 from .tensor_deterministic import TensorDeterministic
 from .tensor_pieces import tree_reduce
@@ -110,10 +110,7 @@ class ContextDeterministic(WholeBatch, Strategy):
         self.t += 1
         n_examples = self.counted(n_examples)
         for P, S in zip(self.params, self.states):
-            total, offset = self.held.as_in_context(P[0].context), 0
-            for p in P:
-                p.grad[:] = total[offset:offset + p.size].reshape(p.shape)
-                offset += p.size
+            into_grads(self.held.as_in_context(P[0].context), P)
             apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
         self.held = None
 

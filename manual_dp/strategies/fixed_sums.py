@@ -176,3 +176,12 @@ class WholeBatch:
         if self.running:
             raise ValueError("--deterministic cuts the batch into pieces of its own, whose BatchNorm "
                              "statistics would differ: not for models with running statistics")
+
+
+def into_grads(total, P):
+    """Afterwards each p.grad of the arrays P holds its slice of the flat `total` (P's sizes in
+    order): the tree's sum handed to the optimiser, the same bits on every copy."""
+    at = 0
+    for p in P:
+        total[at:at + p.size].reshape(p.shape).copyto(p.grad)
+        at += p.size

@@ -37,7 +37,7 @@ from ..models import stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
-from .fixed_sums import FixedSums, WholeBatch, leaf, pieces, spans
+from .fixed_sums import FixedSums, WholeBatch, into_grads, leaf, pieces, spans
 from .group_stages import GroupPass, tensor_stage
 from .mesh_parallel import MeshParallel
 from .pipeline_pass import piece_actions
@@ -143,15 +143,20 @@ class MeshDeterministic(WholeBatch, Strategy):
         """Elements of a leaf of stage k on one context: its arrays, the last stage's loss and count."""
         return sum(p.size for p in self.params[0][k][0]) + (2 if k == len(self.cuts) - 1 else 0)
 
-    def run_replica(self, r, X, y, parts, first, leaves):
-        """Replica r's pieces (rows `parts`, numbered from `first`) on the schedule, each stage's
-        per-context gradients of each piece a leaf in leaves[k][j][piece]."""
+    def replica_pieces(self, r, X, y, parts):
+        """(replica r's row of groups, its pieces' images on its first stage and labels on its last,
+        the schedule's Plan for them, the bounds of its micro-batches in pieces); the plan's bubble kept."""
         row = self.groups[r]
         Xs = [host(X[a:b]).as_in_context(row[0][0]) for a, b in parts]
         ys = [host(y[a:b]).as_in_context(row[-1][0]) for a, b in parts]
         p = self.plan(len(parts))
         self.bubbles.append(bubbles(p, simulate(p))[0])
-        ends = np.cumsum([0] + shard_sizes(len(Xs), p.n_micro))
+        return row, Xs, ys, p, np.cumsum([0] + shard_sizes(len(Xs), p.n_micro))
+
+    def run_replica(self, r, X, y, parts, first, leaves):
+        """Replica r's pieces (rows `parts`, numbered from `first`) on the schedule, each stage's
+        per-context gradients of each piece a leaf in leaves[k][j][piece]."""
+        row, Xs, ys, p, ends = self.replica_pieces(r, X, y, parts)
 
         def collect(k, q, per_context):
             for j, arrays in enumerate(per_context):
@@ -167,10 +172,7 @@ class MeshDeterministic(WholeBatch, Strategy):
         for row, row_states in zip(self.params, self.states):
             for held_k, stage, stage_states in zip(self.held, row, row_states):
                 for total, P, S in zip(held_k, stage, stage_states):
-                    at = 0
-                    for p in P:
-                        total[at:at + p.size].reshape(p.shape).copyto(p.grad)
-                        at += p.size
+                    into_grads(total, P)
                     apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
         self.held = None
 

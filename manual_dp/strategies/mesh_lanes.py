@@ -23,8 +23,6 @@ from mxnet import nd
 from ..config import RunConfig, SEQUENCE_PIECES
 from ..errors import CheckpointError
 from ..fast.attention import ATTENTION
-from ..fast.prefetch import host
-from ..lesson import shard_sizes
 from ..mesh import Mesh
 from ..models import stateless
 from ..optim import init_states
@@ -34,7 +32,7 @@ from .group_stages import sequence_stage
 from .mesh_deterministic import MeshDeterministic, PiecePass
 from .mesh_parallel import MeshParallel
 from .pipeline_pass import piece_actions
-from .schedules import bubbles, check_micro, check_name, run_order, simulate
+from .schedules import check_micro, check_name, run_order
 from .sequence_pieces import Lanes
 from .tensor_deterministic import TensorDeterministic
 from .tensor_pieces import cut, join, names, pieced, tree_reduce
@@ -90,12 +88,7 @@ class MeshLanes(MeshDeterministic):
     def run_replica(self, r, X, y, parts, first, leaves):
         """Replica r's pieces on the schedule, each lane backpropagating 1/K of the loss; a stage's
         leaf of a piece the lanes' tree sum of their gradients (then lane 0's loss and count)."""
-        row = self.groups[r]
-        Xs = [host(X[a:b]).as_in_context(row[0][0]) for a, b in parts]
-        ys = [host(y[a:b]).as_in_context(row[-1][0]) for a, b in parts]
-        p = self.plan(len(parts))
-        self.bubbles.append(bubbles(p, simulate(p))[0])
-        ends = np.cumsum([0] + shard_sizes(len(Xs), p.n_micro))
+        row, Xs, ys, p, ends = self.replica_pieces(r, X, y, parts)
 
         def collect(k, q, per_lane):
             n, lanes = len(self.params[r][k][0]), self.lanes[r][k]

@@ -33,7 +33,7 @@ from ..models import as_model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
-from .fixed_sums import WholeBatch, cover, pieces, root_of, spans, tree_sum
+from .fixed_sums import WholeBatch, cover, into_grads, pieces, root_of, spans, tree_sum
 from .tensor_layout import group_layout
 from .tensor_pieces import PieceJoin, add_on, cut, join, names, pieced
 
@@ -149,10 +149,7 @@ class TensorDeterministic(WholeBatch, Strategy):
         n_examples = self.counted(n_examples)
         for held_row, P_row, S_row in zip(self.held, self.shards, self.states):
             for total, P, S in zip(held_row, P_row, S_row):
-                offset = 0
-                for p in P:
-                    p.grad[:] = total[offset:offset + p.size].reshape(p.shape)
-                    offset += p.size
+                into_grads(total, P)
                 apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
         self.held = None
 
