@@ -32,7 +32,7 @@ from ..replicas import fingerprint
 from .base import Strategy
 from .context import ContextParallel
 from .data_parallel import host_state, load_into
-from .fixed_sums import FixedSums, WholeBatch, into_grads, leaf
+from .fixed_sums import FixedSums, WholeBatch, into_grads, leaf, whole_leaves_backward
 from .sequence_pieces import Lanes
 from .tensor_deterministic import TensorDeterministic
 from .tensor_pieces import tree_reduce
@@ -70,14 +70,7 @@ class ContextDeterministic(WholeBatch, Strategy):
         return self.params[self.ctx.index(c)]
 
     def backward(self, X, y):
-        bounds, runs, mine = self.sums.cut(len(X), len(self.grid))
-        home, m = self.ctx[0], len(bounds)
-        have = self.sums.subtrees(self.leaves(X, y, bounds, mine), mine, m, home)
-        total = self.sums.total(have, runs, m, self.n + 2, home, "sequence-tree")
-        self.held = total if self.held is None else self.held + total
-        if self.sums.rank:                               # the job's metrics come from rank 0 alone
-            return [(nd.zeros((1,), ctx=home), nd.zeros((1,), ctx=home))]
-        return [(total[self.n:self.n + 1], total[self.n + 1:self.n + 2])]
+        return whole_leaves_backward(self, X, y, len(self.grid), "sequence-tree")
 
     def leaves(self, X, y, bounds, runs):
         """{piece: [gradient, loss sum, correct] (n + 2,)} on its group's first context."""

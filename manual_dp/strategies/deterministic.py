@@ -13,7 +13,8 @@ from ..fast.prefetch import host
 from ..lesson import forward_backward
 from ..optim import apply_update_and_clear
 from .data_parallel import DataParallel, graph_forward_backward
-from .fixed_sums import FixedSums, WholeBatch, cover, pieces, root_of, spans, tree_sum  # noqa: F401 (their home)
+from .fixed_sums import (FixedSums, WholeBatch, cover, pieces, root_of, spans, tree_sum,  # noqa: F401 (their home)
+                         whole_leaves_backward)
 from .tensor_pieces import piece_forward
 
 
@@ -64,14 +65,7 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
         self.held = None
 
     def backward(self, X, y):
-        bounds, runs, mine = self.sums.cut(len(X), len(self.ctx))
-        home, m = self.ctx[0], len(bounds)
-        have = self.sums.subtrees(self.leaves(X, y, bounds, mine), mine, m, home)
-        total = self.sums.total(have, runs, m, self.n + 2, home, "tree")
-        self.held = total if self.held is None else self.held + total
-        if self.sums.rank:                               # the job's metrics come from rank 0 alone
-            return [(nd.zeros((1,), ctx=home), nd.zeros((1,), ctx=home))]
-        return [(total[self.n:self.n + 1], total[self.n + 1:self.n + 2])]
+        return whole_leaves_backward(self, X, y, len(self.ctx), "tree")
 
     def leaves(self, X, y, bounds, runs):
         """{piece: [gradient, loss sum, correct] (n + 2,)} on the context that owns the piece."""

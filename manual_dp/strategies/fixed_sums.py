@@ -185,3 +185,22 @@ def into_grads(total, P):
     for p in P:
         total[at:at + p.size].reshape(p.shape).copyto(p.grad)
         at += p.size
+
+
+def whole_leaves_backward(strategy, X, y, places, key):
+    """The backward of a strategy whose leaf of a piece is one vector [every gradient, loss, correct]
+    (strategy.n gradient elements; strategy.leaves(X, y, bounds, runs) computes them): the batch cut
+    over `places`, this process's subtrees and the job's tree total (exchanged under `key`) added
+    into strategy.held on the first context. Returns per (loss sum, correct) the job's, on rank 0
+    (zeros elsewhere: the job's metrics come from rank 0 alone)."""
+    sums, home = strategy.sums, strategy.ctx[0]
+    bounds, runs, mine = sums.cut(len(X), places)
+    m = len(bounds)
+    have = sums.subtrees(strategy.leaves(X, y, bounds, mine), mine, m, home)
+    total = sums.total(have, runs, m, strategy.n + 2, home, key)
+    strategy.held = total if strategy.held is None else strategy.held + total
+    if sums.rank:
+        return [(nd.zeros((1,), ctx=home), nd.zeros((1,), ctx=home))]
+    n = strategy.n
+    return [(total[n:n + 1], total[n + 1:n + 2])]
+

@@ -51,8 +51,9 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
                  sums=None):
         self.net = as_model(model, params)
         if self.net.stats() and (recompute or sums):
-            raise ValueError(f"{'--recompute' if recompute else '--deterministic'} with BatchNorm: "
-                             f"{'a stage run again would meet its BatchNorms twice' if recompute else 'a piece would normalise with its own statistics, not its micro-batch`s'}")
+            why = "a stage run again would meet its BatchNorms twice" if recompute else \
+                "a piece would normalise with its own statistics, not its micro-batch's"
+            raise ValueError(f"{'--recompute' if recompute else '--deterministic'} with BatchNorm: {why}")
         if not 1 <= stages <= len(self.net.layers) or len(ctx) < stages or len(ctx) % stages:
             raise ValueError(f"{len(ctx)} contexts cannot be cut into {stages}-stage pipelines "
                              f"of {self.net.name}'s {len(self.net.layers)} layers")
@@ -80,6 +81,7 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
         self.t, self.bubbles, self.measured, self.peaks = 0, [], [], {}
         self.sums, self.held = sums, None
         self.keep_running(False, self.allreduce_fn)
+        self.batch_moments = []            # per replica, each micro-batch's Moments of this step (namespaces)
         # norms[s]: the number of the first BatchNorm of stage s (evaluation starts there)
         self.norms = [first_norm(self.net.layers, ids[0]) for ids in self.cuts]
         for p in (p for row in self.params for P in row for p in P) if sums else ():
@@ -207,8 +209,9 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
     def fingerprints(self):
         """Per stage, the copy of every pipeline replica (and every context's running statistics)."""
         names = self.net.names()
-        return {**{f"stage {s}": [fingerprint(places[s], P[s], names[sl]) for places, P in zip(self.places, self.params)]
-                   for s, sl in enumerate(param_slices(len(self.stages), self.net))}, **self.running_fingerprints()}
+        stages = {f"stage {s}": [fingerprint(places[s], P[s], names[sl]) for places, P in zip(self.places, self.params)]
+                  for s, sl in enumerate(param_slices(len(self.stages), self.net))}
+        return {**stages, **self.running_fingerprints()}
 
     def layout(self, batch_size):
         """(context, part, examples whose activations of `part` it holds at the peak) per placement
