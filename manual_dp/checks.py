@@ -114,10 +114,9 @@ def check_running(cfg, running):
     """UsageError where --model's running statistics (BatchNorm's; `running`: whether it keeps any)
     meet a mode or flag that does not carry them, or --sync-batchnorm a model without them."""
     carried = ("sync", "zero", "local", "model", "pipeline", "hybrid")
-    if running and (cfg.mode not in carried or cfg.deterministic or cfg.backend == "dist_async" or
-                    (cfg.recompute and cfg.mode in PIPELINES)):
+    if running and (cfg.mode not in carried or cfg.deterministic or cfg.backend == "dist_async"):
         why = "--deterministic" if cfg.deterministic else "--backend dist_async" \
-            if cfg.backend == "dist_async" else "--recompute" if cfg.mode in carried else f"--mode {cfg.mode}"
+            if cfg.backend == "dist_async" else f"--mode {cfg.mode}"
         raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, zero, "
                          f"local, model, pipeline and hybrid carry, not {why}: {RUNNING_REFUSED.get(why, 'not yet')}")
     if running and cfg.compress != "none":
@@ -133,7 +132,6 @@ RUNNING_REFUSED = {     # why a model with BatchNorm is refused, where there is 
     "--deterministic": "its pieces would normalise with their own statistics, not the batch's",
     "--backend dist_async": "each worker steps on its own",
     "--mode async": "each replica steps on its own",
-    "--recompute": "a stage run again would meet its BatchNorms twice",
     "--mode mesh": "its tensor groups split layers that ResNet and a user's BatchNorm block do not have",
 }
 PIPELINES = ("model", "pipeline", "hybrid")

@@ -81,23 +81,27 @@ def test_the_cached_graph_normalises_per_context_as_the_imperative_step(resnet, 
     assert min(moved) > 0                                       # every statistic was folded
 
 
-@pytest.mark.parametrize("contexts,stages,micro,schedule", [
-    (2, 2, 2, "gpipe"), (2, 2, 3, "1f1b"), (3, 3, 2, "zb-h1"), (4, 2, 2, "1f1b"), (2, 1, 2, "gpipe"),
-    (2, 2, 4, "interleaved")])
+@pytest.mark.parametrize("contexts,stages,micro,schedule,recompute", [
+    (2, 2, 2, "gpipe", False), (2, 2, 3, "1f1b", False), (3, 3, 2, "zb-h1", False), (4, 2, 2, "1f1b", False),
+    (2, 1, 2, "gpipe", False), (2, 2, 4, "interleaved", False), (2, 2, 2, "gpipe", True), (3, 3, 3, "1f1b", True),
+    (2, 2, 2, "zb-h1", True), (2, 2, 4, "interleaved", True)])
 def test_a_pipeline_normalises_each_micro_batch_as_data_parallelism_each_context(resnet, contexts, stages, micro,
-                                                                                  schedule):
+                                                                                  schedule, recompute):
     """Model, pipeline and hybrid parallelism: each micro-batch normalised with its own statistics,
     their mean folded once a step (torchgpipe's deferred BatchNorm), is data parallelism over as
     many contexts as the step has micro-batches, each with its own statistics: the same parameters,
-    running statistics (on every context alike) and evaluation."""
+    running statistics (on every context alike) and evaluation. With --recompute a stage runs its
+    BatchNorms twice (forward, then again in the backward) and its statistics count once."""
     net, P, whole = resnet
     pipe = PipelineParallel(P, cpus(contexts), "momentum", micro, stages=stages, schedule=schedule, model=net,
-                            virtual_stages=2 if schedule == "interleaved" else 1)
+                            virtual_stages=2 if schedule == "interleaved" else 1, recompute=recompute)
     replicas = contexts // stages
     want_model = DataParallel(P, cpus(replicas * micro), "momentum", model=net)
     got, want = after(pipe), after(want_model)
     assert close(got["params"], want["params"]) and close(got["extra"]["running"], want["extra"]["running"])
     assert not close(got["params"], whole["params"], 1e-3)          # not one context's statistics
+    norms = len(net.stats()) // 2                                   # each BatchNorm's statistics once
+    assert [len(M.batch) for row in pipe.batch_moments for M in row] == [norms] * (replicas * micro)
     prints = pipe.fingerprints()["running statistics"]
     assert len(prints) == contexts and len({tuple(sums) for _, sums in prints}) == 1
     assert [r[0].context for r in pipe.running] == cpus(contexts)

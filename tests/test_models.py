@@ -451,8 +451,6 @@ def test_strategies_without_running_statistics_refuse_them(resnet):
                  lambda: DeterministicDataParallel(P, cpus(2), "momentum", model=net)):
         with pytest.raises(ValueError, match="running statistics"):
             make()
-    with pytest.raises(ValueError, match="--recompute with BatchNorm: a stage run again would meet its BatchNorms twice"):
-        PipelineParallel(P, cpus(2), "momentum", 2, model=net, recompute=True)
 
 
 def test_cli_resnet_with_sync_batchnorm_and_refusals(capsys, data_dir, tmp_path):
@@ -463,7 +461,7 @@ def test_cli_resnet_with_sync_batchnorm_and_refusals(capsys, data_dir, tmp_path)
     code, out, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, "--model", "resnet", "--sync-batchnorm",
                                   "--checkpoint-dir", str(ck), "--resume", "--epochs", "2"])
     assert code == 0 and "resumed" in out, err
-    for argv, message in ((["--model", "resnet", "--mode", "pipeline", "--recompute"], "not --recompute: a stage run"),
+    for argv, message in ((["--model", "resnet", "--mode", "async"], "not --mode async: each replica steps"),
                           (["--model", "resnet", "--mode", "zero", "--deterministic"], "not --deterministic"),
                           (["--sync-batchnorm"], "--sync-batchnorm applies to models with BatchNorm"),
                           (["--model", "mlp", "--sync-batchnorm", "--mode", "async"], "applies to models with BatchNorm")):

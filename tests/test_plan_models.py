@@ -75,13 +75,13 @@ def test_layouts_a_model_cannot_run_are_left_out_with_a_reason():
     resnet = build("resnet")
     assert [name(l) for l in enumerate_layouts(4, 16, model=resnet)] == [
         "dp=4 data", "dp=4 zero1", "dp=4 zero2", "dp=4 zero3"] + [
-        f"{mesh} {s} M=4" for mesh in ("dp=2 x pp=2", "pp=4") for s in ("gpipe", "1f1b", "interleaved V=2", "zb-h1")]
+        f"{mesh} {s} M=4{rc}" for mesh in ("dp=2 x pp=2", "pp=4") for s in ("gpipe", "1f1b", "interleaved V=2", "zb-h1")
+        for rc in ("", " +recompute")]
     assert left_out(4, 16, model=resnet) == (
         "left out: dp=2 x tp=2, dp=2 x tp=2 +sp, tp=4, tp=4 +sp, dp=2 x cp=2 "
         "ring, dp=2 x cp=2 ulysses, cp=4 ring, cp=4 ulysses, cp=2 x tp=2 ring, cp=2 x tp=2 ulysses, "
         "pp=2 x tp=2, pp=2 x cp=2 ring, pp=2 x cp=2 ulysses (resnet keeps BatchNorm's running statistics, which data "
-        "parallelism, ZeRO and pipelines carry); dp=2 x pp=2, pp=4 (resnet keeps BatchNorm's running statistics: "
-        "--recompute would meet them twice)")
+        "parallelism, ZeRO and pipelines carry)")
 
 
 def table_kinds(net):

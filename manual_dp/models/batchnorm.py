@@ -92,15 +92,25 @@ class Moments:
 
     def __init__(self, train=True, running=None, join=None, first=0, F=nd):
         self.train, self.running, self.join, self.F = train, running, join, F
-        self.index, self.batch = first, []      # batch: per context (mean, var) of each BatchNorm met
+        self.start = self.index = first
+        self.batch = []                         # batch: per context (mean, var) of each BatchNorm met
+
+    def seek(self, first):
+        """The next BatchNorm met is number `first` (a pipeline stage starts at its own; one run
+        again by --recompute meets its BatchNorms twice, and the second time replaces the first's
+        statistics, which are the same)."""
+        self.index = first
 
     def normalize(self, hs, gammas, betas):
         """BatchNorm of each context's h (B, C, ...) with its gamma, beta (C,)."""
         i, self.index, F = self.index, self.index + 1, self.F
         if self.train:
             means, variances = self.moments(hs, f"bn{i}")              # each (1, C, 1, ...)
-            self.batch.append([(F.BlockGrad(F.reshape(m, (-1,))), F.BlockGrad(F.reshape(v, (-1,))))
-                               for m, v in zip(means, variances)])
+            met = [(F.BlockGrad(F.reshape(m, (-1,))), F.BlockGrad(F.reshape(v, (-1,)))) for m, v in zip(means, variances)]
+            if i - self.start < len(self.batch):
+                self.batch[i - self.start] = met                      # met again (seek)
+            else:
+                self.batch.append(met)
         else:
             means = [per_channel(r[2 * i], h) for r, h in zip(self.running, hs)]
             variances = [per_channel(r[2 * i + 1], h) for r, h in zip(self.running, hs)]

@@ -117,17 +117,15 @@ def pipeline_refusal(net, S, schedule, micro):
 
 def pipelines(devices, batch_size, net):
     """[(layout, why not)] of every pipeline (times data parallelism) of `devices` devices (a model
-    with BatchNorm: each micro-batch normalised with its own statistics, not with --recompute)."""
+    with BatchNorm: each micro-batch normalised with its own statistics)."""
     out = []
-    twice = f"{net.name} keeps BatchNorm's running statistics: --recompute would meet them twice" \
-        if net.stats() else None
     for s in divisors(devices)[1:]:
         dp = devices // s
         micro = min(MICRO_BATCHES, max(1, batch_size // dp))
         for sched in SCHEDULES:
             why = pipeline_refusal(net, s, sched, micro)
             out += [(layout("pipeline", dp, pp=s, schedule=sched, micro=micro, recompute=rc,
-                            virtual=VIRTUAL if sched == "interleaved" else 1), why or (twice if rc else None))
+                            virtual=VIRTUAL if sched == "interleaved" else 1), why)
                     for rc in (False, True)]
     return out
 

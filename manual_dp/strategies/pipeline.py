@@ -8,7 +8,7 @@ from ..config import FAST_STEP, RunConfig
 from ..fast.collectives import make_allreduce
 from ..lesson import n_correct, shard_sizes, split_and_load
 from ..models import as_model
-from ..models.batchnorm import Batch, Moments, first_norm, fold_mean
+from ..models.batchnorm import Batch, Moments, first_norm, fold_mean, moments_of
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
@@ -42,18 +42,18 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
     waiting for the whole batch's would stop the pipeline), and after the step the mean of every
     micro-batch's statistics, of every replica, is folded into the running ones (as torchgpipe's
     deferred BatchNorm): a step of m micro-batches is data parallelism's over m contexts with
-    per-context statistics. Not with recompute (a stage run again would meet its BatchNorms twice)
-    nor sums (a piece's statistics are not its micro-batch's).
+    per-context statistics. Each stage starts at its own first BatchNorm (Moments.seek), so a
+    stage recompute runs again records the same statistics in the same place. Not with sums (a
+    piece's statistics are not its micro-batch's).
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, micro_batches=1, allreduce_fn=None,
                  stages=2, schedule="gpipe", recompute=False, model=None, virtual_stages=1, measure=False,
                  sums=None):
         self.net = as_model(model, params)
-        if self.net.stats() and (recompute or sums):
-            why = "a stage run again would meet its BatchNorms twice" if recompute else \
-                "a piece would normalise with its own statistics, not its micro-batch's"
-            raise ValueError(f"{'--recompute' if recompute else '--deterministic'} with BatchNorm: {why}")
+        if self.net.stats() and sums:
+            raise ValueError("--deterministic with BatchNorm: a piece would normalise with its own statistics, "
+                             "not its micro-batch's")
         if not 1 <= stages <= len(self.net.layers) or len(ctx) < stages or len(ctx) % stages:
             raise ValueError(f"{len(ctx)} contexts cannot be cut into {stages}-stage pipelines "
                              f"of {self.net.name}'s {len(self.net.layers)} layers")
@@ -72,6 +72,10 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
             raise ValueError(f"--tensor-pieces {Q} in a pipeline needs a model whose layers split one by one "
                              f"(the transformer); {self.net.name} splits as a whole")
         self.stages = make_stages(n, self.net) if Q == 1 else [piece_stage(self.net, ids, Q) for ids in self.cuts]
+        # norms[s]: the number of the first BatchNorm of stage s, where its forward starts counting
+        self.norms = [first_norm(self.net.layers, ids[0]) for ids in self.cuts]
+        if self.net.stats():
+            self.stages = [from_norm(stage, first) for stage, first in zip(self.stages, self.norms)]
         self.elems = [part_activation_elems(pieces, model=self.net) for pieces in self.cuts]
         self.grid = [self.ctx[r:r + stages] for r in range(0, len(ctx), stages)]   # grid[replica][device]
         self.places = [[row[k % stages] for k in range(n)] for row in self.grid]   # places[replica][stage]
@@ -82,8 +86,6 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
         self.sums, self.held = sums, None
         self.keep_running(False, self.allreduce_fn)
         self.batch_moments = []            # per replica, each micro-batch's Moments of this step (namespaces)
-        # norms[s]: the number of the first BatchNorm of stage s (evaluation starts there)
-        self.norms = [first_norm(self.net.layers, ids[0]) for ids in self.cuts]
         for p in (p for row in self.params for P in row for p in P) if sums else ():
             p.attach_grad(grad_req="write")              # each piece's backward overwrites
 
@@ -259,3 +261,14 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
         for row, row_states in zip(self.params, self.states):
             load_into([p for P in row for p in P], [st for S in row_states for st in S], state)
         self.t = state["t"]
+
+
+def from_norm(stage, first):
+    """`stage` (a stage's forward) whose BatchNorms are numbered from `first`, in training too: the
+    namespace's Moments seeks there before it runs (evaluation's Moments starts there already)."""
+    def run(h, params, F=nd):
+        moments = moments_of(F)
+        if moments is not None:
+            moments.seek(first)
+        return stage(h, params, F)
+    return run
