@@ -114,9 +114,14 @@ def check_running(cfg, running):
     """UsageError where --model's running statistics (BatchNorm's; `running`: whether it keeps any)
     meet a mode or flag that does not carry them, or --sync-batchnorm a model without them."""
     carried = ("sync", "zero", "local", "model", "pipeline", "hybrid")
-    if running and (cfg.mode not in carried or cfg.deterministic or cfg.backend == "dist_async"):
-        why = "--deterministic" if cfg.deterministic else "--backend dist_async" \
-            if cfg.backend == "dist_async" else f"--mode {cfg.mode}"
+    if running and cfg.deterministic and cfg.mode in carried and (cfg.mode not in ("sync", "zero") or
+                                                                  cfg.sync_batchnorm):
+        raise UsageError(f"--deterministic with BatchNorm (--model {cfg.model}): --mode sync and zero normalise "
+                         f"each piece with its own statistics, carried in its leaf; not " +
+                         ("--sync-batchnorm (the batch's statistics would join every piece mid-forward)"
+                          if cfg.sync_batchnorm else f"--mode {cfg.mode} yet (a stage's leaves do not carry them)"))
+    if running and (cfg.mode not in carried or cfg.backend == "dist_async"):
+        why = "--backend dist_async" if cfg.backend == "dist_async" else f"--mode {cfg.mode}"
         raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, zero, "
                          f"local, model, pipeline and hybrid carry, not {why}: {RUNNING_REFUSED.get(why, 'not yet')}")
     if running and cfg.compress != "none":
@@ -129,7 +134,6 @@ def check_running(cfg, running):
 
 # The modes --deterministic cannot bring to one context's bits, and why (strategies/fixed_sums.py).
 RUNNING_REFUSED = {     # why a model with BatchNorm is refused, where there is more to say than "not yet"
-    "--deterministic": "its pieces would normalise with their own statistics, not the batch's",
     "--backend dist_async": "each worker steps on its own",
     "--mode async": "each replica steps on its own",
     "--mode mesh": "its tensor groups split layers that ResNet and a user's BatchNorm block do not have",

@@ -124,9 +124,10 @@ def read_log(path):
 
 
 def saved_arrays(directory):
-    """Parameters and optimiser state of a checkpoint, as one list of numpy arrays."""
+    """Parameters, optimiser state and running statistics (BatchNorm's, if any) of a checkpoint, as
+    one list of numpy arrays."""
     state, _ = checkpoint.load(directory)
-    return state["params"] + [s for st in state["opt_state"] for s in st]
+    return state["params"] + [s for st in state["opt_state"] for s in st] + list(state["extra"].get("running", []))
 
 
 def assert_same_run(log_a, ck_a, log_b, ck_b, exact=True):

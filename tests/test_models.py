@@ -22,6 +22,7 @@ from manual_dp.strategies.accum import GradAccum
 from manual_dp.strategies.async_dp import AsyncDataParallel
 from manual_dp.strategies.data_parallel import DataParallel
 from manual_dp.strategies.deterministic import DeterministicDataParallel
+from manual_dp.strategies.fixed_sums import FixedSums
 from manual_dp.strategies.local_sgd import LocalSGD
 from manual_dp.strategies.pipeline import PipelineParallel
 from manual_dp.strategies.tensor import TensorParallel
@@ -447,9 +448,9 @@ def test_running_statistics_are_checkpointed_and_resume_exactly(resnet):
 
 def test_strategies_without_running_statistics_refuse_them(resnet):
     net, P, _ = resnet
-    for make in (lambda: DeterministicZero(P, cpus(2), "momentum", 1, model=net),
-                 lambda: DeterministicDataParallel(P, cpus(2), "momentum", model=net)):
-        with pytest.raises(ValueError, match="running statistics"):
+    for make in (lambda: DeterministicZero(P, cpus(2), "momentum", 1, model=net, tensor_pieces=2),
+                 lambda: PipelineParallel(P, cpus(2), "momentum", 2, model=net, sums=FixedSums())):
+        with pytest.raises(ValueError, match="running statistics|--deterministic with BatchNorm"):
             make()
 
 
@@ -462,7 +463,8 @@ def test_cli_resnet_with_sync_batchnorm_and_refusals(capsys, data_dir, tmp_path)
                                   "--checkpoint-dir", str(ck), "--resume", "--epochs", "2"])
     assert code == 0 and "resumed" in out, err
     for argv, message in ((["--model", "resnet", "--mode", "async"], "not --mode async: each replica steps"),
-                          (["--model", "resnet", "--mode", "zero", "--deterministic"], "not --deterministic"),
+                          (["--model", "resnet", "--mode", "pipeline", "--deterministic"], "not --mode pipeline yet"),
+                          (["--model", "resnet", "--deterministic", "--sync-batchnorm"], "not --sync-batchnorm (the batch"),
                           (["--sync-batchnorm"], "--sync-batchnorm applies to models with BatchNorm"),
                           (["--model", "mlp", "--sync-batchnorm", "--mode", "async"], "applies to models with BatchNorm")):
         code, _, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, *argv])

@@ -4,13 +4,16 @@ Each context owns a contiguous run of the batch's pieces and computes each piece
 model's [gradient, loss sum, correct] on the piece, with the model's own layers (the cached graph
 without LeNet's channel padding, which would change the kernels, or the same layers imperatively:
 the same bits, as a pipeline stage computes them); the leaves are added in the fixed tree
-(FixedSums), and every replica takes the same elementwise update.
+(FixedSums), and every replica takes the same elementwise update. A model with BatchNorm normalises
+each piece with the piece's own statistics, carried in its leaf and folded after the tree
+(WholeBatch.stats_width).
 """
 from mxnet import nd
 
 from ..config import PIECE_ROWS
 from ..fast.prefetch import host
 from ..lesson import forward_backward
+from ..models.batchnorm import Batch, Moments
 from ..optim import apply_update_and_clear
 from .data_parallel import DataParallel, graph_forward_backward
 from .fixed_sums import (FixedSums, WholeBatch, cover, pieces, root_of, spans, tree_sum,  # noqa: F401 (their home)
@@ -18,12 +21,25 @@ from .fixed_sums import (FixedSums, WholeBatch, cover, pieces, root_of, spans, t
 from .tensor_pieces import piece_forward
 
 
-def piece_leaves(ctx, params, grads, graph, X, y, bounds, runs, net=None):
+def piece_pass(graph, X, y, W, net, running):
+    """(loss sum, correct, [each BatchNorm's batch mean and variance]) of one piece on its context,
+    its backward run: through the cached graph, or imperatively through net(X, W, F)."""
+    if graph:
+        out, = graph_forward_backward(graph, [X], [y], [W])
+        return out[0], out[1], list(out[2]) if len(out) > 2 else []
+    moments = Moments(train=True) if running else None
+    forward = (lambda X, W: net(X, W, Batch(nd, moments))) if running else net
+    (loss, correct), = forward_backward([X], [y], [W], forward)
+    return loss, correct, [s for per_norm in moments.batch for s in per_norm[0]] if running else []
+
+
+def piece_leaves(ctx, params, grads, graph, X, y, bounds, runs, net=None, running=False):
     """Yields (context index, piece, leaf): each piece's [gradient, loss sum, correct] (n + 2,) on
     the context that owns it, pushed a piece per context in turn so that every context starts at
-    once. params[i]: the model's arrays on ctx[i], views of the flat grads[i] (n,) that their
-    backward writes (grad_req "write"); graph: a ModelGraph, or None for the imperative pass
-    through `net` (the model's forward)."""
+    once; with `running` (a model with BatchNorm) followed by the piece's batch statistics.
+    params[i]: the model's arrays on ctx[i], views of the flat grads[i] (n,) that their backward
+    writes (grad_req "write"); graph: a ModelGraph, or None for the imperative pass through `net`
+    (the model's forward)."""
     shards = []
     for c, (lo, hi) in zip(ctx, runs):
         start, stop = (bounds[lo][0], bounds[hi - 1][1]) if hi > lo else (0, 0)
@@ -34,11 +50,11 @@ def piece_leaves(ctx, params, grads, graph, X, y, bounds, runs, net=None):
             j = lo + step
             if j < hi:
                 a, b = bounds[j][0] - start, bounds[j][1] - start
-                (loss, correct), = graph_forward_backward(graph, [Xc[a:b]], [yc[a:b]], [W]) \
-                    if graph else forward_backward([Xc[a:b]], [yc[a:b]], [W], net)
+                loss, correct, stats = piece_pass(graph, Xc[a:b], yc[a:b], W, net, running)
                 # + 0 turns -0 into +0: then no sum in the tree is -0, and the exchange's adding
                 # of zeros changes no bit
-                yield i, j, nd.concat(g, loss.reshape((1,)), correct.reshape((1,)), dim=0) + 0
+                yield i, j, nd.concat(g, loss.reshape((1,)), correct.reshape((1,)),
+                                      *[s.reshape((-1,)) for s in stats], dim=0) + 0
 
 
 class DeterministicDataParallel(WholeBatch, DataParallel):
@@ -57,7 +73,7 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
         super().__init__(params, ctx, optimizer, allreduce_fn=lambda arrays: None, fuse_grads=True,
                          graph=graph and tensor_pieces == 1, conv_pad=1, model=model)
         self.leaf_forward = piece_forward(self.net, tensor_pieces)
-        self.refuse_running()
+        self.refuse_running(tensor_pieces)
         for f in self.flat:
             f.mark("write")                              # each piece's backward overwrites
         self.sums = FixedSums(piece, rank, size, exchange)
@@ -70,7 +86,8 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
     def leaves(self, X, y, bounds, runs):
         """{piece: [gradient, loss sum, correct] (n + 2,)} on the context that owns the piece."""
         return {j: leaf for _, j, leaf in piece_leaves(self.ctx, self.replicas, [f.grad for f in self.flat],
-                                                       self.graph, X, y, bounds, runs, self.leaf_forward)}
+                                                       self.graph, X, y, bounds, runs, self.leaf_forward,
+                                                       bool(self.running))}
 
     def update(self, lr, n_examples):
         """The tree's gradient on every replica, then the same elementwise update on each."""

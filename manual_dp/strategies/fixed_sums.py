@@ -34,6 +34,7 @@ import math
 from mxnet import nd
 
 from ..config import PIECE_ROWS
+from ..models.batchnorm import fold_mean
 
 
 def pieces(n, piece):
@@ -170,12 +171,29 @@ class WholeBatch:
         """Every row: each process picks its pieces of the global batch itself."""
         return 0, n
 
-    def refuse_running(self):
-        """ValueError (one line) for a model with running statistics: a piece's BatchNorm would
-        normalise with the piece's statistics, not the batch's."""
-        if self.running:
-            raise ValueError("--deterministic cuts the batch into pieces of its own, whose BatchNorm "
-                             "statistics would differ: not for models with running statistics")
+    def refuse_running(self, tensor_pieces):
+        """ValueError (one line) for a model with running statistics whose layers are cut in pieces
+        (--tensor-pieces: a split layer's pieces are not a BatchNorm's channels)."""
+        if self.running and tensor_pieces > 1:
+            raise ValueError(f"--tensor-pieces {tensor_pieces} cuts the split layers of the transformer, not a "
+                             f"model with BatchNorm's running statistics")
+
+    def stats_width(self):
+        """Elements a leaf carries after [gradient, loss, correct]: its piece's batch statistics
+        (each BatchNorm's mean and variance per channel, models.batchnorm), or 0 without BatchNorm.
+
+        Under --deterministic every piece normalises with its own statistics ("ghost" batch
+        normalisation over `piece` rows): a piece's statistics are a function of its rows alone,
+        as its gradient is, so every layout computes the same ones; their tree sum over the m pieces,
+        divided by m, is folded into the running statistics (fold_pieces)."""
+        running = getattr(self, "running", None)
+        return sum(int(math.prod(p.shape)) for p in self.net.stats()) if running else 0
+
+    def fold_pieces(self, sums, m):
+        """Afterwards every replica's running statistics took the mean of the m pieces' batch
+        statistics (`sums`: their sum in the tree): m running + (1 - m) sums / m, the same bits on
+        any layout."""
+        fold_mean(self.running, (sums / m).as_in_context(self.running[0][0].context))
 
 
 def into_grads(total, P):
@@ -189,7 +207,8 @@ def into_grads(total, P):
 
 def whole_leaves_backward(strategy, X, y, places, key):
     """The backward of a strategy whose leaf of a piece is one vector [every gradient, loss, correct]
-    (strategy.n gradient elements; strategy.leaves(X, y, bounds, runs) computes them): the batch cut
+    (strategy.n gradient elements; strategy.leaves(X, y, bounds, runs) computes them; then the
+    piece's batch statistics, folded into the running ones, for a model with BatchNorm): the batch cut
     over `places`, this process's subtrees and the job's tree total (exchanged under `key`) added
     into strategy.held on the first context. Returns per (loss sum, correct) the job's, on rank 0
     (zeros elsewhere: the job's metrics come from rank 0 alone)."""
@@ -197,7 +216,9 @@ def whole_leaves_backward(strategy, X, y, places, key):
     bounds, runs, mine = sums.cut(len(X), places)
     m = len(bounds)
     have = sums.subtrees(strategy.leaves(X, y, bounds, mine), mine, m, home)
-    total = sums.total(have, runs, m, strategy.n + 2, home, key)
+    total = sums.total(have, runs, m, strategy.n + 2 + strategy.stats_width(), home, key)
+    if strategy.stats_width():
+        strategy.fold_pieces(total[strategy.n + 2:], m)
     strategy.held = total if strategy.held is None else strategy.held + total
     if sums.rank:
         return [(nd.zeros((1,), ctx=home), nd.zeros((1,), ctx=home))]

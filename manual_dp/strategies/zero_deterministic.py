@@ -13,7 +13,8 @@ owns it, and added in the binary tree over the piece numbers. What changes is wh
     3. a deterministic reduce-scatter: context i takes elements [ends[i], ends[i+1]) of every
        context's subtrees (across processes: of every process's, exchanged through a zero-slot
        table per shard, as deterministic.py swaps whole vectors) and adds them in the tree's order;
-       the last shard also holds the loss and correct count, elements N and N + 1
+       the last shard also holds the loss and correct count, elements N and N + 1 (and a model
+       with BatchNorm's piece statistics after them, folded as deterministic.py folds them)
     4. each context updates its shard with apply_update_and_clear, the very call (and division by
        n_examples) DeterministicDataParallel.update makes on the full vector; stages 1 and 2 then
        all-gather the parameters (copies)
@@ -47,13 +48,14 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, piece=PIECE_ROWS, graph=True,
                  rank=0, size=1, exchange=None, model=None, tensor_pieces=1):
         super().__init__(params, ctx, optimizer, stage, model=model)
-        self.refuse_running()
+        self.refuse_running(tensor_pieces)
         graph = graph and tensor_pieces == 1
         self.graph = ModelGraph(1, self.shapes, model=self.net) if graph else None
         self.leaf_forward = piece_forward(self.net, tensor_pieces)
         self.piece, self.rank, self.size, self.exchange = piece, rank, size, exchange
         self.n = int(self.offsets[-1])
-        self.ends = self.bounds[:-1] + [self.n + 2]          # shard i of a leaf; the last adds loss, correct
+        # shard i of a leaf; the last adds the loss, correct count and (BatchNorm) the piece's statistics
+        self.ends = self.bounds[:-1] + [self.n + 2 + self.stats_width()]
         if stage == 1:
             for r in self.replicas:
                 r.mark("write")                              # each piece's backward overwrites
@@ -70,6 +72,8 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
         totals = [self.shard_sum(i, have, runs, m) for i in range(k)]
         for g, total in zip(self.grad_shards, totals):
             nd.elemwise_add(g, total[:g.size], out=g)        # 0 + x is x: no sum in the tree is -0
+        if self.stats_width():
+            self.fold_pieces(totals[-1][self.grad_shards[-1].size + 2:], m)
         if self.rank:                                        # the job's metrics come from rank 0 alone
             return [(nd.zeros((1,), ctx=self.ctx[0]), nd.zeros((1,), ctx=self.ctx[0]))]
         last, at = totals[-1], self.grad_shards[-1].size
@@ -97,7 +101,7 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
         folds = [Fold(lo, hi, len(bounds)) for lo, hi in runs]
         transient = [] if self.stage == 1 else grads
         for i, j, leaf in piece_leaves(self.ctx, params, grads, self.graph, X, y, bounds, runs,
-                                         self.leaf_forward):
+                                         self.leaf_forward, bool(self.running)):
             folds[i].put(j, leaf)
             self.peak.note(gathered, transient + [v for f in folds for v in f.done.values()])
         return {node: value for f in folds for node, value in f.done.items()}
