@@ -114,12 +114,10 @@ def check_running(cfg, running):
     """UsageError where --model's running statistics (BatchNorm's; `running`: whether it keeps any)
     meet a mode or flag that does not carry them, or --sync-batchnorm a model without them."""
     carried = ("sync", "zero", "local", "model", "pipeline", "hybrid")
-    if running and cfg.deterministic and cfg.mode in carried and (cfg.mode not in ("sync", "zero") or
-                                                                  cfg.sync_batchnorm):
-        raise UsageError(f"--deterministic with BatchNorm (--model {cfg.model}): --mode sync and zero normalise "
-                         f"each piece with its own statistics, carried in its leaf; not " +
-                         ("--sync-batchnorm (the batch's statistics would join every piece mid-forward)"
-                          if cfg.sync_batchnorm else f"--mode {cfg.mode} yet (a stage's leaves do not carry them)"))
+    if running and cfg.deterministic and cfg.sync_batchnorm:
+        raise UsageError(f"--deterministic with BatchNorm (--model {cfg.model}) normalises each piece with its own "
+                         f"statistics, carried in its leaf; not --sync-batchnorm (the batch's statistics would join "
+                         f"every piece mid-forward)")
     if running and (cfg.mode not in carried or cfg.backend == "dist_async"):
         why = "--backend dist_async" if cfg.backend == "dist_async" else f"--mode {cfg.mode}"
         raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, zero, "

@@ -77,8 +77,7 @@ class RunConfig:
     deterministic: bool = flag(False, "the same bits on any number of contexts and processes, and in sync, "
                                       "zero, model, pipeline, hybrid, tensor, context (dp x cp x tp) and mesh (dp x pp x tp or dp x pp x cp) alike: every batch cut into pieces of "
                                       f"{PIECE_ROWS} rows whose gradients are added in one fixed tree (a model "
-                                      "with BatchNorm, in sync and zero: each piece normalised with its own "
-                                      "statistics); one thread per op (manual_dp/strategies/fixed_sums.py)")
+                                      "with BatchNorm: each piece normalised with its own statistics); one thread per op (manual_dp/strategies/fixed_sums.py)")
     tensor_pieces: Optional[int] = flag(None, "--deterministic: every split layer (channels, heads, hidden units) "
                                               "computed in Q fixed pieces whose partial sums are added in one tree, "
                                               "in every layout: then --mode tensor with any --tensor-parallel dividing "

@@ -1,7 +1,7 @@
 """--deterministic on a model with BatchNorm (strategies/fixed_sums.py, WholeBatch.stats_width): every
 piece normalises with its own statistics, carried in its leaf, summed in the fixed tree and folded
 into the running statistics, so the parameters, optimiser state and running statistics are the
-same bits on any context count, ZeRO stage and process count.
+same bits on any context count, ZeRO stage, pipeline (strategies/pipeline_sums.py) and process count.
 
 Bit-identity holds when every process runs its ops with the same thread count: the in-process
 tests run in one process, the command-line ones start every process the same way (--deterministic
@@ -20,6 +20,8 @@ from jobs import launch_cmd, read_log, run_job, saved_arrays, train_cmd
 from manual_dp import models
 from manual_dp.strategies.data_parallel import DataParallel
 from manual_dp.strategies.deterministic import DeterministicDataParallel
+from manual_dp.strategies.fixed_sums import FixedSums
+from manual_dp.strategies.pipeline import PipelineParallel
 from manual_dp.strategies.zero_deterministic import DeterministicZero
 
 PIECE = 8                      # batches of 24: three pieces
@@ -48,12 +50,13 @@ def close(got, want, tol=1e-5):
     return max(float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)) <= tol * scale
 
 
-@pytest.mark.parametrize("graph", [True, False], ids=["graph", "imperative"])
-def test_the_same_bits_on_1_2_and_3_contexts(resnet, graph):
+def test_the_same_bits_on_1_2_and_3_contexts(resnet):
+    """Imperatively (no cached graph: its BatchNorm gives other bits than a pipeline stage's pass)."""
     net, P = resnet
     seen = {}
     for k in (1, 2, 3):
-        model = DeterministicDataParallel(P, cpus(k), "momentum", piece=PIECE, graph=graph, model=net)
+        model = DeterministicDataParallel(P, cpus(k), "momentum", piece=PIECE, model=net)
+        assert model.graph is None
         state, losses = trained(model)
         prints = model.fingerprints()["running statistics"]
         assert len({tuple(sums) for _, sums in prints}) == 1                  # every replica alike
@@ -71,6 +74,24 @@ def test_zero_stages_give_the_bits_of_sync(resnet, stage):
     assert losses == want_losses
     for a, b in zip([*got["params"], *got["extra"]["running"]], [*want["params"], *want["extra"]["running"]]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("contexts,stages,micro,schedule,recompute", [
+    (2, 2, 2, "gpipe", False), (3, 3, 3, "1f1b", True), (4, 2, 1, "gpipe", False), (2, 2, 2, "zb-h1", False)])
+def test_pipelines_give_the_bits_of_sync(resnet, contexts, stages, micro, schedule, recompute):
+    """Model, pipeline and hybrid parallelism: each stage's leaf of a piece ends with its BatchNorms'
+    statistics on the piece; after the tree the stages' sums are the model's, folded as sync's."""
+    net, P = resnet
+    want, want_losses = trained(DeterministicDataParallel(P, cpus(1), "momentum", piece=PIECE, model=net))
+    pipe = PipelineParallel(P, cpus(contexts), "momentum", micro, stages=stages, schedule=schedule, model=net,
+                            recompute=recompute, sums=FixedSums(PIECE))
+    got, losses = trained(pipe)
+    assert losses == want_losses
+    for a, b in zip([*got["params"], *got["extra"]["running"]], [*want["params"], *want["extra"]["running"]],
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    prints = pipe.fingerprints()["running statistics"]
+    assert len(prints) == contexts and len({tuple(sums) for _, sums in prints}) == 1
 
 
 def test_each_piece_normalises_with_its_own_statistics(resnet):
@@ -104,12 +125,13 @@ SMALL = ["--model", "resnet", "--train-size", "96", "--batch-size", "24", "--tes
          "--optimizer", "momentum", "--lr", "0.01", "--deterministic"]
 
 
-def test_cli_the_same_bits_on_1_and_2_contexts_and_on_2_dist_sync_workers(tmp_path):
+def test_cli_the_same_bits_on_1_and_2_contexts_in_a_pipeline_and_on_2_dist_sync_workers(tmp_path):
     """The logged losses and accuracies and every saved array (running statistics included) the same
     bits; evaluation normalises with those running statistics."""
     data = write_dataset(tmp_path / "data", n_train=96, n_test=40)
     runs = {}
     for name, cmd in (("one", train_cmd("--cpus", 1)), ("two", train_cmd("--cpus", 2)),
+                      ("pipe", train_cmd("--cpus", 2, "--mode", "pipeline", "--micro-batches", 2)),
                       ("kv", launch_cmd(2, "dist_sync", "--cpus", 1))):
         log, ck = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ck"
         code, out = run_job([*cmd, "--data-dir", str(data), *SMALL, "--log-json", str(log),

@@ -6,13 +6,16 @@ without LeNet's channel padding, which would change the kernels, or the same lay
 the same bits, as a pipeline stage computes them); the leaves are added in the fixed tree
 (FixedSums), and every replica takes the same elementwise update. A model with BatchNorm normalises
 each piece with the piece's own statistics, carried in its leaf and folded after the tree
-(WholeBatch.stats_width).
+(WholeBatch.stats_width), and runs imperatively: MXNet's cached graph of a BatchNorm gives other
+bits than its imperative pass (most of ResNet's arrays differ in their last bits after one step),
+and the imperative pass is the one a pipeline stage runs.
 """
 from mxnet import nd
 
 from ..config import PIECE_ROWS
 from ..fast.prefetch import host
 from ..lesson import forward_backward
+from ..models import as_model
 from ..models.batchnorm import Batch, Moments
 from ..optim import apply_update_and_clear
 from .data_parallel import DataParallel, graph_forward_backward
@@ -71,7 +74,8 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
     def __init__(self, params, ctx, optimizer, piece=PIECE_ROWS, graph=True, rank=0, size=1, exchange=None,
                  model=None, tensor_pieces=1):
         super().__init__(params, ctx, optimizer, allreduce_fn=lambda arrays: None, fuse_grads=True,
-                         graph=graph and tensor_pieces == 1, conv_pad=1, model=model)
+                         graph=graph and tensor_pieces == 1 and not as_model(model, params).stats(), conv_pad=1,
+                         model=model)
         self.leaf_forward = piece_forward(self.net, tensor_pieces)
         self.refuse_running(tensor_pieces)
         for f in self.flat:

@@ -43,17 +43,17 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
     micro-batch's statistics, of every replica, is folded into the running ones (as torchgpipe's
     deferred BatchNorm): a step of m micro-batches is data parallelism's over m contexts with
     per-context statistics. Each stage starts at its own first BatchNorm (Moments.seek), so a
-    stage recompute runs again records the same statistics in the same place. Not with sums (a
-    piece's statistics are not its micro-batch's).
+    stage recompute runs again records the same statistics in the same place. With sums each piece
+    is normalised with its own statistics, as --deterministic --mode sync does (pipeline_sums.py).
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, micro_batches=1, allreduce_fn=None,
                  stages=2, schedule="gpipe", recompute=False, model=None, virtual_stages=1, measure=False,
                  sums=None):
         self.net = as_model(model, params)
-        if self.net.stats() and sums:
-            raise ValueError("--deterministic with BatchNorm: a piece would normalise with its own statistics, "
-                             "not its micro-batch's")
+        if self.net.stats() and sums and sums.tensor_pieces > 1:
+            raise ValueError(f"--tensor-pieces {sums.tensor_pieces} cuts the split layers of the transformer, not a "
+                             f"model with BatchNorm's running statistics")
         if not 1 <= stages <= len(self.net.layers) or len(ctx) < stages or len(ctx) % stages:
             raise ValueError(f"{len(ctx)} contexts cannot be cut into {stages}-stage pipelines "
                              f"of {self.net.name}'s {len(self.net.layers)} layers")

@@ -49,7 +49,7 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
                  rank=0, size=1, exchange=None, model=None, tensor_pieces=1):
         super().__init__(params, ctx, optimizer, stage, model=model)
         self.refuse_running(tensor_pieces)
-        graph = graph and tensor_pieces == 1
+        graph = graph and tensor_pieces == 1 and not self.net.stats()    # BatchNorm: imperative, as deterministic.py
         self.graph = ModelGraph(1, self.shapes, model=self.net) if graph else None
         self.leaf_forward = piece_forward(self.net, tensor_pieces)
         self.piece, self.rank, self.size, self.exchange = piece, rank, size, exchange
