@@ -112,31 +112,35 @@ def check_model(cfg):
 
 def check_running(cfg, running):
     """UsageError where --model's running statistics (BatchNorm's; `running`: whether it keeps any)
-    meet a mode or flag that does not carry them, or --sync-batchnorm a model without them."""
-    carried = ("sync", "zero", "local", "model", "pipeline", "hybrid")
+    meet a mode or flag that does not carry them, or --sync-batchnorm a model without them or
+    under --mode async."""
+    carried = ("sync", "async", "zero", "local", "model", "pipeline", "hybrid")
     if running and cfg.deterministic and cfg.sync_batchnorm:
         raise UsageError(f"--deterministic with BatchNorm (--model {cfg.model}) normalises each piece with its own "
                          f"statistics, carried in its leaf; not --sync-batchnorm (the batch's statistics would join "
                          f"every piece mid-forward)")
     if running and (cfg.mode not in carried or cfg.backend == "dist_async"):
         why = "--backend dist_async" if cfg.backend == "dist_async" else f"--mode {cfg.mode}"
-        raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, zero, "
-                         f"local, model, pipeline and hybrid carry, not {why}: {RUNNING_REFUSED.get(why, 'not yet')}")
+        raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, async, "
+                         f"zero, local, model, pipeline and hybrid carry, not {why}: "
+                         f"{RUNNING_REFUSED.get(why, 'not yet')}")
     if running and cfg.compress != "none":
         raise UsageError(f"--compress {cfg.compress}: BatchNorm's statistics are summed with the gradients' "
                          f"all-reduce and must stay exact: not with --model {cfg.model}")
     if cfg.sync_batchnorm and not running:
         raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet, a Gluon block with "
                          f"BatchNorm children), not --model {cfg.model}")
+    if cfg.sync_batchnorm and cfg.mode == "async":
+        raise UsageError("--sync-batchnorm: not --mode async, whose replicas are of different ages: statistics "
+                         "summed across them are not one batch's")
 
 
-# The modes --deterministic cannot bring to one context's bits, and why (strategies/fixed_sums.py).
 RUNNING_REFUSED = {     # why a model with BatchNorm is refused, where there is more to say than "not yet"
     "--backend dist_async": "each worker steps on its own",
-    "--mode async": "each replica steps on its own",
     "--mode mesh": "its tensor groups split layers that ResNet and a user's BatchNorm block do not have",
 }
 PIPELINES = ("model", "pipeline", "hybrid")
+# The modes --deterministic cannot bring to one context's bits, and why (strategies/fixed_sums.py).
 UNREACHED = {
     "async": "stale replicas compute other gradients than one context by design; use --mode sync",
     "local": "local SGD averages the replicas' parameters, not their gradients, so its rounding differs "

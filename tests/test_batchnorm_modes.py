@@ -155,8 +155,6 @@ def test_cli_resnet_under_zero_and_the_planner(capsys, data_dir):
     code, out, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--model", "resnet", "--mode", "zero",
                                        "--zero-stage", "3", "--cpus", "2", "--sync-batchnorm"])
     assert code == 0 and "BatchNorm statistics over every context" in out, err
-    code, out, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--model", "resnet", "--mode", "async"])
-    assert code == 2 and len(err) == 1 and "not --mode async: each replica steps on its own" in err[0], err
 
 
 def test_two_dist_sync_workers_train_resnet_under_zero_as_one_process(data_dir, tmp_path):

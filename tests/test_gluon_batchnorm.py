@@ -17,6 +17,7 @@ from conftest import batch, cpus, run_main
 from test_batchnorm_modes import after, close        # 2 momentum steps at lr 0.01; 1e-5 of the largest value
 from manual_dp.models.batchnorm import Moments
 from manual_dp.models.gluon_block import GluonModel, load_block
+from manual_dp.strategies.async_dp import AsyncDataParallel
 from manual_dp.strategies.data_parallel import DataParallel
 from manual_dp.strategies.local_sgd import LocalSGD
 from manual_dp.strategies.zero import ZeroRedundancy
@@ -91,7 +92,7 @@ def test_sync_batchnorm_equals_one_context(user, k):
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_zero_and_local_sgd_equal_sync_with_per_context_statistics(user, stage):
+def test_zero_local_sgd_and_async_equal_sync_with_per_context_statistics(user, stage):
     _, net, P, whole = user
     want = after(DataParallel(P, cpus(2), "momentum", model=net))
     assert not close(want["params"], whole["params"], 1e-3)          # the statistics do differ
@@ -99,6 +100,8 @@ def test_zero_and_local_sgd_equal_sync_with_per_context_statistics(user, stage):
     assert close(zero["params"], want["params"]) and close(zero["extra"]["running"], want["extra"]["running"])
     local = after(LocalSGD(P, cpus(2), "momentum", sync_every=1, model=net))
     assert close(local["params"], want["params"]) and close(local["extra"]["running"], want["extra"]["running"])
+    asyn = after(AsyncDataParallel(P, cpus(2), "momentum", 0, model=net))
+    assert close(asyn["params"], want["params"]) and close(asyn["extra"]["running"], want["extra"]["running"])
 
 
 @pytest.mark.parametrize("k", [2, 3])

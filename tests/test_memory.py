@@ -126,12 +126,12 @@ def test_no_mode_fits_names_the_model_s_own_size_flags(monkeypatch, model, hint)
 
 def test_a_model_with_running_statistics_probes_only_the_modes_that_carry_them(monkeypatch):
     """resnet's other modes refuse it (checks.check_model): no process is started for them; the
-    pipelines carry its statistics per micro-batch and are probed."""
+    pipelines carry its statistics per micro-batch, async on its master, and are probed."""
     started = []
     monkeypatch.setattr(memcheck, "run_probes", lambda probes, kind, pad: started.extend(
         cfg.mode for cfg, _ in probes.values()) or {})
     memcheck.probe_modes(resolve(RunConfig(cpus=2, model="resnet")), "cpu", 2)
-    assert started == ["sync", "model", "pipeline", "hybrid", "zero", "local"]
+    assert started == ["sync", "async", "model", "pipeline", "hybrid", "zero", "local"]
 
 
 def test_generous_limit_trains_and_reports_memory(capsys, tmp_path, data_dir):

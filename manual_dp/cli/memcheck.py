@@ -118,8 +118,8 @@ def read_probes(probes, kind, pad=None, measured=MEASURED):
 
 def probe_modes(cfg, kind, n):
     """{mode: report} for every mode that can be laid out on n contexts and run cfg's model (a
-    model with running statistics: sync, zero and local), each measured in its own fresh process (started
-    together, read in turn), LeNet's graph padded as by default."""
+    model with running statistics: the modes that carry them, checks.check_running), each measured
+    in its own fresh process (started together, read in turn), LeNet's graph padded as by default."""
     probes = {}
     for mode in config.MODES:
         other = as_mode(cfg, mode)

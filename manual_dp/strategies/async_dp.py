@@ -7,17 +7,28 @@ devices as in sync; device k's gradient is computed against its replica, however
 to the master unchanged (no averaging, no staleness correction). The master applies what arrives
 for one batch as one optimiser step on the summed gradients / the global batch. With staleness 0
 every replica is refreshed after every update, so this is exactly the synchronous step.
+
+A model with BatchNorm (strategies/running.py): its running statistics belong to the master, like
+the parameters, and are kept, as every other strategy keeps them, the same bits on every context
+(evaluation, fingerprints and checkpoints read them as elsewhere). In a step each device normalises
+its shard with the batch statistics its own, possibly stale, replica gives (Gluon's per-context
+default) and pushes them with its gradient; the master folds the mean of every device's into the
+running statistics when it applies the step (Moments.fold, DataParallel's fold), once per batch
+pushed. Evaluation normalises with the running statistics. With staleness 0 this is DataParallel
+with per-context statistics. Not with --sync-batchnorm: statistics summed across replicas of
+different ages are not one batch's.
 """
-from mxnet import nd
+from mxnet import autograd, nd
 
 from ..config import RunConfig
 from ..errors import CheckpointError
 from ..lesson import forward_backward, get_params, n_correct, shard_sizes, split_and_load
-from ..models import as_model, stateless
+from ..models import as_model
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
 from .base import Strategy
 from .data_parallel import host_state, load_into
+from .running import RunningStats
 
 
 def refresh_due(k, t, staleness):
@@ -41,14 +52,16 @@ def reshard_replicas(saved, master, k, t, staleness):
     return [by_version.get(last_refresh(j, t, staleness), master) for j in range(k)]
 
 
-class AsyncDataParallel(Strategy):
+class AsyncDataParallel(RunningStats, Strategy):
     """A master copy on ctx[0]; a replica per context, up to `staleness` updates behind it."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, staleness=0, model=None):
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         self.ctx, self.optimizer, self.staleness = list(ctx), optimizer, staleness
-        self.net = stateless(as_model(model, params), "--mode async")
+        self.net = as_model(model, params)
+        self.keep_running(False, None)                         # per device: no statistics across replicas
+        self.pushed = []                                       # batch statistics (Moments) the next update folds
         self.master = get_params(params, self.ctx[0])          # .grad: where pushes arrive
         self.master_states = init_states(self.master, optimizer)
         self.replicas = [get_params(params, c) for c in self.ctx]
@@ -58,9 +71,14 @@ class AsyncDataParallel(Strategy):
             p.grad[:] = 0
 
     def backward(self, X, y):
-        """Every device computes its shard's gradient on its replica and pushes it to the master."""
-        metrics = forward_backward(split_and_load(X, self.ctx), split_and_load(y, self.ctx),
-                                   self.replicas, self.net.forward)
+        """Every device computes its shard's gradient on its replica and pushes it to the master
+        (with a model with BatchNorm, its shard's batch statistics too)."""
+        X_shards, y_shards = split_and_load(X, self.ctx), split_and_load(y, self.ctx)
+        if self.running:
+            metrics, moments = self.unfolded_forward_backward(X_shards, y_shards, self.replicas)
+            self.pushed.append(moments)
+        else:
+            metrics = forward_backward(X_shards, y_shards, self.replicas, self.net.forward)
         for W, version in zip(self.replicas, self.versions):
             for p, q in zip(self.master, W):
                 p.grad[:] += q.grad.copyto(p.context)
@@ -68,9 +86,13 @@ class AsyncDataParallel(Strategy):
         return metrics
 
     def update(self, lr, n_examples):
-        """The master applies the pushed gradients; the devices whose turn it is pull the result."""
+        """The master applies the pushed gradients and folds each pushed batch's statistics into the
+        running ones; the devices whose turn it is pull the result."""
         self.t += 1
         apply_update_and_clear(self.master, self.master_states, self.optimizer, lr, self.t, n_examples)
+        pushed, self.pushed = self.pushed, []
+        for moments in pushed:
+            self.fold(moments)
         for k, W in enumerate(self.replicas):
             if refresh_due(k, self.t, self.staleness):
                 self.pull(k)
@@ -88,13 +110,19 @@ class AsyncDataParallel(Strategy):
         return {"staleness_mean": sum(seen) / len(seen), "staleness_max": max(seen)}
 
     def correct(self, X, y):
-        """Correct predictions of the master's parameters, on the master's context."""
+        """Correct predictions of the master's parameters, on the master's context (BatchNorm with
+        the running statistics)."""
         home = self.ctx[0]
-        return n_correct(self.net.forward(X.as_in_context(home), self.master), y.as_in_context(home))
+        X, y = X.as_in_context(home), y.as_in_context(home)
+        if not self.running:
+            return n_correct(self.net.forward(X, self.master), y)
+        with autograd.train_mode():        # as DataParallel.correct (loop.evaluate)
+            return n_correct(self.net.forward_group([X], [self.master], self.moments(False, 1))[0], y)
 
     def fingerprints(self):
-        """Only the master: the replicas differ from it by design (they are stale)."""
-        return {"master": [fingerprint(self.ctx[0], self.master, self.net.names())]}
+        """Only the master: the replicas differ from it by design (they are stale); and every
+        context's running statistics, which do not."""
+        return {"master": [fingerprint(self.ctx[0], self.master, self.net.names())], **self.running_fingerprints()}
 
     def layout(self, batch_size):
         """Every device runs both stages on its shard of the batch."""
@@ -103,16 +131,18 @@ class AsyncDataParallel(Strategy):
 
     def arrays(self):
         params = self.master + [q for W in self.replicas for q in W]
-        states = [s for st in self.master_states for s in st]
+        states = [s for st in self.master_states for s in st] + self.running_arrays()
         return {"param": params, "grad": [p.grad for p in params], "state": states}
 
     def state_dict(self):
         """The master's parameters and optimiser state, and every replica's (possibly stale) copy of
-        the parameters: part of the algorithm's state, resuming without them changes the run."""
+        the parameters: part of the algorithm's state, resuming without them changes the run; and
+        the running statistics, if the model keeps any."""
         return host_state(self.master, self.master_states, self.t,
-                          replicas=[p.asnumpy() for W in self.replicas for p in W])
+                          replicas=[p.asnumpy() for W in self.replicas for p in W], **self.running_state())
 
     def load_state_dict(self, state):
+        self.load_running(state)
         load_into(self.master, self.master_states, state)
         self.t = state["t"]
         self.versions = [last_refresh(k, self.t, self.staleness) for k in range(len(self.ctx))]

@@ -1,5 +1,6 @@
 """Running statistics (BatchNorm's means and variances) in a data-parallel strategy: what
-DataParallel and ZeroRedundancy share for a model that keeps them (models.batchnorm).
+DataParallel, ZeroRedundancy and AsyncDataParallel (whose master folds when it applies the step)
+share for a model that keeps them (models.batchnorm).
 
 Every replica keeps the whole running statistics (a few numbers a channel: never sharded, also
 not by ZeRO), the same bits on every context. A training step normalises with the batch's
@@ -51,16 +52,22 @@ class RunningStats:
         for all, then the fold: into every replica alike, or with each=True into each replica its
         own context's statistics (local SGD's replicas, apart between syncs). Returns per context
         (loss sum, number correct)."""
+        metrics, moments = self.unfolded_forward_backward(X_shards, y_shards, replicas)
+        if each:
+            moments.fold_each(self.running)
+        else:
+            self.fold(moments)
+        return metrics
+
+    def unfolded_forward_backward(self, X_shards, y_shards, replicas):
+        """grouped_forward_backward without the fold: (per context (loss sum, number correct), the
+        step's Moments, whose batch statistics the caller folds when it chooses)."""
         moments = self.moments(True)
         with autograd.record():
             scores = self.net.forward_group(X_shards, replicas, moments)
             losses = [cross_entropy(s, y) for s, y in zip(scores, y_shards)]
         autograd.backward(losses)
-        if each:
-            moments.fold_each(self.running)
-        else:
-            self.fold(moments)
-        return [(l.sum(), n_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)]
+        return [(l.sum(), n_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)], moments
 
     def running_fingerprints(self):
         """{"running statistics": per context fingerprints}, or {} for a model without them."""
