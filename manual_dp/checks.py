@@ -119,11 +119,13 @@ def check_running(cfg, running):
         raise UsageError(f"--deterministic with BatchNorm (--model {cfg.model}) normalises each piece with its own "
                          f"statistics, carried in its leaf; not --sync-batchnorm (the batch's statistics would join "
                          f"every piece mid-forward)")
-    if running and (cfg.mode not in carried or cfg.backend == "dist_async"):
-        why = "--backend dist_async" if cfg.backend == "dist_async" else f"--mode {cfg.mode}"
+    if running and cfg.backend == "dist_async" and cfg.sync_batchnorm:
+        raise UsageError("--sync-batchnorm: not --backend dist_async, whose servers add each worker's changes and "
+                         "sum no batch across workers")
+    if running and cfg.mode not in carried:
         raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, async, "
-                         f"zero, local, model, pipeline and hybrid carry, not {why}: "
-                         f"{RUNNING_REFUSED.get(why, 'not yet')}")
+                         f"zero, local, model, pipeline and hybrid carry, not --mode {cfg.mode}: "
+                         f"{RUNNING_REFUSED.get(cfg.mode, 'not yet')}")
     if running and cfg.compress != "none":
         raise UsageError(f"--compress {cfg.compress}: BatchNorm's statistics are summed with the gradients' "
                          f"all-reduce and must stay exact: not with --model {cfg.model}")
@@ -135,9 +137,8 @@ def check_running(cfg, running):
                          "summed across them are not one batch's")
 
 
-RUNNING_REFUSED = {     # why a model with BatchNorm is refused, where there is more to say than "not yet"
-    "--backend dist_async": "each worker steps on its own",
-    "--mode mesh": "its tensor groups split layers that ResNet and a user's BatchNorm block do not have",
+RUNNING_REFUSED = {     # why a model with BatchNorm is refused by a mode, where there is more to say than "not yet"
+    "mesh": "its tensor groups split layers that ResNet and a user's BatchNorm block do not have",
 }
 PIPELINES = ("model", "pipeline", "hybrid")
 # The modes --deterministic cannot bring to one context's bits, and why (strategies/fixed_sums.py).

@@ -29,11 +29,23 @@ from .world import Cluster
 class PushPull(Wrapper):
     """Asynchronous SGD on a parameter server around a DataParallel `model` (whose all-reduce stays
     inside this process): each process steps on its own rows with its own optimiser state, pushes
-    the change of the parameters to the servers and pulls whatever they hold now."""
+    the change of the parameters to the servers and pulls whatever they hold now.
+
+    A model with BatchNorm: its running statistics travel as the parameters do. Each process folds
+    its own batches' statistics into the copy it pulled last (DataParallel's fold, per context),
+    pushes the change with the parameters' (one key: the servers add it) and pulls the sum of every
+    process's changes so far: the statistics of every worker's batches, each folded into the copy
+    that worker held, as each worker's step is taken from the parameters it held."""
 
     def __init__(self, model, world):
         super().__init__(model)
         self.world, self.key, self.rows_seen = world, None, 0
+        self.last = None                              # what this process pulled last (or started from), flat
+
+    def held(self, c=0):
+        """Context c's parameters, then its running statistics (BatchNorm's, if any)."""
+        return list(self.model.replicas[c]) + (list(self.model.running[c]) if getattr(self.model, "running", None)
+                                               else [])
 
     @property
     def min_batch(self):
@@ -45,26 +57,27 @@ class PushPull(Wrapper):
         self.world.step = self.model.t + 1
         start, stop = rank_rows(len(X), self.world.rank, self.world.size, self.model.min_batch)
         self.rows_seen += stop - start
+        if self.last is None:                         # before the backward folds any statistics
+            self.last = flatten(self.held())
         metrics = self.model.backward(X[start:stop], y[start:stop])
         return [(loss * (len(X) / (stop - start)), correct * (len(X) / (stop - start)))
                 for loss, correct in metrics]
 
     def update(self, lr, n_examples):
         """A step on this process's own rows, its change pushed; everyone's changes so far pulled."""
-        if self.key is None:                          # rank 0's parameters go to the servers
+        if self.key is None:                          # rank 0's parameters (and statistics) go to the servers
             self.key = self.world.new_key("params")
-            self.world.kv.init(self.key, flatten(self.model.replicas[0]))
-        before = flatten(self.model.replicas[0])
+            self.world.kv.init(self.key, self.last)
         self.model.update(lr, self.rows_seen)
         self.rows_seen = 0
-        change = flatten(self.model.replicas[0]) - before
+        change, pulled = flatten(self.held()) - self.last, self.last
 
         def push_pull():
             self.world.kv.push(self.key, change)
-            self.world.kv.pull(self.key, out=before)
-        self.world.collective("push-pull", "params", push_pull, result=before)
-        for replica in self.model.replicas:
-            unflatten(before, replica)
+            self.world.kv.pull(self.key, out=pulled)
+        self.world.collective("push-pull", "params", push_pull, result=pulled)
+        for c in range(len(self.model.replicas)):
+            unflatten(pulled, self.held(c))
 
     def correct(self, X, y):
         """Every process evaluates all of (X, y) on the parameters it pulled last."""
@@ -76,7 +89,7 @@ class PushPull(Wrapper):
 
     def load_state_dict(self, state):
         self.model.load_state_dict(state)
-        self.key = None                               # the servers take the loaded parameters
+        self.key = self.last = None                   # the servers take the loaded parameters
 
 
 def require_launcher(backend):
