@@ -54,6 +54,21 @@ def straight_and_resumed(make, first, X, y, lr=0.01):
     return straight, resumed, state
 
 
+def after(strategy, steps=2, lr=0.01):
+    """strategy's state_dict after `steps` steps on one batch of 24 synthetic images (the BatchNorm
+    tests' setting: momentum steps at lr 0.01, where a summation order moves little)."""
+    X, y = batch(24, 0)
+    for _ in range(steps):
+        strategy.step(X, y, lr)
+    return strategy.state_dict()
+
+
+def close(got, want, tol=1e-5):
+    """Whether the arrays `got` equal `want` to tol of the largest value of `want`."""
+    scale = max(float(np.abs(w).max()) for w in want)
+    return max(float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)) <= tol * scale
+
+
 def small_model(name):
     """The model `name` at test size: a transformer of one block, width 16, two heads."""
     from manual_dp import models

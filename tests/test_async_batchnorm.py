@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import batch, cpus, run_main, straight_and_resumed
+from conftest import after, batch, close, cpus, run_main, straight_and_resumed
 from manual_dp import models
 from manual_dp.errors import CheckpointError
 from manual_dp.lesson import cross_entropy
@@ -20,20 +20,7 @@ from manual_dp.strategies.accum import GradAccum
 from manual_dp.strategies.async_dp import AsyncDataParallel
 from manual_dp.strategies.data_parallel import DataParallel
 
-TOL = 1e-5
 TINY = ["--train-size", "96", "--test-size", "32", "--batch-size", "32", "--no-progress", "--epochs", "1"]
-
-
-def after(strategy, steps=2, lr=0.01):
-    X, y = batch(24, 0)
-    for _ in range(steps):
-        strategy.step(X, y, lr)
-    return strategy.state_dict()
-
-
-def close(got, want, tol=TOL):
-    scale = max(float(np.abs(w).max()) for w in want)
-    return max(float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)) <= tol * scale
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from conftest import batch, cpus, straight_and_resumed, write_dataset
+from conftest import batch, close, cpus, straight_and_resumed, write_dataset
 from jobs import launch_cmd, read_log, run_job, saved_arrays, train_cmd
 from manual_dp import models
 from manual_dp.strategies.data_parallel import DataParallel
@@ -43,11 +43,6 @@ def bits(state):
     """A digest of a state_dict's parameters, optimiser state and running statistics."""
     arrays = [*state["params"], *[s for st in state.get("opt_state", []) for s in st], *state["extra"]["running"]]
     return hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)).hexdigest()
-
-
-def close(got, want, tol=1e-5):
-    scale = max(float(np.abs(w).max()) for w in want)
-    return max(float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)) <= tol * scale
 
 
 def test_the_same_bits_on_1_2_and_3_contexts(resnet):

@@ -13,8 +13,7 @@ import mxnet as mx
 import pytest
 from mxnet import autograd, nd
 
-from conftest import batch, cpus, run_main
-from test_batchnorm_modes import after, close        # 2 momentum steps at lr 0.01; 1e-5 of the largest value
+from conftest import after, batch, close, cpus, run_main   # after: 2 momentum steps at lr 0.01; close: 1e-5
 from manual_dp.models.batchnorm import Moments
 from manual_dp.models.gluon_block import GluonModel, load_block
 from manual_dp.strategies.async_dp import AsyncDataParallel

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import batch, cpus, run_main, straight_and_resumed
+from conftest import batch, close, cpus, run_main, straight_and_resumed
 from manual_dp import models
 from manual_dp.lesson import LENET_SHAPES, cross_entropy, init_lenet_params, lenet, lenet_shapes
 from manual_dp.models.contract import balanced_cuts
@@ -380,11 +380,6 @@ def resnet():
     net = models.build("resnet")
     P = net.init_params(0)
     return net, P, resnet_after(DataParallel(P, cpus(1), "momentum", lesson=True, model=net))
-
-
-def close(got, want, tol=TOL):
-    scale = max(float(np.abs(w).max()) for w in want)
-    return max(float(np.abs(g - w).max()) for g, w in zip(got, want)) <= tol * scale
 
 
 @pytest.mark.parametrize("k", [2, 4])
