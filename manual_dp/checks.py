@@ -126,9 +126,6 @@ def check_running(cfg, running):
         raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, async, "
                          f"zero, local, model, pipeline and hybrid carry, not --mode {cfg.mode}: "
                          f"{RUNNING_REFUSED.get(cfg.mode, 'not yet')}")
-    if running and cfg.compress != "none":
-        raise UsageError(f"--compress {cfg.compress}: BatchNorm's statistics are summed with the gradients' "
-                         f"all-reduce and must stay exact: not with --model {cfg.model}")
     if cfg.sync_batchnorm and not running:
         raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet, a Gluon block with "
                          f"BatchNorm children), not --model {cfg.model}")

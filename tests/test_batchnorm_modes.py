@@ -247,3 +247,31 @@ def test_two_dist_sync_workers_train_resnet_under_local_sgd_as_one_process(data_
     one, two = (checkpoint.load(tmp_path / name)[0]["extra"]["running"] for name in ("one", "two"))
     for a, b in zip(one, two):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["2bit", "powersgd:2"])
+def test_compression_sends_the_gradients_compressed_and_the_statistics_exact(resnet, spec):
+    """--compress: the gradients through the compressed all-reduce, the BatchNorm statistics
+    through the exact one (stats_reduce): after one step the running statistics are the bits of
+    the uncompressed step's (they depend on the start and the batch alone), on every context; the
+    parameters are not (the compression is lossy)."""
+    from manual_dp.fast.collectives import make_allreduce
+    from manual_dp.fast.compress import make_reducer
+    from manual_dp.strategies.compressed import Compressed
+    net, P, _ = resnet
+    reducer = make_reducer(spec, make_allreduce("reduce_bcast"), [p.shape for p in P])
+    model = Compressed(DataParallel(P, cpus(2), "momentum", reducer, model=net,
+                                    stats_reduce=make_allreduce("reduce_bcast")), reducer, spec)
+    plain = DataParallel(P, cpus(2), "momentum", model=net)
+    got, want = after(model, steps=1), after(plain, steps=1)
+    for a, b in zip(got["extra"]["running"], want["extra"]["running"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not close(got["params"], want["params"], 1e-6)
+    prints = model.model.fingerprints()["running statistics"]
+    assert len({tuple(sums) for _, sums in prints}) == 1
+
+
+def test_cli_resnet_with_compression(capsys, data_dir):
+    code, out, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--model", "resnet", "--cpus", "2",
+                                       "--compress", "2bit"])
+    assert code == 0, err

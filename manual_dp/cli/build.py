@@ -173,7 +173,8 @@ def build_model(cfg, params, ctx, world, policy=None):
                                           tensor_pieces=sums and sums.tensor_pieces) \
             if cfg.deterministic else \
             DataParallel(params, ctx, cfg.optimizer, compressed or grad_reduce, cfg.fuse_grads, cfg.graph,
-                         conv_pad=pad, bucket_mb=bucket_mb, model=net, sync_batchnorm=cfg.sync_batchnorm)
+                         conv_pad=pad, bucket_mb=bucket_mb, model=net, sync_batchnorm=cfg.sync_batchnorm,
+                         stats_reduce=reduce)
         if cfg.trace:
             model.trace(cfg.trace, algorithm=name)
         model = Compressed(model, compressed, cfg.compress, world) if compressed else model

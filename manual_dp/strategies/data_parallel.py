@@ -65,18 +65,19 @@ class DataParallel(RunningStats, Strategy):
     model: the network (manual_dp.models; None: the lesson's LeNet of the parameters' width). A
     model with running statistics (BatchNorm) normalises with each context's statistics, in the
     cached graph too, or with sync_batchnorm across them: then every context's forward runs at
-    once, imperatively (models.batchnorm).
+    once, imperatively (models.batchnorm). stats_reduce: the exact all-reduce their sums take
+    (None: allreduce_fn; --compress gives the uncompressed one, the statistics must stay exact).
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, allreduce_fn=None,
                  fuse_grads=None, graph=None, lesson=False, conv_pad=None, bucket_mb=None, model=None,
-                 sync_batchnorm=False):
+                 sync_batchnorm=False, stats_reduce=None):
         choice = LESSON_STEP if lesson else FAST_STEP
         fuse_grads = choice["fuse_grads"] if fuse_grads is None else fuse_grads
         graph = choice["graph"] if graph is None else graph
         self.ctx, self.optimizer, self.net = list(ctx), optimizer, as_model(model, params)
         self.allreduce_fn = allreduce_fn or make_allreduce(choice["allreduce"])
-        self.keep_running(sync_batchnorm, self.allreduce_fn)
+        self.keep_running(sync_batchnorm, stats_reduce or self.allreduce_fn)
         graph = graph and not self.sync_batchnorm   # statistics across contexts: no one context's graph
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
