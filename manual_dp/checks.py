@@ -85,6 +85,9 @@ def check_model(cfg):
         raise UsageError(f"--patch must be 0 (rows) or divide 28, got {cfg.patch}")
     if cfg.heads and cfg.d_model and cfg.d_model % cfg.heads:
         raise UsageError(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model}")
+    if cfg.model == "resnet" and cfg.mode == "tensor":
+        raise UsageError("--mode tensor splits layers in column/row pairs (the transformer's, a user's Dense "
+                         "pairs): --model resnet has none")
     if cfg.model == "resnet":
         check_running(cfg, True)
     elif cfg.model in MODELS:                          # a user's block is checked once it is built
@@ -114,7 +117,7 @@ def check_running(cfg, running):
     """UsageError where --model's running statistics (BatchNorm's; `running`: whether it keeps any)
     meet a mode or flag that does not carry them, or --sync-batchnorm a model without them or
     under --mode async."""
-    carried = ("sync", "async", "zero", "local", "model", "pipeline", "hybrid")
+    carried = ("sync", "async", "zero", "local", "model", "pipeline", "hybrid", "tensor")
     if running and cfg.deterministic and cfg.sync_batchnorm:
         raise UsageError(f"--deterministic with BatchNorm (--model {cfg.model}) normalises each piece with its own "
                          f"statistics, carried in its leaf; not --sync-batchnorm (the batch's statistics would join "
@@ -124,7 +127,7 @@ def check_running(cfg, running):
                          "sum no batch across workers")
     if running and cfg.mode not in carried:
         raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, async, "
-                         f"zero, local, model, pipeline and hybrid carry, not --mode {cfg.mode}: "
+                         f"zero, local, model, pipeline, hybrid and tensor carry, not --mode {cfg.mode}: "
                          f"{RUNNING_REFUSED.get(cfg.mode, 'not yet')}")
     if cfg.sync_batchnorm and not running:
         raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet, a Gluon block with "
@@ -135,7 +138,8 @@ def check_running(cfg, running):
 
 
 RUNNING_REFUSED = {     # why a model with BatchNorm is refused by a mode, where there is more to say than "not yet"
-    "mesh": "its tensor groups split layers that ResNet and a user's BatchNorm block do not have",
+    "mesh": "it lays out the transformer, whose blocks have no BatchNorm",
+    "context": "it cuts a sequence of tokens, which only the transformer (no BatchNorm) has",
 }
 PIPELINES = ("model", "pipeline", "hybrid")
 # The modes --deterministic cannot bring to one context's bits, and why (strategies/fixed_sums.py).

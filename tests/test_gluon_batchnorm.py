@@ -144,3 +144,55 @@ def test_what_is_refused_in_one_line(capsys, data_dir, user, function, message):
     code, _, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--model", spec])
     assert code == 2 and len(err) == 1, err
     assert re.search(message, err[0]), err
+
+
+DENSE = """from mxnet.gluon import nn
+def net():
+    b = nn.HybridSequential()
+    b.add(nn.Dense(32, activation="relu"), nn.Dense(16), nn.BatchNorm(), nn.Activation("relu"),
+          nn.Dense(32, activation="relu"), nn.Dense(10))
+    return b
+"""
+
+
+@pytest.fixture(scope="module")
+def dense_user(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dense_block") / "dense.py"
+    path.write_text(DENSE)
+    net = GluonModel(f"{path}:net")
+    return f"{path}:net", net, net.init_params(0)
+
+
+@pytest.mark.parametrize("contexts,T", [(2, 2), (4, 2)])
+def test_tensor_parallelism_normalises_each_group_as_a_data_parallel_replica(dense_user, contexts, T):
+    """AutoTP splits the Dense pairs; the BatchNorm between them runs whole on every context of a
+    group, each with its own Moments: a group is a data-parallel replica with per-context
+    statistics, so T x G contexts compute what data parallelism on G contexts computes (1e-5), its
+    running statistics on every context alike; evaluation reads them; a checkpoint carries them."""
+    from manual_dp.strategies.tensor import TensorParallel
+    _, net, P = dense_user
+    model = TensorParallel(P, cpus(contexts), "momentum", T, model=net)
+    reference = DataParallel(P, cpus(contexts // T), "momentum", model=net, graph=False)
+    got, want = after(model), after(reference)
+    assert close(got["params"], want["params"]) and close(got["extra"]["running"], want["extra"]["running"])
+    if contexts // T > 1:
+        # the whole batch's variance differs from the shards' mean variance by more than 10x the tolerance
+        one = after(DataParallel(P, cpus(1), "momentum", model=net))
+        assert not close(got["extra"]["running"], one["extra"]["running"], 1e-4)
+    prints = model.fingerprints()["running statistics"]
+    assert len(prints) == contexts and len({tuple(sums) for _, sums in prints}) == 1
+    X, y = (nd.array(a) for a in batch(40, 5))
+    autograd.set_training(True)          # as loop.evaluate
+    try:
+        assert float(model.correct(X, y).asscalar()) == float(reference.correct(X, y).asscalar())
+    finally:
+        autograd.set_training(False)
+    again = TensorParallel(P, cpus(contexts), "momentum", T, model=net)
+    again.load_state_dict(got)
+    assert [r.asnumpy().tolist() for r in again.running[-1]] == [r.tolist() for r in got["extra"]["running"]]
+
+
+def test_cli_trains_it_under_tensor_parallelism(capsys, data_dir, dense_user):
+    code, out, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--model", dense_user[0], "--cpus", "2",
+                                       "--mode", "tensor"])
+    assert code == 0, err

@@ -457,7 +457,8 @@ def test_cli_resnet_with_sync_batchnorm_and_refusals(capsys, data_dir, tmp_path)
     code, out, err = cli(capsys, ["--data-dir", str(data_dir), *TINY, "--model", "resnet", "--sync-batchnorm",
                                   "--checkpoint-dir", str(ck), "--resume", "--epochs", "2"])
     assert code == 0 and "resumed" in out, err
-    for argv, message in ((["--model", "resnet", "--mode", "tensor"], "not --mode tensor: not yet"),
+    for argv, message in ((["--model", "resnet", "--mode", "context"], "not --mode context: it cuts a sequence"),
+                          (["--model", "resnet", "--mode", "tensor"], "--model resnet has none"),
                           (["--model", "resnet", "--deterministic", "--sync-batchnorm"], "not --sync-batchnorm (the batch"),
                           (["--sync-batchnorm"], "--sync-batchnorm applies to models with BatchNorm"),
                           (["--model", "mlp", "--sync-batchnorm", "--mode", "async"], "applies to models with BatchNorm")):

@@ -355,16 +355,20 @@ def split_pairs(hs, shards, join, layers, slices, roles, column, row, F=nd):
     entered through f, column(l, h, params, F=F) on each piece's shard; a row layer's partial
     products row(l, h, params, True, F=F) summed by g, then row(l, s, params, False, F=F) adds its
     bias and activation on each context; other layers whole on every context. shards: one per
-    piece (join.k a context)."""
+    piece (join.k a context). F: the operators' namespace, or a list of one per context (each
+    context's BatchNorms their own Moments)."""
+    def each(n):
+        return F if isinstance(F, list) else [F] * n
     for l, (layer, s) in enumerate(zip(layers, slices)):
         own = [P[s] for P in shards]
         if roles.get(l) == "column":
-            hs = [column(l, h, q, F=F) for h, q in zip(join.f(hs) if l else join.spread(hs), own)]
+            ins = join.f(hs) if l else join.spread(hs)
+            hs = [column(l, h, q, F=Fj) for h, q, Fj in zip(ins, own, each(len(ins)))]
         elif roles.get(l) == "row":
-            hs = [row(l, h, q, False, F=F)
-                  for h, q in zip(join.g([row(l, h, q, True, F=F) for h, q in zip(hs, own)]), join.leads(own))]
+            parts = [row(l, h, q, True, F=Fj) for h, q, Fj in zip(hs, own, each(len(hs)))]
+            hs = [row(l, h, q, False, F=Fj) for h, q, Fj in zip(join.g(parts), join.leads(own), each(len(parts)))]
         else:
-            hs = [layer.forward(h, q, F, [p.shape for p in q]) for h, q in zip(hs, join.leads(own))]
+            hs = [layer.forward(h, q, Fj, [p.shape for p in q]) for h, q, Fj in zip(hs, join.leads(own), each(len(hs)))]
     return hs
 
 

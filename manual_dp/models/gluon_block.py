@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from ..errors import UsageError
-from .batchnorm import EPS, MOMENTUM, norm_group, single
+from .batchnorm import EPS, MOMENTUM, Batch, norm_group, single
 from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, pair_traffic, split_pairs
 from .dropout import Noise, dropout
 
@@ -229,10 +229,13 @@ class GluonModel(Model):
                 return out
         return F.Activation(out, act_type=dense.act._act_type) if dense.act is not None else out
 
-    def split_forward(self, Xs, shards, join, F=None):
+    def split_forward(self, Xs, shards, join, F=None, moments=None):
+        """Class scores on a tensor group (split_pairs); moments: one Moments per context, what its
+        BatchNorms (whole on every context) normalise with."""
         from mxnet import nd
+        F = [self.noisy(Batch(F or nd, M), X) for M, X in zip(moments, Xs)] if moments else self.noisy(F or nd, Xs[0])
         return split_pairs(Xs, shards, join, self.layers, self.slices(), self.roles,
-                           self.dense_forward, self.dense_forward, self.noisy(F or nd, Xs[0]))
+                           self.dense_forward, self.dense_forward, F)
 
     def tensor_refusal(self, T):
         if not self.roles:

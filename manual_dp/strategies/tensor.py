@@ -40,7 +40,9 @@ from ..lesson import cross_entropy, n_correct, split_and_load
 from ..models import as_model, stateless
 from ..optim import apply_update_and_clear, init_states
 from ..replicas import fingerprint
+from ..models.batchnorm import Moments
 from .base import Strategy, placed
+from .running import RunningStats
 from .dp_zero import DataShardedOptimizer, backward, gathered, peak
 from .tensor_layout import even_split, group_layout, held_whole, shard, shard_of_whole, unshard, whole_layout
 
@@ -49,10 +51,13 @@ SPLIT = [p.split for p in as_model(None).param_table()]    # W1, b1 | W2, b2 | W
 NAMES = as_model(None).names()
 
 
-def group_forward(Xs, P, allreduce, net=None, join=None):
+def group_forward(Xs, P, allreduce, net=None, join=None, moments=None):
     """Class scores (B, 10) on every context of a tensor group from its copies of the images Xs
-    (B, 1, 28, 28) and its shards P[j] (the model's parameters cut by their Param.split)."""
-    return as_model(net, P[0] if net is None else None).split_forward(Xs, P, join or Join(allreduce))
+    (B, 1, 28, 28) and its shards P[j] (the model's parameters cut by their Param.split); moments:
+    a model with BatchNorm's Moments, one per context."""
+    net = as_model(net, P[0] if net is None else None)
+    return net.split_forward(Xs, P, join or Join(allreduce), moments=moments) if moments else \
+        net.split_forward(Xs, P, join or Join(allreduce))
 
 
 def copies(batch, row):
@@ -63,8 +68,13 @@ def copies(batch, row):
     return [first] + [first.copyto(c) for c in row[1:]]
 
 
-class TensorParallel(Strategy):
+class TensorParallel(RunningStats, Strategy):
     """len(ctx) // T data-parallel tensor groups; group r's shard j on ctx[r * T + j].
+
+    A model with BatchNorm (a user's block: its BatchNorms sit outside the Dense pairs, on whole
+    activations): every context of a group normalises the group's examples with their statistics
+    (each context its own Moments; they are the same numbers), so a group is one data-parallel
+    replica with per-context statistics, and the mean over every context is folded after the step.
 
     tp_allreduce joins the shards inside a group (f and g); allreduce_fn sums each shard's
     gradients over the groups (and, under a multi-process world, over the processes).
@@ -84,7 +94,10 @@ class TensorParallel(Strategy):
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
                  allreduce_fn=None, tp_allreduce=None, model=None, sequence_parallel=False, zero_stage=0):
-        self.ctx, self.optimizer, self.net = list(ctx), optimizer, stateless(as_model(model, params), "--mode tensor")
+        self.ctx, self.optimizer = list(ctx), optimizer
+        self.net = as_model(model, params)
+        if sequence_parallel:
+            self.net = stateless(self.net, "--sequence-parallel")
         T = self.T = tensor_parallel or len(self.ctx)
         self.split, self.join = [p.split for p in self.net.param_table()], None
         refusal = self.net.tensor_refusal(T)
@@ -93,6 +106,7 @@ class TensorParallel(Strategy):
                              if len(self.ctx) % T else f"tensor degree {refusal}")
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.tp_allreduce = tp_allreduce or make_allreduce(FAST_STEP["allreduce"])
+        self.keep_running(False, self.allreduce_fn)
         self.sequence_parallel = sequence_parallel
         if sequence_parallel:
             why = self.net.sequence_refusal(T, "ring")
@@ -126,18 +140,30 @@ class TensorParallel(Strategy):
 
     def backward(self, X, y):
         """Every group runs its shard of the batch through its T contexts; gradients add up."""
-        heads, metrics = [], []
+        heads, metrics, moments = [], [], []
         with gathered(self.zero):
             with autograd.record():
                 for row, P, Xg, yg in zip(self.grid, self.shards, split_and_load(host(X), [r[0] for r in self.grid]),
                                           split_and_load(host(y), [r[0] for r in self.grid])):
                     ys = copies(yg, row)
-                    scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join)
+                    mine = [self.moments(True) for _ in row] if self.running else None
+                    moments += mine or []
+                    scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join, mine)
                     losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
                     heads += [l * (1 / self.T) for l in losses] if self.sequence_parallel else losses
                     metrics.append((losses[0], n_correct(scores[0], ys[0])))
             backward(heads, [p for P_row in self.shards for P in P_row for p in P], self.zero)
+        if self.running:
+            self.fold_each_context(moments)
         return metrics
+
+    def fold_each_context(self, moments):
+        """Afterwards every context's running statistics took the mean of every context's batch
+        statistics: moments, one a context in self.ctx's order (every group's contexts hold the
+        same ones)."""
+        joined = Moments()
+        joined.batch = [[M.batch[i][0] for M in moments] for i in range(len(moments[0].batch))]
+        self.fold(joined)
 
     def update(self, lr, n_examples):
         """Sum each shard's gradients over the groups, then one optimiser step on every context (under
@@ -178,14 +204,16 @@ class TensorParallel(Strategy):
         with gathered(self.zero):
             for row, P, Xg, yg in zip(rows, self.shards, split_and_load(X, [r[0] for r in rows]),
                                       split_and_load(y, [r[0] for r in rows])):
-                scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join)
+                mine = [Moments(False, [self.running[self.ctx.index(c)]]) for c in row] if self.running else None
+                scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join, mine)
                 counts.append(n_correct(scores[0], yg).copyto(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
-        """Shard j of every group; and b2, b4, whole on every context (under ZeRO-3 gathered)."""
+        """Shard j of every group; and b2, b4, whole on every context (under ZeRO-3 gathered); and
+        every context's running statistics."""
         with gathered(self.zero):
-            return self.fingerprints_of_wholes()
+            return {**self.fingerprints_of_wholes(), **self.running_fingerprints()}
 
     def fingerprints_of_wholes(self):
         names = self.net.names()
@@ -212,7 +240,7 @@ class TensorParallel(Strategy):
         params = [p for P_row in self.shards for P in P_row for p in P] + (self.zero.param_arrays() if self.zero else [])
         states = self.zero.state_arrays() if self.zero else [s for S_row in self.states for S in S_row for st in S for s in st]
         return {"param": params, "grad": self.zero.grad_arrays() if self.zero else [p.grad for p in params],
-                "state": states}
+                "state": states + self.running_arrays()}
 
     def peak_arrays(self):
         return peak(self.arrays(), self.zero)
@@ -233,9 +261,10 @@ class TensorParallel(Strategy):
             params = [unshard([P[i].asnumpy() for P in P_row], a) for i, a in enumerate(self.split)]
         opt_state = [[unshard([S[i][k].asnumpy() for S in S_row], a) for k in range(len(S_row[0][i]))]
                      for i, a in enumerate(self.split)]
-        return {"params": params, "opt_state": opt_state, "t": self.t, "extra": {}}
+        return {"params": params, "opt_state": opt_state, "t": self.t, "extra": self.running_state()}
 
     def load_state_dict(self, state):
+        self.load_running(state)
         with gathered(self.zero, keep=True):
             self.load_wholes(state)
 
