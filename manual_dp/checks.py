@@ -118,10 +118,12 @@ def check_running(cfg, running):
     meet a mode or flag that does not carry them, or --sync-batchnorm a model without them or
     under --mode async."""
     carried = ("sync", "async", "zero", "local", "model", "pipeline", "hybrid", "tensor")
-    if running and cfg.deterministic and cfg.sync_batchnorm:
+    if running and cfg.deterministic and (cfg.sync_batchnorm or cfg.mode == "tensor" or (cfg.tensor_pieces or 1) > 1):
         raise UsageError(f"--deterministic with BatchNorm (--model {cfg.model}) normalises each piece with its own "
-                         f"statistics, carried in its leaf; not --sync-batchnorm (the batch's statistics would join "
-                         f"every piece mid-forward)")
+                         f"statistics, carried in its leaf; not " +
+                         ("--sync-batchnorm (the batch's statistics would join every piece mid-forward)"
+                          if cfg.sync_batchnorm else "--mode tensor or --tensor-pieces yet (a split layer's pieces "
+                                                     "do not carry them): --mode sync, zero or a pipeline"))
     if running and cfg.backend == "dist_async" and cfg.sync_batchnorm:
         raise UsageError("--sync-batchnorm: not --backend dist_async, whose servers add each worker's changes and "
                          "sum no batch across workers")

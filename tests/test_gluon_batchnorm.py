@@ -193,6 +193,9 @@ def test_tensor_parallelism_normalises_each_group_as_a_data_parallel_replica(den
 
 
 def test_cli_trains_it_under_tensor_parallelism(capsys, data_dir, dense_user):
-    code, out, err = run_main(capsys, ["--data-dir", str(data_dir), *TINY, "--model", dense_user[0], "--cpus", "2",
-                                       "--mode", "tensor"])
+    """And refuses --deterministic there in one line (a split layer's pieces do not carry the statistics)."""
+    argv = ["--data-dir", str(data_dir), *TINY, "--model", dense_user[0], "--cpus", "2", "--mode", "tensor"]
+    code, out, err = run_main(capsys, argv)
     assert code == 0, err
+    code, out, err = run_main(capsys, argv + ["--deterministic"])
+    assert code == 2 and len(err) == 1 and "not --mode tensor or --tensor-pieces yet" in err[0], err
