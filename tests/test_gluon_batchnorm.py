@@ -199,3 +199,12 @@ def test_cli_trains_it_under_tensor_parallelism(capsys, data_dir, dense_user):
     assert code == 0, err
     code, out, err = run_main(capsys, argv + ["--deterministic"])
     assert code == 2 and len(err) == 1 and "not --mode tensor or --tensor-pieces yet" in err[0], err
+
+
+def test_two_dist_sync_workers_of_tensor_groups_train_it_as_one_process(data_dir, tmp_path, dense_user):
+    """2 workers x a tensor group of 2 against one process of 2 groups: the statistics' sums cross
+    the processes with the gradients' (to float rounding)."""
+    from jobs import two_workers_as_one_process
+    two_workers_as_one_process(tmp_path, 2, "--model", dense_user[0], "--mode", "tensor", "--tensor-parallel", 2,
+                               "--data-dir", data_dir, "--train-size", 96, "--test-size", 32, "--batch-size", 32,
+                               "--epochs", 1, "--optimizer", "momentum", "--lr", 0.01)
