@@ -78,10 +78,10 @@ def test_layouts_a_model_cannot_run_are_left_out_with_a_reason():
         f"{mesh} {s} M=4{rc}" for mesh in ("dp=2 x pp=2", "pp=4") for s in ("gpipe", "1f1b", "interleaved V=2", "zb-h1")
         for rc in ("", " +recompute")]
     assert left_out(4, 16, model=resnet) == (
-        "left out: dp=2 x tp=2, dp=2 x tp=2 +sp, tp=4, tp=4 +sp, dp=2 x cp=2 "
-        "ring, dp=2 x cp=2 ulysses, cp=4 ring, cp=4 ulysses, cp=2 x tp=2 ring, cp=2 x tp=2 ulysses, "
-        "pp=2 x tp=2, pp=2 x cp=2 ring, pp=2 x cp=2 ulysses (resnet keeps BatchNorm's running statistics, which data "
-        "parallelism, ZeRO and pipelines carry)")
+        "left out: dp=2 x tp=2, dp=2 x tp=2 +sp, tp=4, tp=4 +sp (resnet has no layer that tensor parallelism "
+        "splits); dp=2 x cp=2 ring, dp=2 x cp=2 ulysses, cp=4 ring, cp=4 ulysses, cp=2 x tp=2 ring, cp=2 x tp=2 "
+        "ulysses, pp=2 x tp=2, pp=2 x cp=2 ring, pp=2 x cp=2 ulysses (resnet keeps BatchNorm's running statistics, "
+        "which data parallelism, ZeRO, pipelines and tensor groups carry)")
 
 
 def table_kinds(net):
@@ -203,3 +203,20 @@ def test_precision_halves_the_gradient_bytes_data_parallelism_and_pipelines_send
     bad = subprocess.run([sys.executable, "-m", "manual_dp.plan", "--devices", "2", "--memory-per-device", "1G",
                           "--precision", "fp8"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "fp8" in bad.stderr
+
+
+def test_a_users_block_with_batchnorm_lists_its_tensor_groups(tmp_path):
+    """A user's Dense pairs with a BatchNorm between them: tensor groups carry its statistics (not
+    with +sp, which cuts the tokens it does not have), and each rank's predicted state counts them."""
+    from manual_dp.models.gluon_block import GluonModel
+    path = tmp_path / "dense.py"
+    path.write_text("from mxnet.gluon import nn\ndef net():\n    b = nn.HybridSequential()\n"
+                    "    b.add(nn.Dense(32, activation='relu'), nn.Dense(16), nn.BatchNorm(), nn.Dense(32), nn.Dense(10))\n"
+                    "    return b\n")
+    net = GluonModel(f"{path}:net")
+    names = [name(l) for l in enumerate_layouts(4, 16, model=net)]
+    assert "dp=2 x tp=2" in names and "tp=4" in names and "tp=4 +sp" not in names
+    from manual_dp.planner.predict import per_device_state
+    tp = next(l for l in enumerate_layouts(4, 16, model=net) if name(l) == "tp=4")
+    split = sum(p.size // 4 if p.split is not None else p.size for p in net.param_table())
+    assert per_device_state(tp, Setting(1, 64, "sgd", net)) == [((2 + 0) * split + 32, 0)] * 4

@@ -18,7 +18,7 @@ pipelines of at most as many stages as it has layers (interleaved: V times as ma
 both of those and layers that split on their own (Layer.split_forward: not LeNet's whole-model
 split), dp x pp x cp and dp x pp x cp x tp a pipeline's and a stage group's (MeshParallel.refusal:
 no +sp with cp, as MeshParallel refuses it), and for a model with running statistics (BatchNorm)
-data parallelism and ZeRO alone, the strategies that carry them.
+data parallelism, ZeRO, pipelines and tensor groups without +sp, the strategies that carry them.
 """
 from collections import namedtuple
 
@@ -182,13 +182,13 @@ def context_meshes(devices, batch_size, net, stats):
 def candidates(devices, batch_size, net):
     """[(layout, why net cannot run it, or None)] for every layout of `devices` devices whose
     replicas each get at least one example (and each micro-batch at least one), in a fixed order."""
-    stats = (f"{net.name} keeps BatchNorm's running statistics, which data parallelism, ZeRO and "
-             f"pipelines carry") if net.stats() else None
+    stats = (f"{net.name} keeps BatchNorm's running statistics, which data parallelism, ZeRO, "
+             f"pipelines and tensor groups carry") if net.stats() else None
     out = [(layout("data", devices), None)] + [(layout("zero", devices, zero_stage=s), None) for s in (1, 2, 3)]
     for t in divisors(devices)[1:]:
-        why, sp = stats or net.tensor_refusal(t), net.sequence_refusal(t, "ring")
+        why, sp = net.tensor_refusal(t), net.sequence_refusal(t, "ring")
         out += [(layout("tensor", devices // t, tp=t), why),
-                (layout("tensor", devices // t, tp=t, sp=True), why or (sp and f"--sequence-parallel: {sp}"))]
+                (layout("tensor", devices // t, tp=t, sp=True), why or stats or (sp and f"--sequence-parallel: {sp}"))]
     out += [(layout("context", devices // c, cp=c, attention=a), stats or net.sequence_refusal(c, a))
             for c in divisors(devices)[1:] for a in ATTENTIONS]
     out += grids(devices, net, stats) + pipelines(devices, batch_size, net) + meshes(devices, batch_size, net, stats)

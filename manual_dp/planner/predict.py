@@ -137,7 +137,8 @@ def per_device_state(l, setting):
     if l.kind == "data":        # and the running statistics (BatchNorm's), on every replica
         return [((2 + c) * n + sum(p.size for p in net.stats()), 0)] * l.dp
     if l.kind in ("context", "tensor"):   # split parameters 1/T each (Param.split), the others whole
-        return [((2 + c) * rank_params(l, net), 0)] * (l.cp * l.tp)      # on every rank (cp alone: T = 1)
+        stats = sum(p.size for p in net.stats())                         # (a tensor group's: whole too)
+        return [((2 + c) * rank_params(l, net) + stats, 0)] * (l.cp * l.tp)   # on every rank (cp alone: T = 1)
     if l.kind == "mesh":
         return [(kept, 0) for kept in pipelines.mesh_state(l, net, c)]
     if l.kind == "pipeline":
