@@ -69,6 +69,26 @@ def close(got, want, tol=1e-5):
     return max(float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)) <= tol * scale
 
 
+def statistics_alike(model, contexts=None):
+    """Whether `model`'s running statistics (its fingerprints) are the same bits on every context,
+    and (if given) on `contexts` contexts."""
+    prints = model.fingerprints()["running statistics"]
+    return (contexts is None or len(prints) == contexts) and len({tuple(sums) for _, sums in prints}) == 1
+
+
+def evaluates_alike(model, reference, sizes=(40,)):
+    """Whether `model` and `reference` count the same correct predictions on the first n of 40
+    synthetic examples, for each n of `sizes`, in training mode as loop.evaluate runs."""
+    from mxnet import autograd, nd
+    X, y = (nd.array(a) for a in batch(40, 5))
+    autograd.set_training(True)
+    try:
+        return all(float(model.correct(X[:n], y[:n]).asscalar()) == float(reference.correct(X[:n], y[:n]).asscalar())
+                   for n in sizes)
+    finally:
+        autograd.set_training(False)
+
+
 def small_model(name):
     """The model `name` at test size: a transformer of one block, width 16, two heads."""
     from manual_dp import models

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import after, batch, close, cpus, run_main, straight_and_resumed
+from conftest import after, batch, close, cpus, evaluates_alike, run_main, statistics_alike, straight_and_resumed
 from manual_dp import models
 from manual_dp.errors import CheckpointError
 from manual_dp.lesson import cross_entropy
@@ -101,18 +101,11 @@ def test_running_statistics_alike_everywhere_and_evaluation_reads_them(resnet):
     net, P, _, _ = resnet
     model = AsyncDataParallel(P, cpus(2), "momentum", 1, model=net)
     state = after(model)
-    prints = model.fingerprints()["running statistics"]
-    assert len(prints) == 2 and len({tuple(sums) for _, sums in prints}) == 1      # every context alike
+    assert statistics_alike(model, 2)
     assert [R[0].context for R in model.running] == cpus(2)
     sync = DataParallel(P, cpus(2), "momentum", model=net)
     sync.load_state_dict(state)                         # the same master parameters and running statistics
-    X, y = (nd.array(a) for a in batch(40, 5))
-    autograd.set_training(True)          # as loop.evaluate
-    try:
-        for n in (40, 1):
-            assert float(model.correct(X[:n], y[:n]).asscalar()) == float(sync.correct(X[:n], y[:n]).asscalar())
-    finally:
-        autograd.set_training(False)
+    assert evaluates_alike(model, sync, (40, 1))
 
 
 def test_checkpoint_keeps_the_running_statistics_and_resumes_exactly(resnet):

@@ -10,9 +10,8 @@ statistic taken from one shard instead of the batch, or folded twice, moves them
 own checkpoint is exact (bit for bit)."""
 import numpy as np
 import pytest
-from mxnet import autograd, nd
 
-from conftest import after, batch, close, cpus, run_main, straight_and_resumed
+from conftest import after, batch, close, cpus, evaluates_alike, run_main, statistics_alike, straight_and_resumed
 from manual_dp import models
 from manual_dp.errors import CheckpointError
 from manual_dp.strategies.data_parallel import DataParallel
@@ -37,8 +36,7 @@ def test_zero_with_sync_batchnorm_equals_one_context(resnet, stage, k):
     got = after(model)
     assert close(got["params"], want["params"])
     assert close(got["extra"]["running"], want["extra"]["running"])
-    prints = model.fingerprints()["running statistics"]
-    assert len(prints) == k and len({tuple(sums) for _, sums in prints}) == 1       # every context alike
+    assert statistics_alike(model, k)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -89,15 +87,9 @@ def test_a_pipeline_normalises_each_micro_batch_as_data_parallelism_each_context
     assert not close(got["params"], whole["params"], 1e-3)          # not one context's statistics
     norms = len(net.stats()) // 2                                   # each BatchNorm's statistics once
     assert [len(M.batch) for row in pipe.batch_moments for M in row] == [norms] * (replicas * micro)
-    prints = pipe.fingerprints()["running statistics"]
-    assert len(prints) == contexts and len({tuple(sums) for _, sums in prints}) == 1
+    assert statistics_alike(pipe, contexts)
     assert [r[0].context for r in pipe.running] == cpus(contexts)
-    X, y = (nd.array(a) for a in batch(40, 5))
-    autograd.set_training(True)          # as loop.evaluate
-    try:
-        assert float(pipe.correct(X, y).asscalar()) == float(want_model.correct(X, y).asscalar())
-    finally:
-        autograd.set_training(False)
+    assert evaluates_alike(pipe, want_model)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -105,13 +97,7 @@ def test_zero_evaluates_with_the_running_statistics(resnet, stage):
     net, P, _ = resnet
     sync, zero = DataParallel(P, cpus(2), "momentum", model=net), ZeroRedundancy(P, cpus(2), "momentum", stage, model=net)
     after(sync), after(zero)
-    X, y = (nd.array(a) for a in batch(40, 5))
-    autograd.set_training(True)          # as loop.evaluate
-    try:
-        assert float(zero.correct(X, y).asscalar()) == float(sync.correct(X, y).asscalar())
-        assert float(zero.correct(X[:1], y[:1]).asscalar()) == float(sync.correct(X[:1], y[:1]).asscalar())
-    finally:
-        autograd.set_training(False)
+    assert evaluates_alike(zero, sync, (40, 1))
 
 
 def test_zero_checkpoint_keeps_the_running_statistics_and_resumes_in_sync(resnet):
@@ -166,14 +152,9 @@ def test_local_sgd_at_h1_equals_sync_with_per_context_statistics(resnet, optimiz
     got = after(local)
     assert close(got["params"], want["params"]) and close(got["extra"]["running"], want["extra"]["running"])
     assert not close(got["extra"]["running"], [s.asnumpy() for s in net.init_stats()], 1e-3)   # they moved
-    X, y = (nd.array(a) for a in batch(40, 5))
     sync = DataParallel(P, cpus(2), optimizer, model=net)
     after(sync)
-    autograd.set_training(True)          # as loop.evaluate
-    try:
-        assert float(local.correct(X, y).asscalar()) == float(sync.correct(X, y).asscalar())
-    finally:
-        autograd.set_training(False)
+    assert evaluates_alike(local, sync)
 
 
 def test_replicas_keep_their_own_statistics_until_a_sync(resnet):
@@ -267,8 +248,7 @@ def test_compression_sends_the_gradients_compressed_and_the_statistics_exact(res
     for a, b in zip(got["extra"]["running"], want["extra"]["running"], strict=True):
         np.testing.assert_array_equal(a, b)
     assert not close(got["params"], want["params"], 1e-6)
-    prints = model.model.fingerprints()["running statistics"]
-    assert len({tuple(sums) for _, sums in prints}) == 1
+    assert statistics_alike(model.model)
 
 
 def test_cli_resnet_with_compression(capsys, data_dir):

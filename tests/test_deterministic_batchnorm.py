@@ -15,7 +15,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from conftest import batch, close, cpus, straight_and_resumed, write_dataset
+from conftest import batch, close, cpus, statistics_alike, straight_and_resumed, write_dataset
 from jobs import launch_cmd, read_log, run_job, saved_arrays, train_cmd
 from manual_dp import models
 from manual_dp.strategies.data_parallel import DataParallel
@@ -53,8 +53,7 @@ def test_the_same_bits_on_1_2_and_3_contexts(resnet):
         model = DeterministicDataParallel(P, cpus(k), "momentum", piece=PIECE, model=net)
         assert model.graph is None
         state, losses = trained(model)
-        prints = model.fingerprints()["running statistics"]
-        assert len({tuple(sums) for _, sums in prints}) == 1                  # every replica alike
+        assert statistics_alike(model, k)
         seen[k] = (bits(state), losses)
     assert len(set(map(repr, seen.values()))) == 1, seen
     moved = [np.abs(r - r0).max() for r, r0 in zip(state["extra"]["running"], [s.asnumpy() for s in net.init_stats()])]
@@ -85,8 +84,7 @@ def test_pipelines_give_the_bits_of_sync(resnet, contexts, stages, micro, schedu
     for a, b in zip([*got["params"], *got["extra"]["running"]], [*want["params"], *want["extra"]["running"]],
                     strict=True):
         np.testing.assert_array_equal(a, b)
-    prints = pipe.fingerprints()["running statistics"]
-    assert len(prints) == contexts and len({tuple(sums) for _, sums in prints}) == 1
+    assert statistics_alike(pipe, contexts)
 
 
 def test_each_piece_normalises_with_its_own_statistics(resnet):

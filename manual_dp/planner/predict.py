@@ -134,10 +134,10 @@ def per_device_state(l, setting):
     net, c = net_of(setting), OPT_COPIES[setting.optimizer]
     layers = layer_sizes(net)
     n = sum(layers)
-    if l.kind == "data":        # and the running statistics (BatchNorm's), on every replica
-        return [((2 + c) * n + sum(p.size for p in net.stats()), 0)] * l.dp
+    stats = sum(p.size for p in net.stats())       # running statistics (BatchNorm's): whole on every context
+    if l.kind == "data":
+        return [((2 + c) * n + stats, 0)] * l.dp
     if l.kind in ("context", "tensor"):   # split parameters 1/T each (Param.split), the others whole
-        stats = sum(p.size for p in net.stats())                         # (a tensor group's: whole too)
         return [((2 + c) * rank_params(l, net) + stats, 0)] * (l.cp * l.tp)   # on every rank (cp alone: T = 1)
     if l.kind == "mesh":
         return [(kept, 0) for kept in pipelines.mesh_state(l, net, c)]
@@ -146,7 +146,6 @@ def per_device_state(l, setting):
             l, [sum(layers[p] for p in pieces) for pieces in pipelines.stage_cuts(l, net)])]
     bounds = chunk_bounds(n, l.dp)
     shards = [b - a for a, b in zip(bounds, bounds[1:])]
-    stats = sum(p.size for p in net.stats())       # running statistics: whole on every context
     keep = {1: lambda s: 2 * n + c * s, 2: lambda s: n + (1 + c) * s, 3: lambda s: (2 + c) * s}[l.zero_stage]
     moment = zero_moments(l.zero_stage, net, bounds) if l.zero_stage > 1 else [0] * l.dp
     return [(keep(s) + stats, m) for s, m in zip(shards, moment)]

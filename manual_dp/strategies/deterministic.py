@@ -20,16 +20,16 @@ from ..models.batchnorm import Batch, Moments
 from ..optim import apply_update_and_clear
 from .data_parallel import DataParallel, graph_forward_backward
 from .fixed_sums import (FixedSums, WholeBatch, cover, pieces, root_of, spans, tree_sum,  # noqa: F401 (their home)
-                         whole_leaves_backward)
+                         refuse_running_pieces, whole_leaves_backward)
 from .tensor_pieces import piece_forward
 
 
 def piece_pass(graph, X, y, W, net, running):
     """(loss sum, correct, [each BatchNorm's batch mean and variance]) of one piece on its context,
     its backward run: through the cached graph, or imperatively through net(X, W, F)."""
-    if graph:
-        out, = graph_forward_backward(graph, [X], [y], [W])
-        return out[0], out[1], list(out[2]) if len(out) > 2 else []
+    if graph:                                  # (a model with BatchNorm runs imperatively here)
+        (loss, correct), = graph_forward_backward(graph, [X], [y], [W])
+        return loss, correct, []
     moments = Moments(train=True) if running else None
     forward = (lambda X, W: net(X, W, Batch(nd, moments))) if running else net
     (loss, correct), = forward_backward([X], [y], [W], forward)
@@ -77,7 +77,7 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
                          graph=graph and tensor_pieces == 1 and not as_model(model, params).stats(), conv_pad=1,
                          model=model)
         self.leaf_forward = piece_forward(self.net, tensor_pieces)
-        self.refuse_running(tensor_pieces)
+        refuse_running_pieces(self.running, tensor_pieces)
         for f in self.flat:
             f.mark("write")                              # each piece's backward overwrites
         self.sums = FixedSums(piece, rank, size, exchange)

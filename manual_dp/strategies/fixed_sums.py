@@ -171,13 +171,6 @@ class WholeBatch:
         """Every row: each process picks its pieces of the global batch itself."""
         return 0, n
 
-    def refuse_running(self, tensor_pieces):
-        """ValueError (one line) for a model with running statistics whose layers are cut in pieces
-        (--tensor-pieces: a split layer's pieces are not a BatchNorm's channels)."""
-        if self.running and tensor_pieces > 1:
-            raise ValueError(f"--tensor-pieces {tensor_pieces} cuts the split layers of the transformer, not a "
-                             f"model with BatchNorm's running statistics")
-
     def stats_width(self):
         """Elements a leaf carries after [gradient, loss, correct]: its piece's batch statistics
         (each BatchNorm's mean and variance per channel, models.batchnorm), or 0 without BatchNorm.
@@ -186,14 +179,27 @@ class WholeBatch:
         normalisation over `piece` rows): a piece's statistics are a function of its rows alone,
         as its gradient is, so every layout computes the same ones; their tree sum over the m pieces,
         divided by m, is folded into the running statistics (fold_pieces)."""
-        running = getattr(self, "running", None)
-        return sum(int(math.prod(p.shape)) for p in self.net.stats()) if running else 0
+        return stat_elements(self.net.stats()) if getattr(self, "running", None) else 0
 
-    def fold_pieces(self, sums, m):
-        """Afterwards every replica's running statistics took the mean of the m pieces' batch
-        statistics (`sums`: their sum in the tree): m running + (1 - m) sums / m, the same bits on
-        any layout."""
-        fold_mean(self.running, (sums / m).as_in_context(self.running[0][0].context))
+
+def refuse_running_pieces(running, tensor_pieces):
+    """ValueError (one line) for a model with running statistics whose layers are cut in pieces
+    (--tensor-pieces: a split layer's pieces are not a BatchNorm's channels)."""
+    if running and tensor_pieces > 1:
+        raise ValueError(f"--tensor-pieces {tensor_pieces} cuts the split layers of the transformer, not a "
+                         f"model with BatchNorm's running statistics")
+
+
+def stat_elements(stats):
+    """Elements of the running statistics `stats` (Params): what a piece's leaf carries of them."""
+    return sum(int(math.prod(p.shape)) for p in stats)
+
+
+def fold_pieces(running, sums, m):
+    """Afterwards every replica's running statistics (running[c]) took the mean of the m pieces'
+    batch statistics (`sums`: their sum in the tree): m running + (1 - m) sums / m, the same bits on
+    any layout."""
+    fold_mean(running, (sums / m).as_in_context(running[0][0].context))
 
 
 def into_grads(total, P):
@@ -216,9 +222,10 @@ def whole_leaves_backward(strategy, X, y, places, key):
     bounds, runs, mine = sums.cut(len(X), places)
     m = len(bounds)
     have = sums.subtrees(strategy.leaves(X, y, bounds, mine), mine, m, home)
-    total = sums.total(have, runs, m, strategy.n + 2 + strategy.stats_width(), home, key)
-    if strategy.stats_width():
-        strategy.fold_pieces(total[strategy.n + 2:], m)
+    width = strategy.stats_width()
+    total = sums.total(have, runs, m, strategy.n + 2 + width, home, key)
+    if width:
+        fold_pieces(strategy.running, total[strategy.n + 2:], m)
     strategy.held = total if strategy.held is None else strategy.held + total
     if sums.rank:
         return [(nd.zeros((1,), ctx=home), nd.zeros((1,), ctx=home))]

@@ -17,6 +17,7 @@ from .running import RunningStats
 from ..memory import part_activation_elems
 from .schedules import bubbles, check_micro, check_name, held, plan, run_order, simulate
 from .pipeline_pass import ReplicaPass, SplitPass, cut, piece_actions, stage_params
+from .fixed_sums import refuse_running_pieces
 from .pipeline_sums import FixedPipeline
 from .stages import make_stages, param_slices, split_params
 from .tensor_pieces import piece_stage
@@ -51,9 +52,7 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
                  stages=2, schedule="gpipe", recompute=False, model=None, virtual_stages=1, measure=False,
                  sums=None):
         self.net = as_model(model, params)
-        if self.net.stats() and sums and sums.tensor_pieces > 1:
-            raise ValueError(f"--tensor-pieces {sums.tensor_pieces} cuts the split layers of the transformer, not a "
-                             f"model with BatchNorm's running statistics")
+        refuse_running_pieces(self.net.stats(), sums.tensor_pieces if sums else 1)
         if not 1 <= stages <= len(self.net.layers) or len(ctx) < stages or len(ctx) % stages:
             raise ValueError(f"{len(ctx)} contexts cannot be cut into {stages}-stage pipelines "
                              f"of {self.net.name}'s {len(self.net.layers)} layers")

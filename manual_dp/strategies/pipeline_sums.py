@@ -15,13 +15,10 @@ does (fixed_sums.WholeBatch.stats_width): stage s's leaf of a piece ends with th
 the stage's BatchNorms on it, and after the tree the stages' sums, in stage order, are the whole
 model's, folded as sync folds them: the running statistics take sync's bits too.
 """
-import math
-
 from mxnet import nd
 
 from ..fast.prefetch import host
-from ..models.batchnorm import fold_mean
-from .fixed_sums import leaf
+from .fixed_sums import fold_pieces, leaf, stat_elements
 
 
 class FixedPipeline:
@@ -47,7 +44,7 @@ class FixedPipeline:
         n = sum(p.size for p in self.params[0][-1])
         loss, correct = totals[-1][n:n + 1], totals[-1][n + 1:n + 2]
         if self.running:
-            self.fold_pieces(totals, len(bounds))
+            fold_pieces(self.running, self.stat_sums(totals), len(bounds))
         return [(loss.zeros_like(), correct.zeros_like())] if self.sums.rank else [(loss, correct)]   # rank 0's
 
     def piece_stats(self, s, q):
@@ -63,25 +60,21 @@ class FixedPipeline:
         return self.norms[s + 1] if s + 1 < len(self.norms) else len(self.net.stats()) // 2
 
     def stat_width(self, s):
-        """Elements of stage s's BatchNorm statistics in its leaf of a piece."""
-        stats = self.net.stats()[2 * self.norms[s]:2 * self.stat_norms(s)]
-        return sum(int(math.prod(p.shape)) for p in stats)
+        """Elements of stage s's BatchNorm statistics in its leaf of a piece (0 without BatchNorm)."""
+        return stat_elements(self.net.stats()[2 * self.norms[s]:2 * self.stat_norms(s)])
 
-    def fold_pieces(self, totals, m):
-        """Afterwards the running statistics took the mean of the m pieces' statistics: the tail of
-        each stage's tree total, in stage order (the model's stat order)."""
-        home, tails = self.running[0][0].context, []
-        for s, total in enumerate(totals):
-            width = self.stat_width(s)
-            if width:
-                tails.append(total[total.size - width:].as_in_context(home))
-        fold_mean(self.running, nd.concat(*tails, dim=0) / m if len(tails) > 1 else tails[0] / m)
+    def stat_sums(self, totals):
+        """The pieces' statistics summed in the tree: the tail of each stage's total, in stage order
+        (the model's stat order), on the first running statistics' context."""
+        home = self.running[0][0].context
+        tails = [total[total.size - self.stat_width(s):].as_in_context(home)
+                 for s, total in enumerate(totals) if self.stat_width(s)]
+        return nd.concat(*tails, dim=0) if len(tails) > 1 else tails[0]
 
     def stage_total(self, s, leaves, runs, mine, m):
         """Stage s's tree total on replica 0's place of it, from its leaves {piece: vector}."""
         home = self.places[0][s]
-        width = sum(p.size for p in self.params[0][s]) + (2 if s == len(self.stages) - 1 else 0) + \
-            (self.stat_width(s) if self.running else 0)
+        width = sum(p.size for p in self.params[0][s]) + (2 if s == len(self.stages) - 1 else 0) + self.stat_width(s)
         have = self.sums.subtrees(leaves, mine, m, home)
         return self.sums.total(have, runs, m, width, home, f"pipe{s}-")
 

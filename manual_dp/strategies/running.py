@@ -43,8 +43,13 @@ class RunningStats:
     def fold_graph(self, stats):
         """fold of the batch statistics a cached graph gave (fast.graph): stats[c] context c's
         [mean, variance of each BatchNorm]."""
+        self.fold_batch([[(s[2 * i], s[2 * i + 1]) for s in stats] for i in range(len(stats[0]) // 2)])
+
+    def fold_batch(self, batch):
+        """fold of batch statistics given as a Moments holds them: batch[i][c] context c's (mean,
+        variance) of BatchNorm i."""
         moments = Moments()
-        moments.batch = [[(s[2 * i], s[2 * i + 1]) for s in stats] for i in range(len(stats[0]) // 2)]
+        moments.batch = batch
         self.fold(moments)
 
     def grouped_forward_backward(self, X_shards, y_shards, replicas, each=False):

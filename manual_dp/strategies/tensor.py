@@ -161,9 +161,7 @@ class TensorParallel(RunningStats, Strategy):
         """Afterwards every context's running statistics took the mean of every context's batch
         statistics: moments, one a context in self.ctx's order (every group's contexts hold the
         same ones)."""
-        joined = Moments()
-        joined.batch = [[M.batch[i][0] for M in moments] for i in range(len(moments[0].batch))]
-        self.fold(joined)
+        self.fold_batch([[M.batch[i][0] for M in moments] for i in range(len(moments[0].batch))])
 
     def update(self, lr, n_examples):
         """Sum each shard's gradients over the groups, then one optimiser step on every context (under

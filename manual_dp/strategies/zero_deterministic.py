@@ -32,7 +32,7 @@ from ..fast.graph import ModelGraph
 from ..fast.sharded import empty_shards
 from ..optim import apply_update_and_clear
 from .deterministic import piece_leaves
-from .fixed_sums import Fold, WholeBatch, cover, pieces, root_of, spans, tree_sum
+from .fixed_sums import Fold, WholeBatch, cover, fold_pieces, pieces, refuse_running_pieces, root_of, spans, tree_sum
 from .tensor_pieces import piece_forward
 from .zero import ZeroRedundancy
 
@@ -48,7 +48,7 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, piece=PIECE_ROWS, graph=True,
                  rank=0, size=1, exchange=None, model=None, tensor_pieces=1):
         super().__init__(params, ctx, optimizer, stage, model=model)
-        self.refuse_running(tensor_pieces)
+        refuse_running_pieces(self.running, tensor_pieces)
         graph = graph and tensor_pieces == 1 and not self.net.stats()    # BatchNorm: imperative, as deterministic.py
         self.graph = ModelGraph(1, self.shapes, model=self.net) if graph else None
         self.leaf_forward = piece_forward(self.net, tensor_pieces)
@@ -73,7 +73,7 @@ class DeterministicZero(WholeBatch, ZeroRedundancy):
         for g, total in zip(self.grad_shards, totals):
             nd.elemwise_add(g, total[:g.size], out=g)        # 0 + x is x: no sum in the tree is -0
         if self.stats_width():
-            self.fold_pieces(totals[-1][self.grad_shards[-1].size + 2:], m)
+            fold_pieces(self.running, totals[-1][self.grad_shards[-1].size + 2:], m)
         if self.rank:                                        # the job's metrics come from rank 0 alone
             return [(nd.zeros((1,), ctx=self.ctx[0]), nd.zeros((1,), ctx=self.ctx[0]))]
         last, at = totals[-1], self.grad_shards[-1].size
