@@ -26,7 +26,7 @@ def main(argv=None):
             raise UsageError(problem)
         cfg = parse(argv)
         kind, n = device_request(cfg)
-        configure(n if kind == "cpu" else 0, per_op=1 if cfg.deterministic else None)
+        configure(n if kind == "cpu" else 0, per_op=1 if cfg.deterministic else None, model=cfg.model)
         if cfg.bucket_mb is not None and not cfg.graph:   # see manual_dp.fast.buckets: ready per layer
             os.environ.setdefault("MXNET_EXEC_BULK_EXEC_TRAIN", "0")
         from .cli.run import run_or_exit   # MXNet loads here, with the settings above

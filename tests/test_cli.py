@@ -158,9 +158,11 @@ def test_module_runs_as_a_script_without_warnings(tmp_path):
     assert "RuntimeWarning" not in out.stderr
 
 
-def test_console_script_entry_sets_thread_settings_before_mxnet_loads(data_dir):
+@pytest.mark.parametrize("model,scratch", [("lenet", 64), ("transformer", 1024)])
+def test_console_script_entry_sets_thread_settings_before_mxnet_loads(data_dir, model, scratch):
     """manual-dp-train runs manual_dp.train:main, which parses the flags, sets the thread settings
-    for the contexts they name, and only then loads MXNet."""
+    for the contexts and the model they name (scratch buffers: fewer for convolutions' large
+    scratch, fast/runtime.py), and only then loads MXNet."""
     script = ("import os, sys, builtins\n"
               "seen = {}\n"
               "real_import = builtins.__import__\n"
@@ -170,13 +172,13 @@ def test_console_script_entry_sets_thread_settings_before_mxnet_loads(data_dir):
               "    return real_import(name, *a, **k)\n"
               "builtins.__import__ = spy\n"
               "from manual_dp.train import main\n"
-              f"main(['--cpus', '2', '--epochs', '0', '--data-dir', {str(data_dir)!r}])\n"
+              f"main(['--cpus', '2', '--model', {model!r}, '--epochs', '0', '--data-dir', {str(data_dir)!r}])\n"
               "print('AT_LOAD', seen['copy'], seen['omp'])\n")
     env = {k: v for k, v in os.environ.items() if k not in ("MXNET_CPU_TEMP_COPY", "OMP_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     cores = len(os.sched_getaffinity(0))
-    assert out.stdout.strip().splitlines()[-1] == f"AT_LOAD 64 {max(1, cores // 2)}"
+    assert out.stdout.strip().splitlines()[-1] == f"AT_LOAD {scratch} {max(1, cores // 2)}"
 
 
 def test_resume_rewrites_a_log_left_behind_the_checkpoint(capsys, data_dir, tmp_path):

@@ -69,10 +69,11 @@ def train_specs(plan, full):
     return specs
 
 
-def worker_env(env, devices):
-    """The environment of a measurement: MXNet's defaults, or runtime's choice for `devices`."""
+def worker_env(env, devices, model=None):
+    """The environment of a measurement: MXNet's defaults, or runtime's choice for `devices` (and
+    `model`, if it is not LeNet)."""
     base = {k: v for k, v in os.environ.items() if k not in RUNTIME_KEYS | {"MANUAL_DP_SETTINGS"}}
-    return dict(base, MANUAL_DP_RUNTIME="off") if env == "default" else dict(base, **thread_env(devices))
+    return dict(base, MANUAL_DP_RUNTIME="off") if env == "default" else dict(base, **thread_env(devices, model=model))
 
 
 def run_worker(spec, env, timeout):

@@ -90,7 +90,7 @@ def child_env(impl):
     """The environment of a measurement: runtime's thread settings for every core in one process
     (PyTorch) or for manual_dp's CPU contexts."""
     from .command import worker_env
-    return worker_env("tuned", 1 if impl == "torch" else CONTEXTS)
+    return worker_env("tuned", 1 if impl == "torch" else CONTEXTS, model="transformer")
 
 
 def run_child(spec, env, timeout=TIMEOUT):

@@ -32,7 +32,7 @@ def main(argv):
     """Prints the report of the RunConfig given as JSON, on contexts cpu|gpu(0..N-1)."""
     die_with_parent(int(argv[3]))
     fields, kind, n = json.loads(argv[0]), argv[1], int(argv[2])
-    configure(n if kind == "cpu" else 0)
+    configure(n if kind == "cpu" else 0, model=fields.get("model"))
     import mxnet as mx                                            # loads with the settings above
     from .memcheck import measure_run
     from .build import build_model, network

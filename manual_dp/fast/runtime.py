@@ -13,14 +13,18 @@ replaced while MXNet is not loaded yet. MANUAL_DP_RUNTIME=off leaves MXNet's def
                           kernel; name the AVX-512 or AVX2 kernels when the CPU has them
     MXNET_CPU_TEMP_COPY   all cpu(i) contexts draw scratch space round-robin from this many shared
                           buffers (default 4); two ops holding the same buffer wait for each other,
-                          which serialises the contexts' convolutions. A cached graph keeps the
-                          buffers it drew once, while every imperative scalar op, add_n or sum
-                          draws the next one: with 64 buffers an update on cpu(0) lands on one that
-                          cpu(1)'s graph holds about once a pass, and cpu(1) idles ~20 ms (1024 made
-                          that rare, 4% more img/s). But a buffer, once drawn, stays allocated at the
-                          size of the largest scratch an op asked of it: with the graph's padded
-                          convolutions (fast.autotune) about 9 MB, so 1024 buffers grew a default
-                          LeNet run to 10.7 GB resident in 3 epochs. 64 bound it (0.9 GB).
+                          which serialises the contexts. A cached graph keeps the buffers it drew
+                          once (each context's graph, and a new copy of its state for every step in
+                          flight), while every imperative scalar op, add_n or sum draws the next
+                          one: with too few, one context's graph holds a buffer the other's also
+                          holds, and waits behind that context's whole queue. But a buffer, once
+                          drawn, stays allocated at the size of the largest scratch an op asked of
+                          it: with the graph's padded convolutions (fast.autotune) about 9 MB, so
+                          1024 buffers grew a default LeNet run to 10.7 GB resident in 3 epochs.
+                          So 64 for a model with convolutions (LeNet, ResNet, a user's block, which
+                          may hold some: 0.9 GB) and 1024 for one without (the MLP, the
+                          transformer: their scratch is small, and the transformer's graphs draw
+                          about 20 buffers each; 64 cost its fast step 12% of its speed)
 """
 import glob
 import importlib.metadata
@@ -29,6 +33,9 @@ import sys
 import warnings
 
 THREADS_MAX = 1024               # OMP_NUM_THREADS and the like at most (100000 ran for ever; 2048: 50 s on 2 cores)
+SCRATCH_BUFFERS = 64             # MXNET_CPU_TEMP_COPY for a model with convolutions (or an unknown one)
+SCRATCH_BUFFERS_NO_CONV = 1024   # ... for a model without: the built-in ones named here
+CONVOLUTION_FREE = ("mlp", "transformer")
 OURS = "MANUAL_DP_SETTINGS"      # "pid:NAME,NAME": what manual_dp put in this process's environment
 
 
@@ -60,19 +67,25 @@ def usable_cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def thread_env(cpu_contexts, cores=None, flags=None, per_op=None):
+def thread_env(cpu_contexts, cores=None, flags=None, per_op=None, model=None):
     """Environment for `cpu_contexts` CPU contexts (0 when training on GPUs) on `cores` cores;
-    `per_op` threads per operator if given (--deterministic: 1, whatever the context count)."""
+    `per_op` threads per operator if given (--deterministic: 1, whatever the context count);
+    `model` the --model to be trained (its scratch buffers), if known."""
     cores = cores or usable_cores()
     flags = cpu_flags() if flags is None else flags
     per_op = per_op or (max(1, cores // cpu_contexts) if cpu_contexts else cores)
     env = {"OMP_NUM_THREADS": str(per_op), "OPENBLAS_NUM_THREADS": str(per_op),
-           "MXNET_CPU_TEMP_COPY": "64"}
+           "MXNET_CPU_TEMP_COPY": str(scratch_buffers(model))}
     if "avx512f" in flags:
         env["OPENBLAS_CORETYPE"] = "SKYLAKEX"
     elif {"avx2", "fma"} <= flags:
         env["OPENBLAS_CORETYPE"] = "HASWELL"
     return env
+
+
+def scratch_buffers(model):
+    """MXNET_CPU_TEMP_COPY for `model` (a --model value, or None): see the module's table."""
+    return SCRATCH_BUFFERS_NO_CONV if model in CONVOLUTION_FREE else SCRATCH_BUFFERS
 
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MXNET_CPU_TEMP_COPY",
@@ -135,14 +148,14 @@ def visible_gpus():
     return devices if cuda else 0
 
 
-def configure(cpu_contexts, environ=None, per_op=None):
-    """Put the settings for `cpu_contexts` CPU contexts (0: on GPUs) in the environment, except where
-    the user set a value; returns those set here. Before MXNet loads only: afterwards a warning says
-    that they no longer reach it."""
+def configure(cpu_contexts, environ=None, per_op=None, model=None):
+    """Put the settings for `cpu_contexts` CPU contexts (0: on GPUs) and `model` (thread_env) in the
+    environment, except where the user set a value; returns those set here. Before MXNet loads
+    only: afterwards a warning says that they no longer reach it."""
     environ = os.environ if environ is None else environ
     pid, _, names = environ.get(OURS, "").partition(":")
     ours = set(filter(None, names.split(","))) if pid == str(os.getpid()) else set()  # a child's are given
-    chosen = {k: v for k, v in thread_env(cpu_contexts, per_op=per_op).items()
+    chosen = {k: v for k, v in thread_env(cpu_contexts, per_op=per_op, model=model).items()
               if k not in environ or k in ours}
     changed = {k: v for k, v in chosen.items() if environ.get(k) != v}
     if changed and environ is os.environ and "mxnet" in sys.modules:   # too late for this process

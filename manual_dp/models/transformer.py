@@ -32,10 +32,12 @@ DEFAULTS = dict(TRANSFORMER, mlp_ratio=2)          # the command line's sizes (m
 
 def layer_norm(h, g, b, F=nd, d=None, eps=1e-5):
     """(h - mean) / sqrt(var + eps) * g + b over the last axis (of size d), every mean and every
-    broadcast a skinny matrix product (oneDNN's inner product) and g a diagonal one: MXNet 1.9's
-    LayerNorm operator, and its broadcast ops, differentiate through a slow generic reduce on CPU
-    (LayerNorm's backward was 44% of the step; docs/performance.md). In float32 under any
-    --precision, as autocast keeps layer norms."""
+    broadcast a skinny matrix product (oneDNN's inner product): the means products with ones / d,
+    the broadcasts of a (B, T, 1) column over d and of g and b over the rows outer products, so
+    that every gradient is a product too. MXNet 1.9's LayerNorm operator, and its broadcast ops,
+    differentiate through a slow generic reduce on CPU: on (128, 28, 64), forward and backward in
+    a cached graph, one thread, 5.1 ms against 0.9 ms here (docs/performance.md). In float32 under
+    any --precision, as autocast keeps layer norms."""
     F = float32_ops(F)
     d = d or g.shape[0]
     where = {"ctx": h.context} if isinstance(h, nd.NDArray) else {}    # F may wrap nd (dropout, a precision)
@@ -45,7 +47,8 @@ def layer_norm(h, g, b, F=nd, d=None, eps=1e-5):
         return F.FullyConnected(x, w, no_bias=True, num_hidden=n, flatten=False)
     centred = h - times(times(h, average, 1), spread, d)                          # (B, T, d)
     scale = 1 / F.sqrt(times(F.square(centred), average, 1) + eps)                # (B, T, 1)
-    return F.FullyConnected(centred * times(scale, spread, d), F.diag(g), b, num_hidden=d, flatten=False)
+    gains = times(scale, F.reshape(g, shape=(-1, 1)), d)                          # scale g^T: (B, T, d)
+    return centred * gains + times(F.ones_like(scale), F.reshape(b, shape=(-1, 1)), d)
 
 
 def token_sum(h, T, F=nd):
@@ -56,6 +59,17 @@ def token_sum(h, T, F=nd):
     where = {"ctx": h.context} if isinstance(h, nd.NDArray) else {}
     ones = F.broadcast_like(F.ones(shape=(1, T, 1), **where), h, lhs_axes=(0,), rhs_axes=(0,))   # (B, T, 1)
     return F.reshape(F.batch_dot(ones, h, transpose_a=True), shape=(0, -1))                     # (B, d)
+
+
+def add_positions(h, pos, X, size, F=nd):
+    """h (B, T, d) plus the positions pos (T, d), `size` = T * d values, in every example: pos
+    broadcast as a product of ones (B, 1), shaped from the images X (which need no gradient), with
+    pos as a (T*d, 1) weight, so that its gradient is a product too. MXNet 1.9's broadcast_add
+    differentiates through a slow generic reduce: 1.7 ms of a 27 ms step of the default
+    transformer on (128, 28, 64), one thread (docs/performance.md)."""
+    ones = F.ones_like(F.slice_axis(F.reshape(X, shape=(0, -1)), axis=1, begin=0, end=1))      # (B, 1)
+    every = F.FullyConnected(ones, F.reshape(pos, shape=(-1, 1)), no_bias=True, num_hidden=size)  # (B, T*d)
+    return h + F.reshape_like(every, h)
 
 
 def tokens(X, patch, F=nd):
@@ -243,15 +257,15 @@ class Transformer(Model):
     def embed_layer(T, size, d, patch):
         def embed(X, p, F=nd, shapes=None):
             h = fc(tokens(X, patch, F), p[0], p[1], F, shapes[0] if shapes else None)   # (B, T, d)
-            return dropout(F.broadcast_add(h, F.expand_dims(p[2], axis=0)), 0, F)
+            return dropout(add_positions(h, p[2], X, T * d, F), 0, F)
 
         def sequence_embed(Xs, own, seq, F=nd):
             """Context j embeds its block of tokens, at their positions."""
             out = []
             for X, p, a, b in zip(Xs, own, seq.bounds, seq.bounds[1:]):
                 h = fc(F.slice_axis(tokens(X, patch, F), axis=1, begin=a, end=b), p[0], p[1], F)
-                pos = F.expand_dims(F.slice_axis(p[2], axis=0, begin=a, end=b), axis=0)
-                out.append(dropout(F.broadcast_add(h, pos), 0, F, a))
+                pos = F.slice_axis(p[2], axis=0, begin=a, end=b)
+                out.append(dropout(add_positions(h, pos, X, (b - a) * d, F), 0, F, a))
             return out
         params = (Param("embed_w", (d, size), "lecun", size, split=None), Param("embed_b", (d,)),
                   Param("pos", (T, d), "normal", std=0.02))
