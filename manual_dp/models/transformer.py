@@ -66,7 +66,10 @@ def add_positions(h, pos, X, size, F=nd):
     broadcast as a product of ones (B, 1), shaped from the images X (which need no gradient), with
     pos as a (T*d, 1) weight, so that its gradient is a product too. MXNet 1.9's broadcast_add
     differentiates through a slow generic reduce: 1.7 ms of a 27 ms step of the default
-    transformer on (128, 28, 64), one thread (docs/performance.md)."""
+    transformer on (128, 28, 64), one thread (docs/performance.md). In float32 under any
+    --precision, as autocast keeps additions: the product with ones is exact, its gradient a
+    float32 sum."""
+    F = float32_ops(F)
     ones = F.ones_like(F.slice_axis(F.reshape(X, shape=(0, -1)), axis=1, begin=0, end=1))      # (B, 1)
     every = F.FullyConnected(ones, F.reshape(pos, shape=(-1, 1)), no_bias=True, num_hidden=size)  # (B, T*d)
     return h + F.reshape_like(every, h)
