@@ -112,7 +112,7 @@ def main(argv=None):
     exit 130 or 128 + signal."""
     with ends_on_signals("manual_dp.plan"):
         args = parsed_or_exit(parse, argv, "manual_dp.plan")
-        configure(args.devices, model=args.model)                     # thread settings before MXNet loads
+        configure(args.devices, model=args.model)   # thread settings before MXNet loads
         net = parsed_or_exit(network, args, "manual_dp.plan")
         from .planner.report import run
         print(run(args, machine(), net))

@@ -142,7 +142,7 @@ def network(args):
 @ends_on_signals("python -m manual_dp.bench.modes")   # Ctrl-C, SIGTERM, SIGHUP: one line
 def main(argv=None):
     args = parsed_or_exit(parse, argv, "python -m manual_dp.bench.modes")
-    configure(args.cpus, model=args.model)                            # thread settings before MXNet loads
+    configure(args.cpus, model=args.model)      # thread settings before MXNet loads
     from ..bench.command import commit
     where = dict(machine(), commit=commit())
     net = parsed_or_exit(network, args, "python -m manual_dp.bench.modes")

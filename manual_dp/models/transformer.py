@@ -30,6 +30,12 @@ from .dropout import dropout
 DEFAULTS = dict(TRANSFORMER, mlp_ratio=2)          # the command line's sizes (manual_dp.config)
 
 
+def outer(column, v, n, F=nd):
+    """column (..., 1) times the n values of v as a row: v broadcast along column's rows and scaled
+    by them, as a product, whose gradients (into v: a sum over the rows) are products too."""
+    return F.FullyConnected(column, F.reshape(v, shape=(-1, 1)), no_bias=True, num_hidden=n, flatten=False)
+
+
 def layer_norm(h, g, b, F=nd, d=None, eps=1e-5):
     """(h - mean) / sqrt(var + eps) * g + b over the last axis (of size d), every mean and every
     broadcast a skinny matrix product (oneDNN's inner product): the means products with ones / d,
@@ -47,8 +53,7 @@ def layer_norm(h, g, b, F=nd, d=None, eps=1e-5):
         return F.FullyConnected(x, w, no_bias=True, num_hidden=n, flatten=False)
     centred = h - times(times(h, average, 1), spread, d)                          # (B, T, d)
     scale = 1 / F.sqrt(times(F.square(centred), average, 1) + eps)                # (B, T, 1)
-    gains = times(scale, F.reshape(g, shape=(-1, 1)), d)                          # scale g^T: (B, T, d)
-    return centred * gains + times(F.ones_like(scale), F.reshape(b, shape=(-1, 1)), d)
+    return centred * outer(scale, g, d, F) + outer(F.ones_like(scale), b, d, F)    # scale g^T + ones b^T
 
 
 def token_sum(h, T, F=nd):
@@ -71,8 +76,7 @@ def add_positions(h, pos, X, size, F=nd):
     float32 sum."""
     F = float32_ops(F)
     ones = F.ones_like(F.slice_axis(F.reshape(X, shape=(0, -1)), axis=1, begin=0, end=1))      # (B, 1)
-    every = F.FullyConnected(ones, F.reshape(pos, shape=(-1, 1)), no_bias=True, num_hidden=size)  # (B, T*d)
-    return h + F.reshape_like(every, h)
+    return h + F.reshape_like(outer(ones, pos, size, F), h)
 
 
 def tokens(X, patch, F=nd):
