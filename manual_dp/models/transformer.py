@@ -79,6 +79,16 @@ def add_positions(h, pos, X, size, F=nd):
     return h + F.reshape_like(outer(ones, pos, size, F), h)
 
 
+def add_bias(h, b, F=nd):
+    """h (..., n) plus the bias b (n,) in every row (a row-parallel layer's, after g), as a product of
+    ones (..., 1) with b, so that b's gradient is a product too: MXNet 1.9's broadcast_add
+    differentiates through its slow generic reduce (as add_positions). In float32 under any
+    --precision, as autocast keeps additions (the product with ones is exact)."""
+    F = float32_ops(F)
+    ones = F.ones_like(F.slice_axis(h, axis=-1, begin=0, end=1))                            # (..., 1)
+    return h + outer(ones, b, b.shape[0], F)
+
+
 def tokens(X, patch, F=nd):
     """Images (B, 1, 28, 28) as tokens (B, T, token size): rows (patch 0) or P x P patches."""
     if not patch:
@@ -175,7 +185,7 @@ def split_output(hs, heads, shards, join, F, site, starts):
     """h + the attention output projection of each piece's heads (B, T, nh/Q * dh): row-parallel,
     summed by g, + bo, dropout `site` (context j's tokens from starts[j])."""
     o = row_parallel(heads, [p[8] for p in shards], join, F)                   # (B, T, d) summed
-    return [h + dropout(F.broadcast_add(oj, p[9]), site, F, a)
+    return [h + dropout(add_bias(oj, p[9], F), site, F, a)
             for h, oj, p, a in zip(hs, o, join.leads(shards), starts)]
 
 
@@ -186,7 +196,7 @@ def split_mlp(hs, shards, join, F, site, starts):
     m = join.f([layer_norm(h, p[10], p[11], F) for h, p in zip(hs, lead)])     # a piece each
     m = [relu(fc(mj, p[12], p[13], F), F) for mj, p in zip(m, shards)]         # (B, T, hidden/Q)
     m = row_parallel(m, [p[14] for p in shards], join, F)
-    return [h + dropout(F.broadcast_add(mj, p[15]), site, F, a) for h, mj, p, a in zip(hs, m, lead, starts)]
+    return [h + dropout(add_bias(mj, p[15], F), site, F, a) for h, mj, p, a in zip(hs, m, lead, starts)]
 
 
 def make_grid_block(head_dim, site):
