@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .batchnorm import EPS, MOMENTUM, Batch, norm_group, single
-from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, pair_traffic, split_pairs
+from .contract import CLASSES, IMAGE, Layer, Model, Param, add_bias, pair_roles, pair_traffic, split_pairs
 from .dropout import Noise, dropout
 
 
@@ -221,7 +221,7 @@ class GluonModel(Model):
         from mxnet import nd
         F, dense = F or nd, self.dense[l]
         if partial is False:
-            out = F.broadcast_add(h, p[1].reshape((1,) * (h.ndim - 1) + (-1,))) if len(p) > 1 else h
+            out = add_bias(h, p[1], F) if len(p) > 1 else h
         else:
             w, b = p[0], (p[1] if len(p) > 1 and not partial else None)
             out = F.FullyConnected(h, w, b, no_bias=b is None, num_hidden=w.shape[0], flatten=dense._flatten)

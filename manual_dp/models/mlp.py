@@ -7,7 +7,7 @@ dense gradients and a pipeline's cuts apply to it as to LeNet's dense layers.
 from mxnet import nd
 
 from ..lesson import dense, relu
-from .contract import CLASSES, IMAGE, Layer, Model, Param, pair_roles, pair_traffic, split_pairs
+from .contract import CLASSES, IMAGE, Layer, Model, Param, add_bias, pair_roles, pair_traffic, split_pairs
 from .lenet import dense_layer, dense_relu_layer
 
 HIDDEN = (256, 128)
@@ -47,4 +47,4 @@ def row(l, h, p, partial, F=nd):
     sum, + b and ReLU."""
     if partial:
         return F.FullyConnected(h, F.transpose(p[0]), no_bias=True, num_hidden=p[0].shape[1])
-    return relu(F.broadcast_add(h, p[1].reshape((1, -1))), F)
+    return relu(add_bias(h, p[1], F), F)

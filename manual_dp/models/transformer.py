@@ -23,17 +23,11 @@ from mxnet import nd
 
 from ..config import TRANSFORMER
 from ..lesson import relu
-from .contract import CLASSES, IMAGE, Layer, Model, Param, fc
+from .contract import CLASSES, IMAGE, Layer, Model, Param, add_bias, fc, outer
 from ..precision import float32_ops
 from .dropout import dropout
 
 DEFAULTS = dict(TRANSFORMER, mlp_ratio=2)          # the command line's sizes (manual_dp.config)
-
-
-def outer(column, v, n, F=nd):
-    """column (..., 1) times the n values of v as a row: v broadcast along column's rows and scaled
-    by them, as a product, whose gradients (into v: a sum over the rows) are products too."""
-    return F.FullyConnected(column, F.reshape(v, shape=(-1, 1)), no_bias=True, num_hidden=n, flatten=False)
 
 
 def layer_norm(h, g, b, F=nd, d=None, eps=1e-5):
@@ -77,16 +71,6 @@ def add_positions(h, pos, X, size, F=nd):
     F = float32_ops(F)
     ones = F.ones_like(F.slice_axis(F.reshape(X, shape=(0, -1)), axis=1, begin=0, end=1))      # (B, 1)
     return h + F.reshape_like(outer(ones, pos, size, F), h)
-
-
-def add_bias(h, b, F=nd):
-    """h (..., n) plus the bias b (n,) in every row (a row-parallel layer's, after g), as a product of
-    ones (..., 1) with b, so that b's gradient is a product too: MXNet 1.9's broadcast_add
-    differentiates through its slow generic reduce (as add_positions). In float32 under any
-    --precision, as autocast keeps additions (the product with ones is exact)."""
-    F = float32_ops(F)
-    ones = F.ones_like(F.slice_axis(h, axis=-1, begin=0, end=1))                            # (..., 1)
-    return h + outer(ones, b, b.shape[0], F)
 
 
 def tokens(X, patch, F=nd):
