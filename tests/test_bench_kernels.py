@@ -1,9 +1,11 @@
-"""Where the step's time goes (manual_dp.bench.kernels): oneDNN's verbose lines read into rows,
-FLOPs of a problem against a hand count, and a real run on a tiny batch."""
+"""Where the step's time goes (manual_dp.bench.kernels): oneDNN's verbose lines and MXNet's profiler
+read into rows, FLOPs of a problem against a hand count, and real runs on a tiny batch of LeNet and
+the transformer."""
+import json
 import subprocess
 import sys
 
-from manual_dp.bench.kernels import BEGIN, END, problem_flops, read_verbose
+from manual_dp.bench.kernels import BEGIN, END, OPERATORS, problem_flops, read_operators, read_verbose
 
 SAMPLE = [
     "dnnl_verbose,info,oneDNN v2.4.4",
@@ -50,7 +52,33 @@ def test_a_real_run_lists_the_convolutions_and_their_limit():
     assert "the convolutions alone:" in out and "commit" in out.splitlines()[0]
 
 
-def test_bad_input_is_one_line_and_exit_2():
-    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.kernels", "--batch", "0"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+def test_the_profilers_operators_are_read_slowest_first():
+    stats = {"transpose": {"Count": 16, "Total": 2.0}, "_backward_FullyConnected": {"Count": 40, "Total": 9.5}}
+    rows, step_ms = read_operators(["warm-up line", BEGIN, END, OPERATORS + json.dumps(stats),
+                                    "step cpu ms per image 0.166"])
+    assert step_ms == 0.166
+    assert [(r["operator"], r["calls"], r["ms"]) for r in rows] == [("_backward_FullyConnected", 40, 9.5),
+                                                                   ("transpose", 16, 2.0)]
+
+
+def test_a_real_run_of_the_transformer_lists_its_operators_and_dense_layers():
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.kernels", "--model", "transformer", "--layers", "1",
+                           "--batch", "4", "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout.splitlines()
+    ops = {line.split()[-1] for line in out if line.endswith(("FullyConnected", "batch_dot", "softmax"))}
+    assert {"FullyConnected", "_backward_FullyConnected", "batch_dot", "softmax"} <= ops, out
+    # the query projection's forward on 4 images of 28 tokens: (112, 64) x (64, 64)
+    assert any("inner_product" in line and line.endswith("forward_training  mb112ic64oc64") for line in out), out
+    assert any(line.startswith("the inner products (dense layers) alone:") for line in out), out
+    assert "--model transformer" in out[0] and "commit" in out[0]
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def net():\n    return 42\n")
+    for argv in (["--batch", "0"], ["--model", "transformer", "--conv-pad", "8"], ["--model", "transformer", "--heads", "5"],
+                 ["--model", f"{broken}:net"]):
+        done = subprocess.run([sys.executable, "-m", "manual_dp.bench.kernels", *argv],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, (argv, done.stderr)

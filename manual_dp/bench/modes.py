@@ -110,21 +110,31 @@ def model_parser(prog, doc, output):
     """The parser of a bench that times a model: --out, the model's flags, --batch, --steps, --rounds."""
     parser = OneLineParser(prog=prog, description=doc.split("\n")[0])
     parser.add_argument("--out", default="bench_out", help=f"directory for {output}")
-    parser.add_argument("--model", default=RunConfig.model, help="lenet, mlp, transformer, resnet or PATH.py:FUNCTION")
-    parser.add_argument("--width", type=int, default=RunConfig.width, help="lenet, mlp, resnet: width")
-    for flag, help in (("--layers", "transformer: blocks"), ("--d-model", "transformer: token width"),
-                       ("--heads", "transformer: heads"), ("--patch", "transformer: P x P patch tokens")):
-        parser.add_argument(flag, type=int, help=f"{help} (default {TRANSFORMER[flag[2:].replace('-', '_')]})")
+    add_model_flags(parser)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3, help="steps per mode per round")
     parser.add_argument("--rounds", type=int, default=3)
     return parser
 
 
+def add_model_flags(parser):
+    """--model and its sizes, as the trainer takes them."""
+    parser.add_argument("--model", default=RunConfig.model, help="lenet, mlp, transformer, resnet or PATH.py:FUNCTION")
+    parser.add_argument("--width", type=int, default=RunConfig.width, help="lenet, mlp, resnet: width")
+    for flag, help in (("--layers", "transformer: blocks"), ("--d-model", "transformer: token width"),
+                       ("--heads", "transformer: heads"), ("--patch", "transformer: P x P patch tokens")):
+        parser.add_argument(flag, type=int, help=f"{help} (default {TRANSFORMER[flag[2:].replace('-', '_')]})")
+
+
 def checked(parser, args):
     """args, or UsageError (one line) for values no run can use."""
     if min(args.width, args.steps, args.rounds) < 1 or args.batch < 4:
         parser.error("--width, --steps and --rounds must be >= 1, --batch >= 4")
+    return checked_model(args)
+
+
+def checked_model(args):
+    """args, or UsageError (one line) if the model flags name no model the trainer would take."""
     check_model(dataclasses.replace(RunConfig(), model=args.model, layers=args.layers, d_model=args.d_model,
                                     heads=args.heads, patch=args.patch))
     return args

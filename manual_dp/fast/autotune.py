@@ -58,18 +58,20 @@ def write_cache(cache):
         pass
 
 
-def graph_steps(conv_pad, batch=128):
-    """A function of n that runs n forward and backward passes of the cached graph with `conv_pad`
-    on cpu(0), over `batch` random images, and waits for them."""
+def graph_steps(conv_pad, batch=128, model=None, timed=False):
+    """A function of n that runs n forward and backward passes of `model`'s cached graph (None:
+    the lesson's LeNet, with `conv_pad`) on cpu(0), over `batch` random images, and waits for them.
+    timed: every operator its own engine operation (ModelGraph's `timed`)."""
     rng = np.random.RandomState(0)
     X = nd.array(rng.rand(batch, 1, 28, 28).astype(np.float32))
     y = nd.array(rng.randint(0, 10, batch).astype(np.float32))
-    replica, graph = FlatReplica(init_lenet_params(0), mx.cpu(0)), ModelGraph(conv_pad)
+    params = init_lenet_params(0) if model is None else model.init_params(0)
+    replica, graph = FlatReplica(params, mx.cpu(0)), ModelGraph(conv_pad, model=model, timed=timed)
 
     def run(n):
         for _ in range(n):
             with autograd.record():
-                loss, _ = graph(X, y, replica.params)
+                loss = graph(X, y, replica.params)[0]
             loss.backward()
         nd.waitall()
     return run

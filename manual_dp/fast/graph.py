@@ -23,7 +23,8 @@ bulk: MXNet runs a cached graph's backward in segments of up to 15 operators, ea
 operation, whose outputs (the gradients among them) are released only when the whole segment is
 done: fewer engine pushes, but no gradient is ready before its segment ends. bulk=False runs
 every backward operator on its own, so that gradient buckets can be all-reduced while the rest
-of the backward runs (manual_dp.fast.buckets).
+of the backward runs (manual_dp.fast.buckets). timed=True unbulks the forward too, so that
+MXNet's profiler times every operator (manual_dp.bench.kernels).
 """
 import functools
 
@@ -38,6 +39,7 @@ from ..models.dropout import Sites, row_keys
 
 FLAGS = [("static_alloc", "true"), ("static_shape", "true")]
 UNBULKED = [("backward_bulk_size", "0")]
+TIMED = UNBULKED + [("forward_bulk_size", "0")]      # every operator its own engine operation
 
 
 def loss_symbol(model, conv_pad=1, shapes=None, F=mx.sym):
@@ -68,7 +70,7 @@ class ModelGraph:
     model: a models.Model (None: the lesson's LeNet of `shapes`); shapes: the parameters' shapes
     (default: the model's table)."""
 
-    def __init__(self, conv_pad=1, shapes=None, bulk=True, model=None):
+    def __init__(self, conv_pad=1, shapes=None, bulk=True, model=None, timed=False):
         model = as_model(model, [np.empty(s) for s in shapes] if shapes else None)
         base = Batch(mx.sym, Moments(train=True, F=mx.sym)) if model.stats() else mx.sym
         self.sites = Sites(base, model.noise) if model.noise is not None else None
@@ -76,7 +78,7 @@ class ModelGraph:
         self.stats = bool(model.stats())
         self.conv_pad, self.bulk, self.param_names = conv_pad, bulk, model.names()
         self.names = self.symbol.list_inputs()
-        self.op = nd.CachedOp(self.symbol, FLAGS if bulk else FLAGS + UNBULKED)
+        self.op = nd.CachedOp(self.symbol, FLAGS + (TIMED if timed else [] if bulk else UNBULKED))
 
     def __call__(self, X, y, params):
         inputs = dict(zip(self.param_names, params), X=X, y=y)
