@@ -45,6 +45,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 from mxnet import nd
 
+from .batchnorm import rows_of, spread
 from .dropout import noisy
 from ..precision import float32_ops
 
@@ -394,3 +395,12 @@ def add_bias(h, b, F=nd, n=None):
     F = float32_ops(F)
     ones = F.ones_like(F.slice_axis(h, axis=-1, begin=0, end=1))                            # (..., 1)
     return h + outer(ones, b, n or b.shape[0], F)
+
+
+def add_channel_bias(h, b, F=nd):
+    """h (B, C, ...) plus the bias b (C,) of each channel (a row-parallel convolution's, after g),
+    as products with ones (models.batchnorm.spread), so that b's gradient is a product too. In
+    float32 under any --precision, as add_bias."""
+    F = float32_ops(F)
+    _, column, row = rows_of(h, F)
+    return h + F.reshape_like(spread(F.reshape(b, shape=(1, -1)), column, row, F), h)

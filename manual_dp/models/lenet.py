@@ -11,7 +11,7 @@ same ops and the same pipeline cuts.
 import numpy as np
 
 from ..lesson import conv_block, dense, lenet_shapes, relu
-from .contract import IMAGE, Layer, Model, Param
+from .contract import IMAGE, Layer, Model, Param, add_bias, add_channel_bias
 
 CUTS = {1: ((0, 1, 2, 3),),
         2: ((0, 1), (2, 3)),                   # convolutions | dense layers (the lesson's cut)
@@ -78,13 +78,13 @@ class LeNet(Model):
         h = [conv_block(X, p[0], p[1], F) for X, p in zip(join.spread(Xs), shards)]   # (B, c1/Q, 13, 13)
         h = join.g([F.Convolution(hj, p[2], no_bias=True, kernel=p[2].shape[2:], num_filter=p[2].shape[0])
                     for hj, p in zip(h, shards)])                                   # (B, c2, 9, 9) summed
-        h = [F.Pooling(relu(F.broadcast_add(hj, p[3].reshape((1, -1, 1, 1))), F), pool_type="avg",
+        h = [F.Pooling(relu(add_channel_bias(hj, p[3], F), F), pool_type="avg",
                        kernel=(2, 2), stride=(2, 2)) for hj, p in zip(h, lead)]     # (B, c2, 4, 4)
         h = join.f(h)
         h = [relu(dense(hj, p[4], p[5], F), F) for hj, p in zip(h, shards)]        # (B, hidden/Q)
         s = join.g([F.FullyConnected(hj, F.transpose(p[6]), no_bias=True, num_hidden=p[6].shape[1])
                     for hj, p in zip(h, shards)])                                   # (B, 10) summed
-        return [F.broadcast_add(sj, p[7].reshape((1, -1))) for sj, p in zip(s, lead)]
+        return [add_bias(sj, p[7], F) for sj, p in zip(s, lead)]
 
     def tensor_traffic(self):
         """g on conv2's unpooled partial output, f on dense1's input gradient (conv2's pooled
