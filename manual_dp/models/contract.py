@@ -386,7 +386,7 @@ def outer(column, v, n, F=nd):
     return F.FullyConnected(column, F.reshape(v, shape=(-1, 1)), no_bias=True, num_hidden=n, flatten=False)
 
 
-def add_bias(h, b, F=nd, n=None):
+def add_bias(h, b, F=nd):
     """h (..., n) plus the bias b (n,) in every row (a row-parallel layer's, after g), as a product
     of ones (..., 1) with b, so that b's gradient is a product too: MXNet 1.9's broadcast_add
     differentiates through a slow generic reduce (fwd + bwd, one thread: 2.08 ms on (128, 28, 64)
@@ -394,7 +394,7 @@ def add_bias(h, b, F=nd, n=None):
     any --precision, as autocast keeps additions (the product with ones is exact)."""
     F = float32_ops(F)
     ones = F.ones_like(F.slice_axis(h, axis=-1, begin=0, end=1))                            # (..., 1)
-    return h + outer(ones, b, n or b.shape[0], F)
+    return h + outer(ones, b, b.shape[0], F)
 
 
 def add_channel_bias(h, b, F=nd):
