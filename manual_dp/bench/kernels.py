@@ -37,10 +37,9 @@ def child(args, kind):
     the two marker lines (kind "profile": under MXNet's profiler, printed after them); prints the
     CPU milliseconds per image of the measured steps."""
     from ..fast import autotune
-    net = None if args.model == "lenet" and args.width == 1 else network(args)
     pad = args.conv_pad or (autotune.conv_pad(say=lambda line: print(line, file=sys.stderr))
                             if args.model == "lenet" else 1)
-    run = autotune.graph_steps(pad, args.batch, net, timed=kind == "profile")
+    run = autotune.graph_steps(pad, args.batch, network(args), timed=kind == "profile")
     run(3)
     if kind == "profile":
         from mxnet import profiler

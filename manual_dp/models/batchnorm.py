@@ -24,6 +24,8 @@ does, so --sync-batchnorm's statistics are the whole global batch's, counted acr
 """
 from mxnet import nd
 
+from .contract import rows_of, spread
+
 MOMENTUM = 0.9          # Gluon's BatchNorm default: running = 0.9 running + 0.1 batch
 EPS = 1e-5
 
@@ -66,27 +68,11 @@ def norm_group(hs, params, moments):
     return moments.normalize(hs, [P[0] for P in params], [P[1] for P in params])
 
 
-def rows_of(h, F=nd):
-    """h (B, C, ...) as (B, C, S), S the product of the rest (1 for (B, C)), and ones shaped from it:
-    a column (B, 1) and a row (1, S), which a symbol, whose shape is not known, can build too."""
-    x = F.reshape(h, shape=(0, 0, -1))
-    first = F.slice_axis(x, axis=1, begin=0, end=1)                                       # (B, 1, S)
-    column = F.reshape(F.ones_like(F.slice_axis(first, axis=2, begin=0, end=1)), shape=(0, 1))
-    row = F.reshape(F.ones_like(F.slice_axis(first, axis=0, begin=0, end=1)), shape=(1, -1))
-    return x, F.BlockGrad(column), F.BlockGrad(row)
-
-
 def channel_sums(x, column, row, F=nd):
     """(the sum per channel of x (B, C, S), (1, C); the values summed per channel, (1,)): a product
     with ones over S, then a sum over the B rows of the small (B, C) result."""
     per_example = F.reshape(F.dot(x, row, transpose_b=True), shape=(0, -1))             # (B, C)
     return F.sum(per_example, axis=0, keepdims=True), F.sum(column) * F.sum(row)
-
-
-def spread(v, column, row, F=nd):
-    """v (1, C) in every (b, c, s) of a (B, C, S) array: two products with ones, so that its
-    gradient (a sum over B and S) is a product too."""
-    return F.dot(F.expand_dims(F.dot(column, v), axis=2), row)                           # (B, C, S)
 
 
 class Moments:
@@ -117,7 +103,12 @@ class Moments:
         i, self.index, F = self.index, self.index + 1, self.F
         rows = [rows_of(h, F) for h in hs]                            # (x (B, C, S), column, row) each
         if self.train:
-            means, variances = self.moments(rows, f"bn{i}")           # each (1, C)
+            means, counts = self.means(rows, f"bn{i}m")               # each (1, C), (1,)
+        else:
+            means = [F.reshape(r[2 * i], shape=(1, -1)) for r in self.running]
+        centred = [x - spread(m, column, row, F) for (x, column, row), m in zip(rows, means)]
+        if self.train:
+            variances = self.variances(centred, rows, counts, f"bn{i}v")
             met = [(F.BlockGrad(F.reshape(m, shape=(-1,))), F.BlockGrad(F.reshape(v, shape=(-1,))))
                    for m, v in zip(means, variances)]
             if i - self.start < len(self.batch):
@@ -125,31 +116,33 @@ class Moments:
             else:
                 self.batch.append(met)
         else:
-            means = [F.reshape(r[2 * i], shape=(1, -1)) for r in self.running]
             variances = [F.reshape(r[2 * i + 1], shape=(1, -1)) for r in self.running]
         out = []
-        for h, (x, column, row), m, v, g, b in zip(hs, rows, means, variances, gammas, betas):
+        for h, c, (_, column, row), v, g, b in zip(hs, centred, rows, variances, gammas, betas):
             scale = F.broadcast_div(F.reshape(g, shape=(1, -1)), F.sqrt(v + EPS))        # (1, C)
-            y = (x - spread(m, column, row, F)) * spread(scale, column, row, F) + \
-                spread(F.reshape(b, shape=(1, -1)), column, row, F)
+            y = c * spread(scale, column, row, F) + spread(F.reshape(b, shape=(1, -1)), column, row, F)
             out.append(F.reshape_like(y, h))
         return out
 
-    def moments(self, rows, key):
-        """Per context the (mean, variance) per channel of its shard (rows: rows_of each), each
-        (1, C), or with join of every shard together (two passes: the mean, then the squared
-        deviations from it)."""
+    def means(self, rows, key):
+        """Per context the mean per channel (1, C) of its shard (rows: rows_of each) and the number
+        of values it is over, (1,); with join, of every shard together (the sums and counts summed
+        across the contexts, under the name `key`)."""
+        F, sums = self.F, [channel_sums(*r, self.F) for r in rows]   # (sum (1, C), count (1,)) each
+        if self.join is not None:
+            joined = self.join([nd.concat(total.reshape((-1,)), n, dim=0) for total, n in sums], key)
+            sums = [(s[:-1].reshape((1, -1)), s[-1:]) for s in joined]                  # every shard's
+        return [F.broadcast_div(total, n) for total, n in sums], [n for _, n in sums]
+
+    def variances(self, centred, rows, counts, key):
+        """Per context the (biased) variance per channel (1, C): the mean square of its `centred`
+        values (B, C, S), over `counts` values; with join, the squares summed across the contexts
+        under the name `key` (the second pass, after the means)."""
         F = self.F
-        if self.join is None:
-            means = [F.broadcast_div(*channel_sums(*r, F)) for r in rows]
-            return means, [F.broadcast_div(*channel_sums(F.square(x - spread(m, column, row, F)), column, row, F))
-                           for (x, column, row), m in zip(rows, means)]
-        sums = self.join([nd.concat(total.reshape((-1,)), n, dim=0) for total, n in (channel_sums(*r) for r in rows)],
-                         key + "m")                                                   # (C + 1,): sums, count
-        means = [nd.broadcast_div(s[:-1], s[-1:]).reshape((1, -1)) for s in sums]          # every shard's count
-        squares = self.join([channel_sums(nd.square(x - spread(m, column, row)), column, row)[0].reshape((-1,))
-                             for (x, column, row), m in zip(rows, means)], key + "v")
-        return means, [nd.broadcast_div(q, s[-1:]).reshape((1, -1)) for q, s in zip(squares, sums)]
+        squares = [channel_sums(F.square(c), column, row, F)[0] for c, (_, column, row) in zip(centred, rows)]
+        if self.join is not None:
+            squares = [q.reshape((1, -1)) for q in self.join([q.reshape((-1,)) for q in squares], key)]
+        return [F.broadcast_div(q, n) for q, n in zip(squares, counts)]
 
     def fold_each(self, running):
         """Afterwards each context's running statistics (running[c]) took its own batch statistics

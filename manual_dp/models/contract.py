@@ -45,7 +45,6 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 from mxnet import nd
 
-from .batchnorm import rows_of, spread
 from .dropout import noisy
 from ..precision import float32_ops
 
@@ -397,10 +396,27 @@ def add_bias(h, b, F=nd):
     return h + outer(ones, b, b.shape[0], F)
 
 
+def rows_of(h, F=nd):
+    """h (B, C, ...) as (B, C, S), S the product of the rest (1 for (B, C)), and ones shaped from it:
+    a column (B, 1) and a row (1, S), which a symbol, whose shape is not known, can build too
+    (outer's FullyConnected needs its width as a number; spread's dot does not)."""
+    x = F.reshape(h, shape=(0, 0, -1))
+    first = F.slice_axis(x, axis=1, begin=0, end=1)                                       # (B, 1, S)
+    column = F.reshape(F.ones_like(F.slice_axis(first, axis=2, begin=0, end=1)), shape=(0, 1))
+    row = F.reshape(F.ones_like(F.slice_axis(first, axis=0, begin=0, end=1)), shape=(1, -1))
+    return x, F.BlockGrad(column), F.BlockGrad(row)
+
+
+def spread(v, column, row, F=nd):
+    """v (1, C) in every (b, c, s) of a (B, C, S) array: two products with ones, so that its
+    gradient (a sum over B and S) is a product too."""
+    return F.dot(F.expand_dims(F.dot(column, v), axis=2), row)                           # (B, C, S)
+
+
 def add_channel_bias(h, b, F=nd):
     """h (B, C, ...) plus the bias b (C,) of each channel (a row-parallel convolution's, after g),
-    as products with ones (models.batchnorm.spread), so that b's gradient is a product too. In
-    float32 under any --precision, as add_bias."""
+    as products with ones (spread), so that b's gradient is a product too. In float32 under any
+    --precision, as add_bias."""
     F = float32_ops(F)
     _, column, row = rows_of(h, F)
     return h + F.reshape_like(spread(F.reshape(b, shape=(1, -1)), column, row, F), h)
