@@ -1,7 +1,7 @@
 """manual_dp: parallel training of LeNet on MXNet, written by hand.
 
 Read it in this order (the README has the whole path): lesson, strategies/base, strategies/
-data_parallel, fast/, the other strategies, loop, cli/, multiprocess/. The names below are
+data/, fast/, the other strategies' folders, loop, cli/, multiprocess/. The names below are
 imported lazily, so `import manual_dp` loads no MXNet; it does one thing: put the thread settings
 for the default devices in the environment before MXNet loads (manual_dp.fast.runtime.on_import),
 so that a notebook runs as fast as the command line.
@@ -19,20 +19,20 @@ _EXPORTS = {
     "config": ["RunConfig"],
     "data": ["load_fashion_mnist", "batches"],
     "strategies.base": ["Strategy"],
-    "strategies.data_parallel": ["DataParallel"],
-    "strategies.accum": ["GradAccum"],
-    "strategies.async_dp": ["AsyncDataParallel", "last_refresh"],
-    "strategies.pipeline": ["PipelineParallel"],
-    "strategies.stages": ["conv_stage", "dense_stage", "split_params", "send"],
-    "strategies.schedules": ["gpipe_schedule", "bubble_fraction"],
+    "strategies.data.data_parallel": ["DataParallel"],
+    "strategies.wrappers.accum": ["GradAccum"],
+    "strategies.data.async_dp": ["AsyncDataParallel", "last_refresh"],
+    "strategies.pipeline.pipeline": ["PipelineParallel"],
+    "strategies.pipeline.stages": ["conv_stage", "dense_stage", "split_params", "send"],
+    "strategies.pipeline.schedules": ["gpipe_schedule", "bubble_fraction"],
     "fast.collectives": ["ALLREDUCE_ALGORITHMS", "make_allreduce"],
-    "strategies.tensor": ["TensorParallel"],
+    "strategies.tensor.tensor": ["TensorParallel"],
     "loop": ["fit", "evaluate"],
     "schedule": ["make_lr", "scaled_lr", "Warmup", "lr_at", "updates_per_epoch"],
     "memory": ["per_context", "measure"],
-    "strategies.zero": ["ZeroRedundancy"],
-    "strategies.zero_mixed": ["MixedZero"],
-    "strategies.local_sgd": ["LocalSGD"],
+    "strategies.zero.zero": ["ZeroRedundancy"],
+    "strategies.zero.zero_mixed": ["MixedZero"],
+    "strategies.data.local_sgd": ["LocalSGD"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -144,7 +144,7 @@ RUNNING_REFUSED = {     # why a model with BatchNorm is refused by a mode, where
     "context": "it cuts a sequence of tokens, which only the transformer (no BatchNorm) has",
 }
 PIPELINES = ("model", "pipeline", "hybrid")
-# The modes --deterministic cannot bring to one context's bits, and why (strategies/fixed_sums.py).
+# The modes --deterministic cannot bring to one context's bits, and why (strategies/sums/fixed_sums.py).
 UNREACHED = {
     "async": "stale replicas compute other gradients than one context by design; use --mode sync",
     "local": "local SGD averages the replicas' parameters, not their gradients, so its rounding differs "
@@ -153,7 +153,7 @@ UNREACHED = {
 
 
 def check_sequence_pieces(cfg):
-    """UsageError where --deterministic's fixed pieces of the sequence (strategies/sequence_pieces.py)
+    """UsageError where --deterministic's fixed pieces of the sequence (strategies/context/sequence_pieces.py)
     do not reach: other models, ZeRO."""
     K = cfg.sequence_pieces or 1
     if K > 1 and cfg.model != "transformer":
@@ -259,7 +259,7 @@ def check_tensor_layout(T, n, width):
 
 def check_tensor_pieces(Q, T, mode="tensor"):
     """Raise UsageError unless T divides --deterministic's Q pieces of every split layer
-    (strategies/tensor_deterministic.py, mesh_deterministic.py)."""
+    (strategies/tensor/tensor_deterministic.py, mesh_deterministic.py)."""
     if Q % T:
         fits = [t for t in range(1, Q + 1) if Q % t == 0]
         raise UsageError(f"--deterministic --mode {mode} cuts every split layer into {Q} pieces "

@@ -17,8 +17,8 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 MODELS = ("lenet", "mlp", "transformer", "resnet")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
 TRANSFORMER = dict(layers=2, d_model=64, heads=4, patch=0)   # --model transformer's default sizes
 LOSS_SCALE = dict(loss_scale=2.0 ** 16, scale_window=200)     # --precision fp16's dynamic loss scale
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")          # --schedule (manual_dp/strategies/schedules.py)
-PIPELINE_COSTS = dict(input_grad=1.0, weight_grad=1.0)   # a layer's gradients over its forward FLOPs (strategies/stage_costs.py)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")          # --schedule (manual_dp/strategies/pipeline/schedules.py)
+PIPELINE_COSTS = dict(input_grad=1.0, weight_grad=1.0)   # a layer's gradients over its forward FLOPs (strategies/pipeline/stage_costs.py)
 PRECISIONS = ("fp32", "bf16", "fp16")                          # --precision (manual_dp/precision.py)
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
@@ -77,20 +77,20 @@ class RunConfig:
     deterministic: bool = flag(False, "the same bits on any number of contexts and processes, and in sync, "
                                       "zero, model, pipeline, hybrid, tensor, context (dp x cp x tp) and mesh (dp x pp x tp or dp x pp x cp) alike: every batch cut into pieces of "
                                       f"{PIECE_ROWS} rows whose gradients are added in one fixed tree (a model "
-                                      "with BatchNorm: each piece normalised with its own statistics); one thread per op (manual_dp/strategies/fixed_sums.py)")
+                                      "with BatchNorm: each piece normalised with its own statistics); one thread per op (manual_dp/strategies/sums/fixed_sums.py)")
     tensor_pieces: Optional[int] = flag(None, "--deterministic: every split layer (channels, heads, hidden units) "
                                               "computed in Q fixed pieces whose partial sums are added in one tree, "
                                               "in every layout: then --mode tensor with any --tensor-parallel dividing "
                                               "Q (and --mode mesh with tp dividing Q) has the bits of sync, zero and pipelines given the same Q; "
                                               "with --sequence-pieces K, --mode context --tensor-parallel T has --mode sync's given K and Q "
                                               f"(default {TENSOR_PIECES} in tensor and mesh mode and context with --tensor-parallel > 1, else 1: whole; "
-                                              "manual_dp/strategies/tensor_pieces.py)", "parallelism")
+                                              "manual_dp/strategies/tensor/tensor_pieces.py)", "parallelism")
     sequence_pieces: Optional[int] = flag(None, "--deterministic, --model transformer: the sequence computed in K "
                                                 "fixed pieces, attention folded in one order and every sum over "
                                                 "them in one tree: then --mode context with any --context-parallel "
                                                 "dividing K, --mode tensor --sequence-parallel with T dividing K and --mode mesh pp x cp, have the bits of --mode sync given the same K (default "
                                                 f"{SEQUENCE_PIECES} in context mode, tensor with --sequence-parallel and mesh with cp > 1, else 1: whole; "
-                                                "manual_dp/strategies/sequence_pieces.py)", "parallelism")
+                                                "manual_dp/strategies/context/sequence_pieces.py)", "parallelism")
     sync_batchnorm: bool = flag(False, "sync and zero, --model resnet: BatchNorm statistics over every context's "
                                        "shard (summed by hand), equal to one context; default: each "
                                        "context its own, as Gluon computes them", "parallelism")
@@ -193,7 +193,7 @@ class RunConfig:
                                          "micro-batches), interleaved (--virtual-stages chunks a context, "
                                          "bubble / V) or zb-h1 (backward split into input and weight "
                                          "gradients, W fills the bubble) (default gpipe; "
-                                         "manual_dp/strategies/schedules.py)", "parallelism",
+                                         "manual_dp/strategies/pipeline/schedules.py)", "parallelism",
                                    choices=SCHEDULES)
     virtual_stages: Optional[int] = flag(None, "pipeline and hybrid with --schedule interleaved: chunks of layers "
                                                "each context holds, the model cut into S x V stages (default 2)",

@@ -14,7 +14,7 @@ MXNet's AMP divide it:
 
 Kept between steps: float32 parameters, gradients and state (PyTorch AMP's layout), but under
 --mode zero 16-bit parameter and gradient copies beside float32 master shards (DeepSpeed's layout:
-STORED dtypes, `stored` and `widened`; strategies/zero_mixed.py).
+STORED dtypes, `stored` and `widened`; strategies/zero/zero_mixed.py).
 
 `Low(F, precision)` is the namespace a layer's forward sees instead of `nd` or `mx.sym` (every
 model's layers take F, models/contract.py), so every model and layout gets it without a line of
@@ -89,7 +89,7 @@ def float32_ops(F):
 
 def stored(x, precision):
     """x (float32) as a new array of the precision's 16-bit dtype (STORED), rounded to nearest even:
-    what ZeRO keeps of a parameter between steps (strategies/zero_mixed.py)."""
+    what ZeRO keeps of a parameter between steps (strategies/zero/zero_mixed.py)."""
     return to_bf16(x) if precision == "bf16" else nd.cast(x, dtype="float16")
 
 

@@ -6,7 +6,7 @@ from mxnet import autograd, nd
 
 from conftest import assert_on, cpus, synthetic
 from manual_dp import DataParallel, allreduce, cross_entropy, init_lenet_params, lenet
-from manual_dp.strategies.async_dp import AsyncDataParallel, last_refresh, refresh_due
+from manual_dp.strategies.data.async_dp import AsyncDataParallel, last_refresh, refresh_due
 from manual_dp.checkpoint import CheckpointError
 from manual_dp.lesson import shard_sizes
 

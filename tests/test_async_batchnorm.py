@@ -1,4 +1,4 @@
-"""Asynchronous data parallelism on a model with BatchNorm (strategies/async_dp.py): each device
+"""Asynchronous data parallelism on a model with BatchNorm (strategies/data/async_dp.py): each device
 normalises its shard with the statistics its own, possibly stale, replica gives and pushes them
 with its gradient; the master folds their mean into the running statistics when it applies the
 step, and keeps them the same on every context.
@@ -16,9 +16,9 @@ from manual_dp import models
 from manual_dp.errors import CheckpointError
 from manual_dp.lesson import cross_entropy
 from manual_dp.models.batchnorm import MOMENTUM, Moments
-from manual_dp.strategies.accum import GradAccum
-from manual_dp.strategies.async_dp import AsyncDataParallel
-from manual_dp.strategies.data_parallel import DataParallel
+from manual_dp.strategies.wrappers.accum import GradAccum
+from manual_dp.strategies.data.async_dp import AsyncDataParallel
+from manual_dp.strategies.data.data_parallel import DataParallel
 
 TINY = ["--train-size", "96", "--test-size", "32", "--batch-size", "32", "--no-progress", "--epochs", "1"]
 

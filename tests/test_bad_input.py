@@ -295,7 +295,7 @@ def test_missing_manual_dp_data_is_refused_not_replaced(capsys, monkeypatch, tmp
 
 def test_divergence_in_epoch_2_keeps_epoch_1(capsys, monkeypatch, data_dir, tmp_path):
     """A planted fault: the 6th update (epoch 2 of 4 updates an epoch) writes NaN into W3."""
-    from manual_dp.strategies import data_parallel
+    from manual_dp.strategies.data import data_parallel
     real, calls = data_parallel.apply_update_and_clear, []
 
     def faulty(params, *args):

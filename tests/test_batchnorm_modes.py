@@ -14,10 +14,10 @@ import pytest
 from conftest import after, batch, close, cpus, evaluates_alike, run_main, statistics_alike, straight_and_resumed
 from manual_dp import models
 from manual_dp.errors import CheckpointError
-from manual_dp.strategies.data_parallel import DataParallel
-from manual_dp.strategies.local_sgd import LocalSGD
-from manual_dp.strategies.pipeline import PipelineParallel
-from manual_dp.strategies.zero import ZeroRedundancy
+from manual_dp.strategies.data.data_parallel import DataParallel
+from manual_dp.strategies.data.local_sgd import LocalSGD
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+from manual_dp.strategies.zero.zero import ZeroRedundancy
 
 TINY = ["--train-size", "96", "--test-size", "32", "--batch-size", "32", "--no-progress", "--epochs", "1"]
 
@@ -238,7 +238,7 @@ def test_compression_sends_the_gradients_compressed_and_the_statistics_exact(res
     parameters are not (the compression is lossy)."""
     from manual_dp.fast.collectives import make_allreduce
     from manual_dp.fast.compress import make_reducer
-    from manual_dp.strategies.compressed import Compressed
+    from manual_dp.strategies.wrappers.compressed import Compressed
     net, P, _ = resnet
     reducer = make_reducer(spec, make_allreduce("reduce_bcast"), [p.shape for p in P])
     model = Compressed(DataParallel(P, cpus(2), "momentum", reducer, model=net,

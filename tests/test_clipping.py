@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from conftest import batch, cpus, hand_grads, run_main, small_model
-from manual_dp.strategies.accum import GradAccum
-from manual_dp.strategies.data_parallel import DataParallel
-from manual_dp.strategies.deterministic import DeterministicDataParallel
-from manual_dp.strategies.pipeline import PipelineParallel
-from manual_dp.strategies.tensor import TensorParallel
-from manual_dp.strategies.zero import ZeroRedundancy
-from manual_dp.strategies.zero_deterministic import DeterministicZero
+from manual_dp.strategies.wrappers.accum import GradAccum
+from manual_dp.strategies.data.data_parallel import DataParallel
+from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+from manual_dp.strategies.tensor.tensor import TensorParallel
+from manual_dp.strategies.zero.zero import ZeroRedundancy
+from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
 
 CLIP = 0.5          # well below the first gradients' norms (about 2.6 and 4.8 here): clipping bites
 LAYOUTS = {

@@ -16,7 +16,7 @@ from manual_dp.fast.collectives import make_allreduce
 from manual_dp.fast.compress import FP16, GatherAllreduce, OneBit, TopK, TwoBit, make_reducer
 from manual_dp.fast.powersgd import PowerSGDAllreduce, matrix
 from manual_dp.lesson import LENET_SHAPES
-from manual_dp.strategies.compressed import Compressed
+from manual_dp.strategies.wrappers.compressed import Compressed
 
 SHAPES = [s for _, s in LENET_SHAPES]
 

@@ -14,9 +14,9 @@ from conftest import batch, cpus, run_main
 from jobs import assert_same_run, launch_cmd, train_cmd
 from manual_dp import models
 from manual_dp.fast.attention import full
-from manual_dp.strategies.context import ContextParallel
-from manual_dp.strategies.context_deterministic import ContextDeterministic
-from manual_dp.strategies.sequence_pieces import Lanes
+from manual_dp.strategies.context.context import ContextParallel
+from manual_dp.strategies.context.context_deterministic import ContextDeterministic
+from manual_dp.strategies.context.sequence_pieces import Lanes
 from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
 
 

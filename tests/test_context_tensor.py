@@ -1,4 +1,4 @@
-"""dp x cp x tp (strategies/context_tensor.py): each context of a C x T grid holds a block of tokens
+"""dp x cp x tp (strategies/context/context_tensor.py): each context of a C x T grid holds a block of tokens
 and a tensor shard; against one context on a small transformer (1e-5 of the largest parameter,
 momentum: float32 sums in another order), with uneven blocks, both attentions, ZeRO-1 over dp, and
 the command line's --mesh."""
@@ -10,7 +10,7 @@ from mxnet import nd
 
 from conftest import batch, cpus, run_main
 from manual_dp import DataParallel, models
-from manual_dp.strategies.context_tensor import ContextTensorParallel
+from manual_dp.strategies.context.context_tensor import ContextTensorParallel
 
 TOL = 1e-5
 

@@ -12,16 +12,16 @@ from mxnet import nd
 from conftest import batch, cpus
 from manual_dp import replicas
 from manual_dp.loop import evaluate
-from manual_dp.strategies.deterministic import DeterministicDataParallel
+from manual_dp.strategies.data.deterministic import DeterministicDataParallel
 from manual_dp.fast.compress import make_reducer
-from manual_dp.strategies.compressed import Compressed
+from manual_dp.strategies.wrappers.compressed import Compressed
 from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParallel, Strategy,
                        init_lenet_params, make_allreduce)
 from manual_dp import ZeroRedundancy
 from manual_dp import LocalSGD
-from manual_dp.strategies.tensor import TensorParallel
-from manual_dp.strategies.zero_deterministic import DeterministicZero
-from manual_dp.strategies.tensor_deterministic import TensorDeterministic
+from manual_dp.strategies.tensor.tensor import TensorParallel
+from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
+from manual_dp.strategies.tensor.tensor_deterministic import TensorDeterministic
 
 
 STRATEGIES = {

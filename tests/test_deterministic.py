@@ -14,7 +14,7 @@ from jobs import assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, tr
 from manual_dp import DataParallel, GradAccum, init_lenet_params
 from manual_dp.lesson import lenet
 from manual_dp.loop import evaluate
-from manual_dp.strategies.deterministic import DeterministicDataParallel, cover, pieces, spans, tree_sum
+from manual_dp.strategies.data.deterministic import DeterministicDataParallel, cover, pieces, spans, tree_sum
 from test_distributed import needs_horovod
 
 

@@ -1,7 +1,7 @@
-"""--deterministic on a model with BatchNorm (strategies/fixed_sums.py, WholeBatch.stats_width): every
+"""--deterministic on a model with BatchNorm (strategies/sums/fixed_sums.py, WholeBatch.stats_width): every
 piece normalises with its own statistics, carried in its leaf, summed in the fixed tree and folded
 into the running statistics, so the parameters, optimiser state and running statistics are the
-same bits on any context count, ZeRO stage, pipeline (strategies/pipeline_sums.py) and process count.
+same bits on any context count, ZeRO stage, pipeline (strategies/pipeline/pipeline_sums.py) and process count.
 
 Bit-identity holds when every process runs its ops with the same thread count: the in-process
 tests run in one process, the command-line ones start every process the same way (--deterministic
@@ -18,11 +18,11 @@ import pytest
 from conftest import batch, close, cpus, statistics_alike, straight_and_resumed, write_dataset
 from jobs import launch_cmd, read_log, run_job, saved_arrays, train_cmd
 from manual_dp import models
-from manual_dp.strategies.data_parallel import DataParallel
-from manual_dp.strategies.deterministic import DeterministicDataParallel
-from manual_dp.strategies.fixed_sums import FixedSums
-from manual_dp.strategies.pipeline import PipelineParallel
-from manual_dp.strategies.zero_deterministic import DeterministicZero
+from manual_dp.strategies.data.data_parallel import DataParallel
+from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.sums.fixed_sums import FixedSums
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
 
 PIECE = 8                      # batches of 24: three pieces
 

@@ -20,7 +20,7 @@ from manual_dp.multiprocess.distributed import flatten
 from manual_dp.multiprocess.kvstore import PushPull
 from manual_dp.multiprocess.ps_server import AddDelta
 from manual_dp.strategies.base import rank_rows
-from manual_dp.strategies.data_parallel import DataParallel
+from manual_dp.strategies.data.data_parallel import DataParallel
 
 
 class Servers:

@@ -13,7 +13,7 @@ from mxnet import nd
 from jobs import run_job, train_cmd
 from manual_dp.models import as_model
 from manual_dp.replay.capture import Recorder, assemble, find_rows
-from manual_dp.strategies.data_parallel import DataParallel
+from manual_dp.strategies.data.data_parallel import DataParallel
 
 TINY = ["--train-size", 64, "--test-size", 32, "--batch-size", 32, "--epochs", 1]
 

@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 over a mesh's data dimension (strategies/dp_zero.py, `--zero-stage 1|2|3` with
+"""ZeRO stages 1-3 over a mesh's data dimension (strategies/zero/dp_zero.py, `--zero-stage 1|2|3` with
 tensor, context and mesh modes) against the same layout without it: the same per-element arithmetic
 (a sum over the copies, then the update), so the parameters agree to float32 rounding of the sum's
 order (1e-5 of the largest, with momentum; Adam would turn the rounding noise of a gradient that is
@@ -24,11 +24,11 @@ import pytest
 
 from conftest import batch, cpus, run_main, straight_and_resumed
 from manual_dp import DataParallel, memory, models
-from manual_dp.strategies.context import ContextParallel
-from manual_dp.strategies.context_tensor import ContextTensorParallel
-from manual_dp.strategies.dp_zero import gathered
-from manual_dp.strategies.mesh_parallel import MeshParallel
-from manual_dp.strategies.tensor import TensorParallel
+from manual_dp.strategies.context.context import ContextParallel
+from manual_dp.strategies.context.context_tensor import ContextTensorParallel
+from manual_dp.strategies.zero.dp_zero import gathered
+from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
+from manual_dp.strategies.tensor.tensor import TensorParallel
 
 TOL = 1e-5
 LAYOUTS = {

@@ -17,18 +17,18 @@ from mxnet import nd
 from conftest import batch, cpus, run_main
 from manual_dp import models
 from manual_dp.models.dropout import Noise, row_keys, training_batch, uniform
-from manual_dp.strategies.accum import GradAccum
-from manual_dp.strategies.async_dp import AsyncDataParallel
-from manual_dp.strategies.context import ContextParallel
-from manual_dp.strategies.context_tensor import ContextTensorParallel
-from manual_dp.strategies.data_parallel import DataParallel
-from manual_dp.strategies.deterministic import DeterministicDataParallel
-from manual_dp.strategies.local_sgd import LocalSGD
-from manual_dp.strategies.mesh_parallel import MeshParallel
-from manual_dp.strategies.pipeline import PipelineParallel
-from manual_dp.strategies.tensor import TensorParallel
-from manual_dp.strategies.zero import ZeroRedundancy
-from manual_dp.strategies.zero_deterministic import DeterministicZero
+from manual_dp.strategies.wrappers.accum import GradAccum
+from manual_dp.strategies.data.async_dp import AsyncDataParallel
+from manual_dp.strategies.context.context import ContextParallel
+from manual_dp.strategies.context.context_tensor import ContextTensorParallel
+from manual_dp.strategies.data.data_parallel import DataParallel
+from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.data.local_sgd import LocalSGD
+from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+from manual_dp.strategies.tensor.tensor import TensorParallel
+from manual_dp.strategies.zero.zero import ZeroRedundancy
+from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
 
 TOL, RATE = 1e-5, 0.3
 USER_BLOCK = """

@@ -16,10 +16,10 @@ from mxnet import autograd, nd
 from conftest import after, batch, close, cpus, evaluates_alike, run_main, statistics_alike  # after: 2 steps; close: 1e-5
 from manual_dp.models.batchnorm import Moments
 from manual_dp.models.gluon_block import GluonModel, load_block
-from manual_dp.strategies.async_dp import AsyncDataParallel
-from manual_dp.strategies.data_parallel import DataParallel
-from manual_dp.strategies.local_sgd import LocalSGD
-from manual_dp.strategies.zero import ZeroRedundancy
+from manual_dp.strategies.data.async_dp import AsyncDataParallel
+from manual_dp.strategies.data.data_parallel import DataParallel
+from manual_dp.strategies.data.local_sgd import LocalSGD
+from manual_dp.strategies.zero.zero import ZeroRedundancy
 
 TINY = ["--train-size", "96", "--test-size", "32", "--batch-size", "32", "--no-progress", "--epochs", "1"]
 BLOCKS = """from mxnet.gluon import nn
@@ -169,7 +169,7 @@ def test_tensor_parallelism_normalises_each_group_as_a_data_parallel_replica(den
     group, each with its own Moments: a group is a data-parallel replica with per-context
     statistics, so T x G contexts compute what data parallelism on G contexts computes (1e-5), its
     running statistics on every context alike; evaluation reads them; a checkpoint carries them."""
-    from manual_dp.strategies.tensor import TensorParallel
+    from manual_dp.strategies.tensor.tensor import TensorParallel
     _, net, P = dense_user
     model = TensorParallel(P, cpus(contexts), "momentum", T, model=net)
     reference = DataParallel(P, cpus(contexts // T), "momentum", model=net, graph=False)

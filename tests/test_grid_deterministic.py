@@ -1,6 +1,6 @@
 """--deterministic on grids: the sequence in K pieces and every split layer in Q pieces at once
-(cp x tp, strategies/grid_deterministic.py; Megatron-SP, strategies/sequence_deterministic.py), and
-the sequence's pieces in pipelines (pp x cp, strategies/mesh_lanes.py), with the bits of one
+(cp x tp, strategies/context/grid_deterministic.py; Megatron-SP, strategies/tensor/sequence_deterministic.py), and
+the sequence's pieces in pipelines (pp x cp, strategies/mesh/mesh_lanes.py), with the bits of one
 context's --deterministic step given the same --sequence-pieces K (and --tensor-pieces Q).
 
 Bit-identity holds when every process runs its ops with the same thread count: the in-process tests
@@ -13,12 +13,12 @@ from mxnet import nd
 
 from conftest import batch, cpus, run_main
 from jobs import assert_same_run, train_cmd
-from manual_dp.strategies.context_tensor import ContextTensorParallel
-from manual_dp.strategies.grid_deterministic import GridDeterministic
-from manual_dp.strategies.mesh_lanes import MeshLanes
-from manual_dp.strategies.mesh_parallel import MeshParallel
-from manual_dp.strategies.sequence_deterministic import SequenceParallelDeterministic
-from manual_dp.strategies.tensor import TensorParallel
+from manual_dp.strategies.context.context_tensor import ContextTensorParallel
+from manual_dp.strategies.context.grid_deterministic import GridDeterministic
+from manual_dp.strategies.mesh.mesh_lanes import MeshLanes
+from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
+from manual_dp.strategies.tensor.sequence_deterministic import SequenceParallelDeterministic
+from manual_dp.strategies.tensor.tensor import TensorParallel
 from test_context_deterministic import MODEL, TINY, net, reference, same, steps  # noqa: F401 (fixtures)
 from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
 

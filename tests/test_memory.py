@@ -75,7 +75,7 @@ def test_lenet_step_measured_against_the_hand_count_and_growing_with_width_and_b
 
 
 def test_fallback_computes_from_shapes_where_mxnet_cannot_count(monkeypatch):
-    from manual_dp.strategies.data_parallel import DataParallel
+    from manual_dp.strategies.data.data_parallel import DataParallel
     from manual_dp.lesson import init_lenet_params
     monkeypatch.setattr(memtrack, "counter_names", lambda ctx: None)
     ctx = [mx.cpu(0), mx.cpu(1)]

@@ -17,7 +17,7 @@ from manual_dp.fast import attention
 from manual_dp.fast.mesh_ops import all_gather, all_to_all, even_sizes, group_allreduce, reduce_scatter, ring_shift
 from manual_dp.fast.collectives import make_allreduce
 from manual_dp.mesh import Mesh
-from manual_dp.strategies.context import ContextParallel
+from manual_dp.strategies.context.context import ContextParallel
 
 TOL = 1e-5
 
@@ -369,7 +369,7 @@ def test_bad_meshes_end_in_one_line_and_exit_2(capsys, data_dir, argv, message):
 
 @pytest.mark.parametrize("n,T,heads", [(2, 2, 4), (4, 2, 4), (3, 3, 6), (4, 4, 4)])
 def test_sequence_parallel_equals_one_context_and_tensor_parallel(n, T, heads):
-    from manual_dp.strategies.tensor import TensorParallel
+    from manual_dp.strategies.tensor.tensor import TensorParallel
     net = models.build("transformer", layers=2, d_model=12, heads=heads)      # 28 tokens: 10, 9, 9 at T = 3
     P = net.init_params(0)
     want, _ = params_after(DataParallel(P, cpus(1), "momentum", lesson=True, model=net))

@@ -1,4 +1,4 @@
-"""dp x pp x tp at once (strategies/mesh_parallel.py) against one context: a small transformer, two
+"""dp x pp x tp at once (strategies/mesh/mesh_parallel.py) against one context: a small transformer, two
 steps of SGD with momentum, parameters to 1e-5 of the largest (float32 sums of micro-batches and
 shards in another order; the tolerance of every layout in tests/test_models.py). Adam is not used:
 it turns the rounding noise of a gradient that is zero in exact arithmetic (the key bias: softmax
@@ -10,8 +10,8 @@ import pytest
 
 from conftest import batch, cpus, run_main
 from manual_dp import DataParallel, models
-from manual_dp.strategies.mesh_parallel import MeshParallel
-from manual_dp.strategies.tensor_layout import shard
+from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
+from manual_dp.strategies.tensor.tensor_layout import shard
 
 TOL = 1e-5
 

@@ -13,12 +13,12 @@ import pytest
 from conftest import batch, cpus, run_main
 from jobs import assert_same_run, launch_cmd, train_cmd
 from manual_dp import models
-from manual_dp.strategies.deterministic import DeterministicDataParallel
-from manual_dp.strategies.fixed_sums import FixedSums
-from manual_dp.strategies.mesh_deterministic import MeshDeterministic
-from manual_dp.strategies.mesh_parallel import MeshParallel
-from manual_dp.strategies.pipeline import PipelineParallel
-from manual_dp.strategies.tensor_deterministic import TensorDeterministic
+from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.sums.fixed_sums import FixedSums
+from manual_dp.strategies.mesh.mesh_deterministic import MeshDeterministic
+from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+from manual_dp.strategies.tensor.tensor_deterministic import TensorDeterministic
 from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
 
 

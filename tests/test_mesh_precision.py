@@ -10,10 +10,10 @@ from conftest import batch, cpus
 from manual_dp import DataParallel, models
 from manual_dp.models.precise import Precise
 from manual_dp.precision import Policy
-from manual_dp.strategies.context import ContextParallel
-from manual_dp.strategies.loss_scaled import LossScaled
-from manual_dp.strategies.mesh_parallel import MeshParallel
-from manual_dp.strategies.tensor import TensorParallel
+from manual_dp.strategies.context.context import ContextParallel
+from manual_dp.strategies.wrappers.loss_scaled import LossScaled
+from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
+from manual_dp.strategies.tensor.tensor import TensorParallel
 
 LAYOUTS = {
     "context ring 2": lambda P, m: ContextParallel(P, cpus(2), "momentum", 2, "ring", model=m),

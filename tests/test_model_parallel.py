@@ -6,12 +6,12 @@ from mxnet import autograd, nd
 
 from conftest import assert_on, cpus, synthetic
 from manual_dp import DataParallel, cross_entropy, get_params, init_lenet_params, lenet
-from manual_dp.strategies.accum import GradAccum
+from manual_dp.strategies.wrappers.accum import GradAccum
 from manual_dp.memory import per_context, scratch_buffers, stage_activation_elems
 from manual_dp.lesson import LENET_SHAPES, conv_block
 from manual_dp.optim import apply_update, init_states
-from manual_dp.strategies.pipeline import PipelineParallel, cut
-from manual_dp.strategies.stages import STAGE_SLICES, conv_stage, dense_stage, split_params
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel, cut
+from manual_dp.strategies.pipeline.stages import STAGE_SLICES, conv_stage, dense_stage, split_params
 
 
 def batch(n, seed=0):

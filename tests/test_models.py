@@ -18,16 +18,16 @@ from conftest import batch, close, cpus, run_main, straight_and_resumed
 from manual_dp import models
 from manual_dp.lesson import LENET_SHAPES, cross_entropy, init_lenet_params, lenet, lenet_shapes
 from manual_dp.models.contract import balanced_cuts
-from manual_dp.strategies.accum import GradAccum
-from manual_dp.strategies.async_dp import AsyncDataParallel
-from manual_dp.strategies.data_parallel import DataParallel
-from manual_dp.strategies.deterministic import DeterministicDataParallel
-from manual_dp.strategies.fixed_sums import FixedSums
-from manual_dp.strategies.local_sgd import LocalSGD
-from manual_dp.strategies.pipeline import PipelineParallel
-from manual_dp.strategies.tensor import TensorParallel
-from manual_dp.strategies.zero import ZeroRedundancy
-from manual_dp.strategies.zero_deterministic import DeterministicZero
+from manual_dp.strategies.wrappers.accum import GradAccum
+from manual_dp.strategies.data.async_dp import AsyncDataParallel
+from manual_dp.strategies.data.data_parallel import DataParallel
+from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.sums.fixed_sums import FixedSums
+from manual_dp.strategies.data.local_sgd import LocalSGD
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+from manual_dp.strategies.tensor.tensor import TensorParallel
+from manual_dp.strategies.zero.zero import ZeroRedundancy
+from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
 
 TOL = 1e-5
 USER_BLOCK = """

@@ -15,8 +15,8 @@ from conftest import assert_on, batch, cpus
 from manual_dp import DataParallel
 from manual_dp.models import as_model
 from manual_dp.models.transformer import Transformer
-from manual_dp.strategies.pipeline import PipelineParallel
-from manual_dp.strategies.schedules import (Plan, bubble_fraction, bubbles, dry_run, formula, held, needs, plan,
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+from manual_dp.strategies.pipeline.schedules import (Plan, bubble_fraction, bubbles, dry_run, formula, held, needs, plan,
                                             schedule, simulate)
 
 CASES = [(name, S, M, 1) for name in ("gpipe", "1f1b", "zb-h1") for S, M in [(1, 3), (2, 4), (3, 5), (4, 8), (4, 2)]]
@@ -117,7 +117,7 @@ def test_stage_costs_by_hand_and_the_priced_bubble():
     gradients; split as SplitPass runs it, stage 0's B is nothing and each W the weight gradients
     and the input gradients' chain again, less the stage's first layer's; --recompute adds F to B.
     Priced with equal stages, the bubble is the unit one; ZB-H1 priced is not: stage 0 has no B."""
-    from manual_dp.strategies.stage_costs import plan_costs, priced, stage_costs
+    from manual_dp.strategies.pipeline.stage_costs import plan_costs, priced, stage_costs
     net = transformer(2)
     e, f, h = net.layers[0].flops, net.layers[2].flops, net.layers[3].flops
     assert net.cuts(2) == ((0, 1), (2, 3))
@@ -231,14 +231,14 @@ def test_counted_peaks_against_the_layout():
 
 
 def test_stage_times_time_every_action_of_the_schedule_and_leave_no_trace():
-    """strategies/stage_times.py: one micro-batch through the pipeline alone, every (phase, stage)
+    """strategies/pipeline/stage_times.py: one micro-batch through the pipeline alone, every (phase, stage)
     of the schedule timed (ZB-H1: F, B and W of each of 4 stages), the parameters and their
     gradients as they were; on LeNet cut in two, the convolutions' forward (about 20 times the
     dense layers' FLOPs) takes longer than the dense layers' with their loss."""
     import mxnet as mx
     from manual_dp import init_lenet_params
-    from manual_dp.strategies.pipeline import PipelineParallel
-    from manual_dp.strategies.stage_times import stage_times
+    from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+    from manual_dp.strategies.pipeline.stage_times import stage_times
     net = transformer(2)
     params = net.init_params(0)
     pipe = PipelineParallel(params, [mx.cpu(i) for i in range(4)], "sgd", 8, stages=4, schedule="zb-h1", model=net)

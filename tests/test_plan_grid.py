@@ -71,8 +71,8 @@ def test_flags_parse_and_build_with_the_trainer(transformer):
     from manual_dp.cli.build import build_model, network
     from manual_dp.cli.options import parse
     from manual_dp.multiprocess.world import World
-    from manual_dp.strategies.context_tensor import ContextTensorParallel
-    from manual_dp.strategies.mesh_parallel import MeshParallel
+    from manual_dp.strategies.context.context_tensor import ContextTensorParallel
+    from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
     ctx = [mx.cpu(i) for i in range(8)]
     for l in new_kinds(enumerate_layouts(8, 64, model=transformer)):
         cfg = parse(f"{train_flags(l)} {model_flags(transformer)} --batch-size 64".split())
@@ -115,7 +115,7 @@ def test_grid_and_context_mesh_memory_by_hand():
     it holds and the images of the rest."""
     from manual_dp.memory import part_activation_elems, stage_activation_elems
     from manual_dp.planner.pipelines import mesh_activations
-    from manual_dp.strategies.schedules import held, plan
+    from manual_dp.strategies.pipeline.schedules import held, plan
     net = tiny_transformer()
     s = Setting(1, 8, "sgd", net)
     grid = memory(layout("context", 1, cp=2, tp=2, attention="ring"), s)

@@ -122,8 +122,8 @@ def test_what_every_context_holds_whole_by_hand():
     under +sp, what f and g join (4 x 28 x 16); a context block the images of the group's other
     examples and, for all 8, ring's log-sum-exp less the scores it does not keep (2 x 14 - 2 x 2 x 14 x 28)."""
     from manual_dp.memory import part_activation_elems
-    from manual_dp.strategies.context import attention_held
-    from manual_dp.strategies.tensor_layout import held_whole
+    from manual_dp.strategies.context.context import attention_held
+    from manual_dp.strategies.tensor.tensor_layout import held_whole
     net = tiny_transformer()
     assert held_whole(net, range(3)) == 784 + 896 + 943 + 4 * 28 * 16
     assert held_whole(net, range(3), sp=True) == 784 + 896 + 943

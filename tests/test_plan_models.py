@@ -129,7 +129,7 @@ def test_predicted_memory_equals_measured(l, which, user_block):
     images (784), embedding (2 x 28 x 16) and head (2 x 28 x 16 + 16 + 31) and what f and g join
     (4 x 28 x 16); the Gluon pair's images and g output (784 + 16)."""
     from manual_dp.planner.verify import measure
-    from manual_dp.strategies.tensor_layout import held_whole
+    from manual_dp.strategies.tensor.tensor_layout import held_whole
     net = tiny_transformer() if which == "transformer" else user_block
     s = Setting(1, 16, "adam", net)
     predicted, measured = memory(l, s), measure(l, s, steps=1)
@@ -182,7 +182,7 @@ def test_precision_halves_the_gradient_bytes_data_parallelism_and_pipelines_send
     """--precision bf16|fp16 in the planner: the gradient all-reduces of data parallelism and of
     pipeline stages cross the links in 2 bytes an element (what LowReduce sends); tensor
     parallelism's collectives, which stay float32, and its memory are unchanged; ZeRO keeps and
-    sends 16-bit parameters and gradients (strategies/zero_mixed.py): fewer bytes on the links,
+    sends 16-bit parameters and gradients (strategies/zero/zero_mixed.py): fewer bytes on the links,
     its transients halved (test_zero_mixed.py checks the kept bytes)."""
     from manual_dp import costmodel
     from manual_dp.planner.predict import gpu, layer_sizes

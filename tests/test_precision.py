@@ -18,14 +18,14 @@ from test_clipping import LAYOUTS as CLIPPING_LAYOUTS
 from manual_dp.errors import DivergedError
 from manual_dp.models.precise import Precise
 from manual_dp.precision import MIN_SCALE, LossScale, Policy, numpy_rounded, rounded
-from manual_dp.strategies.data_parallel import DataParallel
-from manual_dp.strategies.deterministic import DeterministicDataParallel
-from manual_dp.strategies.loss_scaled import LossScaled
-from manual_dp.strategies.pipeline import PipelineParallel
-from manual_dp.strategies.tensor import TensorParallel
-from manual_dp.strategies.zero import ZeroRedundancy
-from manual_dp.strategies.zero_deterministic import DeterministicZero
-from manual_dp.strategies.zero_mixed import MixedZero
+from manual_dp.strategies.data.data_parallel import DataParallel
+from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.wrappers.loss_scaled import LossScaled
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+from manual_dp.strategies.tensor.tensor import TensorParallel
+from manual_dp.strategies.zero.zero import ZeroRedundancy
+from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
+from manual_dp.strategies.zero.zero_mixed import MixedZero
 
 EDGES = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -7 + 2 ** -9, 65504, 65519.9, 65520, 7e4, 1e-40,
                   -1e-40, 1.17e-38, 6e-8, 3e-8, 2.98e-8, np.inf, -np.inf, 0.0, -0.0, 3.14159], np.float32)

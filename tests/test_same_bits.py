@@ -1,4 +1,4 @@
-"""One bit pattern in every layout --deterministic reaches (strategies/fixed_sums.py, issue 24): the
+"""One bit pattern in every layout --deterministic reaches (strategies/sums/fixed_sums.py, issue 24): the
 parameters and optimiser state after a few steps are the bits of --deterministic on one context,
 for LeNet and the transformer, sgd, momentum and adam; across processes too.
 
@@ -11,11 +11,11 @@ import pytest
 from conftest import batch, cpus
 from jobs import assert_same_run, horovod_cmd, launch_cmd, train_cmd
 from manual_dp import models
-from manual_dp.strategies.deterministic import DeterministicDataParallel
-from manual_dp.strategies.fixed_sums import FixedSums
-from manual_dp.strategies.pipeline import PipelineParallel
-from manual_dp.strategies.tensor_deterministic import TensorDeterministic
-from manual_dp.strategies.zero_deterministic import DeterministicZero
+from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.sums.fixed_sums import FixedSums
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+from manual_dp.strategies.tensor.tensor_deterministic import TensorDeterministic
+from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
 from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
 from test_distributed import needs_horovod
 

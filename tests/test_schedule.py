@@ -6,9 +6,9 @@ from mxnet import nd
 
 from conftest import assert_on, synthetic
 from manual_dp import DataParallel, init_lenet_params
-from manual_dp.strategies.accum import GradAccum
+from manual_dp.strategies.wrappers.accum import GradAccum
 from manual_dp.strategies.base import Strategy
-from manual_dp.strategies.async_dp import AsyncDataParallel
+from manual_dp.strategies.data.async_dp import AsyncDataParallel
 from manual_dp.schedule import Warmup, lr_at, make_lr, scaled_lr, updates_per_epoch
 from manual_dp.loop import fit, run_epoch
 

@@ -15,10 +15,10 @@ from manual_dp import config, init_lenet_params, lenet
 from manual_dp.lesson import cross_entropy, get_params, lenet_shapes
 from manual_dp.memory import part_activation_elems, per_context, piece_activation_elems, stage_activation_elems
 from manual_dp.optim import apply_update, init_states
-from manual_dp.strategies.pipeline import PipelineParallel
-from manual_dp.strategies.schedules import (bubble_fraction, clock, gpipe_schedule, held_peaks, schedule,
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+from manual_dp.strategies.pipeline.schedules import (bubble_fraction, clock, gpipe_schedule, held_peaks, schedule,
                                             stage_orders)
-from manual_dp.strategies.stages import CUTS, MAX_STAGES, make_stages, param_slices, split_params
+from manual_dp.strategies.pipeline.stages import CUTS, MAX_STAGES, make_stages, param_slices, split_params
 
 
 def batch(n, seed=0):

@@ -20,7 +20,7 @@ from manual_dp.errors import UsageError
 from manual_dp.fast.collectives import make_allreduce
 from manual_dp.fast.tensor_ops import f, g
 from manual_dp.lesson import lenet_shapes
-from manual_dp.strategies.tensor import SPLIT, TensorParallel
+from manual_dp.strategies.tensor.tensor import SPLIT, TensorParallel
 from manual_dp.train import main
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None and \

@@ -18,11 +18,11 @@ from mxnet import autograd, nd
 from conftest import batch, cpus, write_dataset
 from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, saved_arrays, train_cmd
 from manual_dp import DataParallel, GradAccum, init_lenet_params
-from manual_dp.strategies.deterministic import root_of, tree_sum
-from manual_dp.strategies.tensor import TensorParallel
-from manual_dp.strategies.tensor_deterministic import TensorDeterministic
+from manual_dp.strategies.data.deterministic import root_of, tree_sum
+from manual_dp.strategies.tensor.tensor import TensorParallel
+from manual_dp.strategies.tensor.tensor_deterministic import TensorDeterministic
 from manual_dp import models
-from manual_dp.strategies.tensor_pieces import TreeF, TreeG, cut, join, tree_reduce
+from manual_dp.strategies.tensor.tensor_pieces import TreeF, TreeG, cut, join, tree_reduce
 from test_distributed import needs_horovod
 
 LAYOUTS = [(1, 1), (2, 1), (2, 2), (3, 1), (4, 1), (4, 2), (4, 4)]     # (contexts, T)

@@ -1,4 +1,4 @@
-"""ZeRO (manual_dp.strategies.zero): every stage on 1..4 contexts is the one-device lesson step; each
+"""ZeRO (manual_dp.strategies.zero.zero): every stage on 1..4 contexts is the one-device lesson step; each
 context holds only what its stage leaves it; checkpoints move between context counts and modes;
 the command line trains it, alone and across dist_sync workers.
 

@@ -13,8 +13,8 @@ import pytest
 from conftest import batch, cpus, write_dataset
 from jobs import assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, saved_arrays, train_cmd
 from manual_dp import GradAccum, init_lenet_params
-from manual_dp.strategies.deterministic import DeterministicDataParallel, cover, root_of, spans, tree_sum
-from manual_dp.strategies.zero_deterministic import DeterministicZero, Fold
+from manual_dp.strategies.data.deterministic import DeterministicDataParallel, cover, root_of, spans, tree_sum
+from manual_dp.strategies.zero.zero_deterministic import DeterministicZero, Fold
 from test_distributed import needs_horovod
 
 

@@ -1,4 +1,4 @@
-"""ZeRO in DeepSpeed's mixed-precision layout (strategies/zero_mixed.py, issue 23): every stage in bf16
+"""ZeRO in DeepSpeed's mixed-precision layout (strategies/zero/zero_mixed.py, issue 23): every stage in bf16
 and fp16 against one context in the precision, clipped and loss-scaled; the kept bytes per context
 from the parameter count (Adam: 2 + 2 + 12, sharded as the stage says) in the measured memory
 report and the run's memory record; gradient accumulation; resume bit for bit; the planner's bytes.
@@ -21,10 +21,10 @@ from manual_dp.models.precise import Precise
 from manual_dp.planner.layouts import layout
 from manual_dp.planner.predict import Setting, memory as memory_of, per_device_bytes
 from manual_dp.precision import STORED, Policy
-from manual_dp.strategies.data_parallel import DataParallel
-from manual_dp.strategies.loss_scaled import LossScaled
-from manual_dp.strategies.zero import ZeroRedundancy
-from manual_dp.strategies.zero_mixed import MixedZero
+from manual_dp.strategies.data.data_parallel import DataParallel
+from manual_dp.strategies.wrappers.loss_scaled import LossScaled
+from manual_dp.strategies.zero.zero import ZeroRedundancy
+from manual_dp.strategies.zero.zero_mixed import MixedZero
 
 CLIP = 0.5                          # below the first gradients' norms: clipping bites (test_clipping.py)
 N = 129_068                         # LeNet x1's parameters

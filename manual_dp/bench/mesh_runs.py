@@ -24,11 +24,11 @@ from ..memory import random_batch
 from ..mesh import Mesh
 from ..models import build
 from ..multiprocess.world import World
-from ..strategies.pipeline import PipelineParallel
-from ..strategies.pipeline_pass import ReplicaPass, SplitPass, cut
-from ..strategies.schedules import bubbles, formula, plan, run_order, simulate
-from ..strategies.stage_costs import plan_costs, priced, relative
-from ..strategies.stage_times import stage_times
+from ..strategies.pipeline.pipeline import PipelineParallel
+from ..strategies.pipeline.pipeline_pass import ReplicaPass, SplitPass, cut
+from ..strategies.pipeline.schedules import bubbles, formula, plan, run_order, simulate
+from ..strategies.pipeline.stage_costs import plan_costs, priced, relative
+from ..strategies.pipeline.stage_times import stage_times
 
 STAGES, MICRO = 4, 8                                          # issue 22's p and m
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
@@ -137,7 +137,7 @@ def side_by_side(took, costs, timed):
 
 def one_schedule(net, params, ctx, name, V, X, y, steps, lr):
     """(durations timed before the run, relative; the measured bubble; Timed.took) of schedule
-    `name` at p=STAGES, m=MICRO: its actions timed on one micro-batch (strategies/stage_times.py),
+    `name` at p=STAGES, m=MICRO: its actions timed on one micro-batch (strategies/pipeline/stage_times.py),
     one warm-up step, `steps` measured steps."""
     model = Timed(params, ctx, "momentum", MICRO, stages=STAGES, schedule=name, model=net,
                   virtual_stages=V, measure=True)
@@ -156,9 +156,9 @@ def schedule_bubbles(net, batch, steps, lr, rounds=3):
     run's timed bubble, the measured one, their ratio) and their medians:
       dry_run, dry_run_over_compute, formula   unit durations (idle share of device time; over
                      ideal compute beside the papers' formula)
-      dry_run_flops  priced with the model's FLOPs (strategies/stage_costs.py)
+      dry_run_flops  priced with the model's FLOPs (strategies/pipeline/stage_costs.py)
       dry_run_timed  priced with its actions timed on one micro-batch before the run
-                     (strategies/stage_times.py): what the measured bubble is compared with
+                     (strategies/pipeline/stage_times.py): what the measured bubble is compared with
       measured       each action of the run timed alone, the schedule replayed with the (phase,
                      stage) medians (end_epoch's "bubble_measured"), over ratios to both prices
       equal_stages   the same replayed with the stages made equal (per-phase means)

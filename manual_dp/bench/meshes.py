@@ -145,8 +145,8 @@ def print_activations(acts, sp, cp, where):
 def print_bubbles(b, targets, layers):
     rounds = len(next(iter(b.values()))["rounds"])
     print(f"bubbles, p=4, m=8, {layers} layers, medians of {rounds} rounds (idle share of device time; dry run: unit "
-          f"durations, priced with the model's FLOPs (strategies/stage_costs.py), and with its actions timed on one "
-          f"micro-batch before the run (strategies/stage_times.py); measured: each action timed alone between "
+          f"durations, priced with the model's FLOPs (strategies/pipeline/stage_costs.py), and with its actions timed on one "
+          f"micro-batch before the run (strategies/pipeline/stage_times.py); measured: each action timed alone between "
           f"waitall()s, the schedule replayed with the (phase, stage) medians; stages equal: replayed with the "
           f"per-phase means, every stage alike; per stage: measured over a stage's forward, [FLOPs' price, timed price]):")
     for name, f in b.items():

@@ -26,15 +26,15 @@ def strategies(ctx, net=None):
     """{name: make(params)} of every mode on the contexts `ctx` (None: the names for 4), for the
     models.Model `net` (None: LeNet of the parameters' width). Tensor x data and hybrid need an even
     count of 4 or more."""
-    from ..strategies.async_dp import AsyncDataParallel
-    from ..strategies.context import ContextParallel
-    from ..strategies.mesh_parallel import MeshParallel
-    from ..strategies.data_parallel import DataParallel
-    from ..strategies.deterministic import DeterministicDataParallel
-    from ..strategies.local_sgd import LocalSGD
-    from ..strategies.pipeline import PipelineParallel
-    from ..strategies.tensor import TensorParallel
-    from ..strategies.zero import ZeroRedundancy
+    from ..strategies.data.async_dp import AsyncDataParallel
+    from ..strategies.context.context import ContextParallel
+    from ..strategies.mesh.mesh_parallel import MeshParallel
+    from ..strategies.data.data_parallel import DataParallel
+    from ..strategies.data.deterministic import DeterministicDataParallel
+    from ..strategies.data.local_sgd import LocalSGD
+    from ..strategies.pipeline.pipeline import PipelineParallel
+    from ..strategies.tensor.tensor import TensorParallel
+    from ..strategies.zero.zero import ZeroRedundancy
     opt, m, k = "momentum", dict(model=net), len(ctx) if ctx else 4
     modes = {
         "sync (fast step)": lambda p: DataParallel(p, ctx, opt, **m),
@@ -153,7 +153,7 @@ def network(args):
 def main(argv=None):
     args = parsed_or_exit(parse, argv, "python -m manual_dp.bench.modes")
     configure(args.cpus, model=args.model)      # thread settings before MXNet loads
-    from ..bench.command import commit
+    from .command import commit
     where = dict(machine(), commit=commit())
     net = parsed_or_exit(network, args, "python -m manual_dp.bench.modes")
     rates, left_out = speed(net, args.batch, args.steps, args.rounds, args.cpus)

@@ -12,7 +12,7 @@ from mxnet import nd, profiler
 
 from ..fast.collectives import make_allreduce
 from ..lesson import init_lenet_params
-from ..strategies.data_parallel import DataParallel
+from ..strategies.data.data_parallel import DataParallel
 from ..timeline import busy_intervals, overlap
 
 

@@ -42,8 +42,8 @@ def build(net, ctx, name, precision, native, loss_scale=2.0 ** 16):
     from ..fast.collectives import make_allreduce
     from ..models.precise import Precise
     from ..precision import Policy
-    from ..strategies.data_parallel import DataParallel
-    from ..strategies.loss_scaled import LossScaled
+    from ..strategies.data.data_parallel import DataParallel
+    from ..strategies.wrappers.loss_scaled import LossScaled
     policy = Policy(precision, native, loss_scale=loss_scale)
     counted = Counted(make_allreduce(FAST_STEP["allreduce"]))
     model = net if precision == "fp32" else Precise(net, policy)
@@ -63,7 +63,7 @@ def main(argv=None):
     args = parsed_or_exit(parse, argv, "python -m manual_dp.bench.precision")
     configure(args.cpus)                               # thread settings before MXNet loads
     import mxnet as mx
-    from ..bench.command import commit
+    from .command import commit
     from ..precision import native_bf16
     where = dict(machine(), commit=commit())
     net = parsed_or_exit(network, args, "python -m manual_dp.bench.precision")

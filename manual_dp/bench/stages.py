@@ -30,7 +30,7 @@ def build_parser():
 def make_models(args, mx):
     """One PipelineParallel per (schedule, recompute) of CONFIGS, on cpu(0..S-1), same weights."""
     from ..lesson import init_lenet_params
-    from ..strategies.pipeline import PipelineParallel
+    from ..strategies.pipeline.pipeline import PipelineParallel
     ctx = [mx.cpu(i) for i in range(args.stages)]
     return [PipelineParallel(init_lenet_params(seed=0, width=args.width), ctx, "sgd", args.micro_batches,
                              stages=args.stages, schedule=name, recompute=rc) for name, rc in CONFIGS]

@@ -36,8 +36,8 @@ def held_bytes(model):
 def strategies(n):
     """{name: make(params, optimizer)} of the strategies compared on n contexts."""
     import mxnet as mx
-    from ..strategies.data_parallel import DataParallel
-    from ..strategies.tensor import TensorParallel
+    from ..strategies.data.data_parallel import DataParallel
+    from ..strategies.tensor.tensor import TensorParallel
     ctx = [mx.cpu(i) for i in range(n)]
     return {f"sync x{n} (fast step, unpadded)": lambda p, o: DataParallel(p, ctx, o, conv_pad=1),
             f"sync x{n} (layer by layer)": lambda p, o: DataParallel(p, ctx, o, graph=False),

@@ -17,8 +17,8 @@ from mxnet.gluon import nn
 
 from ..fast.collectives import make_allreduce
 from ..lesson import allreduce, cross_entropy, get_params, init_lenet_params, lenet, sgd
-from ..strategies.data_parallel import DataParallel
-from ..strategies.deterministic import DeterministicDataParallel
+from ..strategies.data.data_parallel import DataParallel
+from ..strategies.data.deterministic import DeterministicDataParallel
 from ..loop import run_epoch
 
 

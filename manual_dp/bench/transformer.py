@@ -54,7 +54,7 @@ def manual_passes(net, params, X, y, spec):
     (fast, or the lesson's with spec['impl'] == 'lesson'), and the final parameters of cpu(0)."""
     import mxnet as mx
     from ..loop import run_epoch
-    from ..strategies.data_parallel import DataParallel
+    from ..strategies.data.data_parallel import DataParallel
     from .train import cpu_seconds
     ctx = [mx.cpu(i) for i in range(spec["devices"])]
     lesson = spec["impl"] == "lesson"

@@ -6,7 +6,7 @@ precision, takes one step on one random image per context, and prints for the bu
 
     kept         the bytes of the arrays it keeps between steps (Strategy.arrays(): sizes times
                  dtypes, the split of the memory report): parameters, gradients, optimiser state
-                 (ZeRO in 16 bits: with its float32 master shard, strategies/zero_mixed.py)
+                 (ZeRO in 16 bits: with its float32 master shard, strategies/zero/zero_mixed.py)
     a parameter  those bytes over the model's N parameters, on that context and summed over every
                  context: fp32 Adam's 4 + 4 + 8 (parameter, gradient, m, v), DeepSpeed's 2 + 2 + 12
                  in 16 bits (parameter, gradient; master, m, v); sync holds one set per context
@@ -36,9 +36,9 @@ def strategy(name, precision, net, ctx, optimizer):
     """The strategy `name` (NAMES) of `net` in `precision` on ctx, from net's parameters of seed 0."""
     from ..models.precise import Precise
     from ..precision import Policy
-    from ..strategies.data_parallel import DataParallel
-    from ..strategies.zero import ZeroRedundancy
-    from ..strategies.zero_mixed import MixedZero
+    from ..strategies.data.data_parallel import DataParallel
+    from ..strategies.zero.zero import ZeroRedundancy
+    from ..strategies.zero.zero_mixed import MixedZero
     params, policy = net.init_params(0), Policy(precision)
     model = net if precision == "fp32" else Precise(net, policy)
     if name == "sync":

@@ -16,32 +16,32 @@ from ..models.dropout import Noise
 from ..models.precise import Precise
 from ..precision import Policy
 from ..schedule import make_lr, updates_per_epoch
-from ..strategies import schedules
-from ..strategies.accum import GradAccum
-from ..strategies.async_dp import AsyncDataParallel
+from ..strategies.pipeline import schedules
+from ..strategies.wrappers.accum import GradAccum
+from ..strategies.data.async_dp import AsyncDataParallel
 from ..strategies.base import innermost
-from ..strategies.compressed import Compressed
-from ..strategies.context import ContextParallel
-from ..strategies.context_deterministic import ContextDeterministic
-from ..strategies.grid_deterministic import GridDeterministic
-from ..strategies.mesh_lanes import MeshLanes
-from ..strategies.sequence_deterministic import SequenceParallelDeterministic
-from ..strategies.context_tensor import ContextTensorParallel
-from ..strategies.data_parallel import DataParallel
-from ..strategies.deterministic import DeterministicDataParallel
-from ..strategies.fixed_sums import FixedSums
-from ..strategies.local_sgd import LocalSGD
-from ..strategies.loss_scaled import LossScaled
-from ..strategies.mesh_deterministic import MeshDeterministic
-from ..strategies.mesh_parallel import MeshParallel
-from ..strategies.pipeline import PipelineParallel
-from ..strategies.stage_costs import priced_lines, relative
-from ..strategies.stage_times import stage_times
-from ..strategies.tensor import TensorParallel
-from ..strategies.tensor_deterministic import TensorDeterministic
-from ..strategies.zero import ZeroRedundancy
-from ..strategies.zero_deterministic import DeterministicZero
-from ..strategies.zero_mixed import MixedZero
+from ..strategies.wrappers.compressed import Compressed
+from ..strategies.context.context import ContextParallel
+from ..strategies.context.context_deterministic import ContextDeterministic
+from ..strategies.context.grid_deterministic import GridDeterministic
+from ..strategies.mesh.mesh_lanes import MeshLanes
+from ..strategies.tensor.sequence_deterministic import SequenceParallelDeterministic
+from ..strategies.context.context_tensor import ContextTensorParallel
+from ..strategies.data.data_parallel import DataParallel
+from ..strategies.data.deterministic import DeterministicDataParallel
+from ..strategies.sums.fixed_sums import FixedSums
+from ..strategies.data.local_sgd import LocalSGD
+from ..strategies.wrappers.loss_scaled import LossScaled
+from ..strategies.mesh.mesh_deterministic import MeshDeterministic
+from ..strategies.mesh.mesh_parallel import MeshParallel
+from ..strategies.pipeline.pipeline import PipelineParallel
+from ..strategies.pipeline.stage_costs import priced_lines, relative
+from ..strategies.pipeline.stage_times import stage_times
+from ..strategies.tensor.tensor import TensorParallel
+from ..strategies.tensor.tensor_deterministic import TensorDeterministic
+from ..strategies.zero.zero import ZeroRedundancy
+from ..strategies.zero.zero_deterministic import DeterministicZero
+from ..strategies.zero.zero_mixed import MixedZero
 from .output import describe
 
 

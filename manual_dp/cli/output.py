@@ -12,7 +12,7 @@ SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 
 from ..errors import Terminated, UsageError
 from ..fast.runtime import environment_problem
 
-# What --zero-stage shards over a mesh's data dimension (strategies/dp_zero.py); stage 3's parameters are
+# What --zero-stage shards over a mesh's data dimension (strategies/zero/dp_zero.py); stage 3's parameters are
 # all-gathered whole for a step's forward and backward, an evaluation or a checkpoint, and dropped after.
 DP_SHARDED = {1: "optimiser state", 2: "optimiser state and gradients",
               3: "optimiser state, gradients and parameters"}
@@ -130,7 +130,7 @@ def describe(cfg):
     line += (f", {DP_SHARDED.get(cfg.zero_stage)} sharded over the data dimension (ZeRO-{cfg.zero_stage})"
              if cfg.zero_stage and cfg.mode != "zero" else "")
     line += (f", {cfg.precision} parameters and gradients kept, float32 master weights beside the optimiser "
-             f"state (strategies/zero_mixed.py)") if cfg.mode == "zero" and cfg.precision != "fp32" \
+             f"state (strategies/zero/zero_mixed.py)") if cfg.mode == "zero" and cfg.precision != "fp32" \
         and not cfg.deterministic else ""
     line += ", BatchNorm statistics over every context" if cfg.sync_batchnorm else ""
     line += f", gradients clipped to a global norm of {cfg.clip_norm:g}" if cfg.clip_norm else ""

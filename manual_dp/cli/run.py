@@ -20,7 +20,7 @@ from ..mesh import Mesh
 from ..multiprocess.agree import agree
 from ..multiprocess.connect import connect
 from ..schedule import updates_per_epoch
-from ..strategies.digested import Digested
+from ..strategies.wrappers.digested import Digested
 from . import memcheck
 from .build import build_model, contexts, degree, dry_run, graph_pad, learning_rate, network, policy_of
 from .output import Progress, describe, fail, format_record, interrupted, write_log

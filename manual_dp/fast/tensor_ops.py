@@ -84,7 +84,7 @@ class Join:
     shard and unshard (entering and leaving a run of split layers) do nothing.
 
     A model's split layers see the group as pieces, each context holding k of them (here k = 1:
-    a piece a context; --deterministic's PieceJoin, strategies/tensor_pieces.py, holds several):
+    a piece a context; --deterministic's PieceJoin, strategies/tensor/tensor_pieces.py, holds several):
     f takes one array per context to one per piece, g one per piece to one per context, `spread`
     hands a context's array to each of its pieces (no gradient: the images), `leads` picks each
     context's first piece (whose replicated parameters the context's unsplit layers use)."""

@@ -24,7 +24,7 @@ parameter list and declares:
               of a context-parallel group, context j holding tokens seq.bounds[j]:seq.bounds[j+1]
               of every example and the whole parameters (params[j], on its context); seq.attend
               (ring or Ulysses attention) and seq.sum (the sum over the group) join the blocks
-              (strategies/context.py); None: a token-wise layer, run on each block as it is
+              (strategies/context/context.py); None: a token-wise layer, run on each block as it is
     grid_forward   grid_forward(hs, params, join, seq, F=nd) -> hs: a split layer on a grid of C x T
               contexts, hs[c][t] block c of the tokens on tensor rank t (params[c][t] its shards):
               each row a tensor group (join), each column a context-parallel group (seq)

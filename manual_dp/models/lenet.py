@@ -70,7 +70,7 @@ class LeNet(Model):
         return zero_padded(params, pad, shapes)
 
     def split_forward(self, Xs, shards, join, F=None):
-        """Megatron's split of LeNet as two column/row pairs (strategies/tensor.py draws it): conv1
+        """Megatron's split of LeNet as two column/row pairs (strategies/tensor/tensor.py draws it): conv1
         by output channel, conv2 by input channel then g, + b2, ReLU, pool, f; dense1 by unit,
         dense2 by input then g, + b4. shards[j] = context j's [W1, b1, W2, b2, W3, b3, W4, b4]."""
         from mxnet import nd

@@ -5,10 +5,10 @@ forward sees `policy.low(F)` instead of F, so that every strategy that runs the 
 ZeRO 1-3, pipelines, hybrid, local SGD, async, the deterministic ones) computes in the precision
 without a line of its own. Under fp16 the last layer's output carries the loss scale into the
 backward (precision.scaled). A "dense" layer becomes a "block": ZeRO-3's hand-made dense gradient
-(strategies/zero_layers.py) would compute in float32.
+(strategies/zero/zero_layers.py) would compute in float32.
 
 reading_stored(model) is the model reading 16-bit stored parameters (ZeRO's mixed-precision layout,
-strategies/zero_mixed.py): each layer casts its parameters to float32 where it reads them.
+strategies/zero/zero_mixed.py): each layer casts its parameters to float32 where it reads them.
 """
 import copy
 import dataclasses
@@ -49,7 +49,7 @@ class Precise(Model):
 
     def lowered_group(self, forward, last):
         """A layer's split_forward or sequence_forward (one array per context of a group) in the
-        precision: what meshes run layer by layer (strategies/mesh_parallel.py, context.py)."""
+        precision: what meshes run layer by layer (strategies/mesh/mesh_parallel.py, context.py)."""
         policy = self.policy
 
         def forward_low(hs, params, join, F=nd):

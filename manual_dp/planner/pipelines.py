@@ -1,4 +1,4 @@
-"""The planner's predictions for pipelines on every schedule of manual_dp.strategies.schedules
+"""The planner's predictions for pipelines on every schedule of manual_dp.strategies.pipeline.schedules
 (GPipe, 1F1B, interleaved 1F1B with V chunks a device, ZB-H1), each times data parallelism: the
 model cut into S V stages (Model.cuts), stage k on device k % S, as PipelineParallel runs them.
 
@@ -23,7 +23,7 @@ backward costs 1.5 backwards there (SplitPass runs the chain twice).
 Communication: per boundary between consecutive stages, per micro-batch, the activation forward and
 its gradient back (S V - 1 boundaries); then each device's gradients all-reduced over dp.
 
-dp x pp x tp (strategies/mesh_parallel.py, Megatron's "3-D parallelism"; the mesh_ functions): the
+dp x pp x tp (strategies/mesh/mesh_parallel.py, Megatron's "3-D parallelism"; the mesh_ functions): the
 same stages, each a tensor group of T contexts split as tensor parallelism splits the whole model
 (planner/sequence.py), with or without +sp.
 Memory per context (rank 0 of a group: the largest share), exactly as MeshParallel.layout and
@@ -69,9 +69,9 @@ from functools import lru_cache
 from .. import costmodel
 from ..lesson import shard_sizes
 from ..memory import FLOAT_BYTES, part_activation_elems, piece_activation_elems
-from ..strategies.context import attention_layers
-from ..strategies.schedules import held, plan, simulate
-from ..strategies.tensor_layout import even_split, held_whole
+from ..strategies.context.context import attention_layers
+from ..strategies.pipeline.schedules import held, plan, simulate
+from ..strategies.tensor.tensor_layout import even_split, held_whole
 from . import sequence
 
 SIMULATED = 256          # devices up to which a pipeline's schedule is simulated (quadratic in S)

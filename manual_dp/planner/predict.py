@@ -18,14 +18,14 @@ Memory, per device, in float32 bytes (4 a number), for a model of N parameters (
     pipeline   P_d + P_d + c P_d    (P_d: the parameters of device d's stages, Model.cuts)
     mesh       (2 + c) x (device d's stages' split parameters / T + their unsplit ones); pp x cp
                with T = 1: the stages' whole parameters
-  zero under --precision bf16|fp16 (strategies/zero_mixed.py, DeepSpeed's layout): the parameters and
+  zero under --precision bf16|fp16 (strategies/zero/zero_mixed.py, DeepSpeed's layout): the parameters and
     gradients above in 2 bytes, the optimiser state c n_i beside a float32 master shard n_i, so
     2N + 2N + 4(1 + c) n_i, 2N + 2 n_i + 4(1 + c) n_i, 2 n_i + 2 n_i + 4(1 + c) n_i bytes
     (adam: 2 + 2 + 12 a parameter, sharded as the stage says); transients in 2 bytes, every layer's
     gradient from autograd (models.precise runs dense layers as blocks; bf16 on a CPU without
     native bf16 sums its pieces on float32 copies, more than priced). Every other
     layout keeps float32 parameters, gradients and state under any precision (PyTorch AMP's layout).
-  ZeRO's transients are counted from strategies/zero_layers.py: the moments of a step (each
+  ZeRO's transients are counted from strategies/zero/zero_layers.py: the moments of a step (each
   layer's fetch; in the backward the layer fetched again, with its whole gradient unless a dense
   layer's is made by hand, a piece at a time; each reduce of a shard's piece) and what each device
   holds then; the moment with the most bytes over all devices is the peak (as ZeroRedundancy's
@@ -74,7 +74,7 @@ from ..fast.collectives import chunk_bounds
 from ..lesson import shard_sizes
 from ..memory import FLOAT_BYTES, stage_activation_elems
 from ..config import PRECISION_BYTES as BYTES
-from ..strategies.zero_layers import hand_made
+from ..strategies.zero.zero_layers import hand_made
 from . import pipelines, sequence
 from .layouts import model_of
 
@@ -113,7 +113,7 @@ def layer_sizes(net):
 
 def zero_moments(stage, net, bounds, by_hand=True):
     """The transient elements each device holds at each moment of a ZeRO 2/3 step, in step order
-    (strategies/zero_layers.py): the largest moment over all devices. by_hand False: no layer's
+    (strategies/zero/zero_layers.py): the largest moment over all devices. by_hand False: no layer's
     gradient is made by hand (a model in a precision: models.precise runs dense layers as blocks)."""
     layers, k, L = layer_sizes(net), len(bounds) - 1, len(net.layers)
     starts = [sum(layers[:l]) for l in range(L + 1)]

@@ -1,7 +1,7 @@
 """The planner's predictions for the layouts that cut the sequence of tokens: context parallelism
-(dp x cp, ring or Ulysses attention; strategies/context.py), context x tensor (dp x cp x tp, a C x T
-grid per replica; strategies/context_tensor.py) and tensor parallelism with and without Megatron's
-sequence parallelism (dp x tp; strategies/tensor.py). Per example counts come from the
+(dp x cp, ring or Ulysses attention; strategies/context/context.py), context x tensor (dp x cp x tp, a C x T
+grid per replica; strategies/context/context_tensor.py) and tensor parallelism with and without Megatron's
+sequence parallelism (dp x tp; strategies/tensor/tensor.py). Per example counts come from the
 model's layers (Layer.acts, Layer.inputs, Model.tensor_traffic); `n` is a group's examples.
 
 Activations per context (elements): exactly what the strategies' layout() prices (memory.py), so
@@ -51,8 +51,8 @@ backward's recomputed scores not counted).
 from .. import costmodel
 from ..fast.collectives import chunk_bounds
 from ..memory import FLOAT_BYTES, stage_activation_elems
-from ..strategies.context import attention_held, attention_layers
-from ..strategies.tensor_layout import held_whole
+from ..strategies.context.context import attention_held, attention_layers
+from ..strategies.tensor.tensor_layout import held_whole
 
 
 def even(n, k):

@@ -28,16 +28,16 @@ import mxnet as mx
 import numpy as np
 
 from .. import memory
-from ..strategies.context import ContextParallel
-from ..strategies.context_tensor import ContextTensorParallel
-from ..strategies.data_parallel import DataParallel
-from ..strategies.mesh_parallel import MeshParallel
-from ..strategies.pipeline import PipelineParallel
-from ..strategies.tensor import TensorParallel
+from ..strategies.context.context import ContextParallel
+from ..strategies.context.context_tensor import ContextTensorParallel
+from ..strategies.data.data_parallel import DataParallel
+from ..strategies.mesh.mesh_parallel import MeshParallel
+from ..strategies.pipeline.pipeline import PipelineParallel
+from ..strategies.tensor.tensor import TensorParallel
 from ..models.precise import Precise
 from ..precision import Policy
-from ..strategies.zero import ZeroRedundancy
-from ..strategies.zero_mixed import MixedZero
+from ..strategies.zero.zero import ZeroRedundancy
+from ..strategies.zero.zero_mixed import MixedZero
 from .predict import net_of, stage_flops
 
 

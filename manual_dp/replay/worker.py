@@ -25,7 +25,7 @@ from ..digests import config_of, read_header
 from ..digests import compare
 from ..errors import CheckpointError, DataError, UsageError
 from ..schedule import lr_at
-from ..strategies.digested import Digested
+from ..strategies.wrappers.digested import Digested
 from .capture import Recorder
 from .rebuild import build, initial_params, load_data, state_before, without_graph
 from .verdict import ReplayError

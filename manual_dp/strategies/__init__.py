@@ -1,14 +1,17 @@
-"""Parallel strategies, one file each, all keeping the contract written in base.py:
+"""Parallel strategies: one contract (base.py), one folder per parallel dimension, the sums policy and
+the wrappers around any strategy. Read in this order:
 
-    base           Strategy: backward, update, step, correct, state_dict ... (read this first)
-    data_parallel  DataParallel: replicas in lock-step; the lesson's step or the fast one
-    accum          GradAccum: N batches, one update, around any strategy
-    async_dp       AsyncDataParallel: a master copy and stale replicas (parameter-server style)
-    stages         LeNet cut in two stages, the boundary copy, GPipe's schedule
-    pipeline       PipelineParallel: model, pipeline (GPipe) and hybrid parallelism
-    zero           ZeroRedundancy: ZeRO stages 1-3, state, gradients, parameters sharded
-    zero_layers    LeNet a layer at a time, for ZeRO stages 2 and 3
-    zero_mixed     MixedZero: ZeRO under bf16/fp16, 16-bit parameters and gradients, float32 masters
-    tensor         TensorParallel: Megatron-style split layers, tensor groups data parallel
-    zero_deterministic  DeterministicZero: --deterministic's fixed tree in ZeRO stages 1-3
+    base.py      Strategy: backward adds, update normalises and zeroes, one shared step (read this first)
+    clipping.py  the global gradient norm, every parameter counted once in any layout (--clip-norm)
+    running.py   BatchNorm's running statistics, shared by every layout that keeps replicas
+    data/        the lesson's step and the fast one; async; local SGD
+    sums/        --deterministic's policy: pieces of every batch added in one fixed tree (imports no layout)
+    zero/        ZeRO stages 1-3, in float32 or 16 bits, and over a mesh's data dimension
+    pipeline/    stages, the four schedules as data, their prices, PipelineParallel
+    tensor/      Megatron's split layers, sequence parallelism, split layers in fixed pieces
+    context/     the sequence cut over contexts: ring and Ulysses attention, cp x tp
+    mesh/        data x pipeline x tensor (or context) at once
+    wrappers/    around any strategy: gradient accumulation, fp16's loss scale, compression, digests
+
+Each folder's docstring lists its own files in reading order.
 """
