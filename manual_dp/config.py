@@ -10,7 +10,6 @@ from typing import Optional
 from .errors import UsageError
 from .fast.runtime import visible_gpus
 
-MODES = ("sync", "async", "model", "pipeline", "hybrid", "zero", "local", "tensor", "context", "mesh")
 MESH_TP = 2                   # --mode mesh: contexts per tensor group unless --tensor-parallel says
 ATTENTIONS = ("ring", "ulysses")                              # --attention (manual_dp/fast/attention.py)
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -118,7 +117,7 @@ class RunConfig:
                              "tensor: Megatron's split layers; context: the sequence cut over the "
                              "contexts (--model transformer); mesh: data x pipeline x tensor at once "
                              "(--stages x --tensor-parallel a pipeline). --mesh lays these out as a grid",
-                "parallelism", choices=MODES)
+                "parallelism")
     mesh: Optional[str] = flag(None, "the contexts as a grid, dp=D,pp=P,cp=C,tp=T (any subset, the product the "
                                      "number of contexts): dp alone is sync (or --mode zero, async, local), "
                                      "dp x tp tensor, dp x pp hybrid, pp model/pipeline, dp x cp context "
@@ -230,44 +229,11 @@ class RunConfig:
                                  "topk:K, powersgd:R (manual_dp/fast/compress.py)", "speed")
 
 
-# Mode defaults, and the modes each mode-specific flag applies to (given elsewhere: refused).
+# Mode defaults (which modes each mode-specific flag applies to: manual_dp/modes.py's table).
 MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "stages": STAGES, "schedule": "gpipe", "zero_stage": 1,
                  "sync_every": 4, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.9,
                  "attention": "ring", "tensor_pieces": TENSOR_PIECES,
                  "sequence_pieces": SEQUENCE_PIECES}
-APPLIES = {
-    "staleness": ("async",),
-    "micro_batches": ("pipeline", "hybrid", "mesh"),
-    "allreduce": ("sync", "hybrid", "local", "tensor", "context", "mesh"),
-    "fuse_grads": ("sync",),
-    "graph": ("sync",),
-    "no_autotune": ("sync",),
-    "deterministic": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
-    "sync_batchnorm": ("sync", "zero"),
-    "tensor_pieces": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "mesh", "context"),
-    "sequence_pieces": ("sync", "context", "tensor", "mesh"),
-    "clip_norm": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
-    "precision": ("sync", "async", "zero", "model", "pipeline", "hybrid", "local", "tensor", "context", "mesh"),
-    "loss_scale": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
-    "scale_window": ("sync", "zero", "model", "pipeline", "hybrid", "tensor", "context", "mesh"),
-    "check_replicas": ("sync", "model", "pipeline", "hybrid", "zero", "local", "tensor", "context", "mesh"),
-    "zero_stage": ("zero", "tensor", "context", "mesh"),
-    "sync_every": ("local",),
-    "outer_optimizer": ("local",),
-    "outer_lr": ("local",),
-    "outer_momentum": ("local",),
-    "stages": ("model", "pipeline", "hybrid", "mesh"),
-    "schedule": ("pipeline", "hybrid", "mesh"),
-    "virtual_stages": ("pipeline", "hybrid", "mesh"),
-    "recompute": ("model", "pipeline", "hybrid"),
-    "bucket_mb": ("sync",),
-    "trace": ("sync",),
-    "tensor_parallel": ("tensor", "mesh", "context"),
-    "sequence_parallel": ("tensor", "mesh"),
-    "context_parallel": ("context", "mesh"),
-    "attention": ("context", "mesh"),
-    "compress": ("sync",),
-}
 # Flags whose default holds only in some of the modes they apply to (elsewhere: off unless given).
 DEFAULT_ONLY_IN = {"zero_stage": ("zero",), "tensor_pieces": ("tensor", "mesh"), "sequence_pieces": ("context",)}      # tensor, context and mesh: ZeRO over the data dimension if asked
 # The model each size flag applies to (given for another: refused), and its default there.
@@ -285,44 +251,6 @@ DEFAULTS_OF_NEWER_KEYS = {"model": "lenet", "layers": None, "d_model": None, "he
                           "sync_batchnorm": False, "clip_norm": None, "precision": "fp32", "scale_window": None,
                           "width": 1, "sync_every": None, "outer_optimizer": None, "outer_lr": None,
                           "outer_momentum": None, "compress": "none"}
-
-
-def resolve(cfg):
-    """`cfg` with every None that the mode decides filled in; refuses flags the mode ignores."""
-    values, defaults = {}, {f.name: f.default for f in fields()}
-    for name, modes in APPLIES.items():
-        given = getattr(cfg, name)
-        if given != defaults[name] and cfg.mode not in modes:
-            raise UsageError(f"--{name.replace('_', '-')} applies only to --mode "
-                             f"{' or '.join(modes)}, not --mode {cfg.mode}")
-        default = MODE_DEFAULTS.get(name, FAST_STEP.get(name, defaults[name]))
-        default = default if cfg.mode in DEFAULT_ONLY_IN.get(name, modes) else None
-        values[name] = given if given is not None else default
-    if not cfg.deterministic:                                # --tensor-pieces orders --deterministic's sums only
-        values["tensor_pieces"] = values["sequence_pieces"] = None
-    elif cfg.mode == "context" and (cfg.tensor_parallel or 1) > 1 and cfg.tensor_pieces is None:
-        values["tensor_pieces"] = TENSOR_PIECES             # cp x tp: split layers in pieces, as --mode tensor's
-    elif cfg.mode == "tensor" and cfg.sequence_parallel and cfg.sequence_pieces is None:
-        values["sequence_pieces"] = SEQUENCE_PIECES         # Megatron-SP: the sequence in pieces, as --mode context's
-    elif cfg.mode == "mesh" and (cfg.context_parallel or 1) > 1:   # lanes in a pipeline: split layers whole
-        values["tensor_pieces"] = cfg.tensor_pieces or 1
-        values["sequence_pieces"] = cfg.sequence_pieces or SEQUENCE_PIECES
-    for name, default in LOSS_SCALE.items():                 # fp16's loss scale, and only fp16's
-        given = getattr(cfg, name)
-        if given is not None and cfg.precision != "fp16":
-            raise UsageError(f"--{name.replace('_', '-')} applies only to --precision fp16 (bf16 and fp32 "
-                             f"need no loss scale)")
-        if cfg.precision == "fp16" and cfg.mode in APPLIES[name]:
-            values[name] = given if given is not None else default
-    kind = cfg.model if cfg.model in MODELS else "PATH.py:FUNCTION"
-    for name, models in MODEL_APPLIES.items():
-        given = getattr(cfg, name)
-        if given != defaults[name] and kind not in models:
-            raise UsageError(f"--{name.replace('_', '-')} applies only to --model {' or '.join(models)}, "
-                             f"not --model {cfg.model}")
-        if given is None and kind in models:
-            values[name] = TRANSFORMER[name]
-    return dataclasses.replace(cfg, **values)
 
 
 def fields():

@@ -15,7 +15,7 @@ parallelism, cp x tp), pipelines.py (schedules, dp x pp x tp, and with cp) (docs
 import os
 from pathlib import Path
 
-from . import config
+from . import config, modes
 from .checks import check_model, parse_bytes
 from .cli.options import OneLineParser
 from .cli.output import ends_on_signals, parsed_or_exit
@@ -92,7 +92,7 @@ def model_sizes(args):
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {sizes[flag]}")
     cfg = RunConfig(**sizes)
     check_model(cfg)
-    cfg = config.resolve(cfg)
+    cfg = modes.resolve(cfg)
     for k in sizes:
         setattr(args, k, getattr(cfg, k))
     return args

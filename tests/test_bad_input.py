@@ -165,7 +165,7 @@ FLAGS = [
     ("tensor T=3 of 4 contexts", ["--cpus", "4", "--mode", "tensor", "--tensor-parallel", "3"], 2,
      "--tensor-parallel 3 does not divide the 4 contexts"),
     ("tensor-parallel in sync", ["--cpus", "4", "--tensor-parallel", "2"], 2,
-     "--tensor-parallel applies only to --mode tensor or mesh or context, not --mode sync"),
+     "--tensor-parallel applies only to --mode tensor or context or mesh, not --mode sync"),
     ("tensor-parallel 0", ["--mode", "tensor", "--tensor-parallel", "0"], 2, "--tensor-parallel must be >= 1"),
     ("compress topk:0", ["--compress", "topk:0"], 2, "--compress topk:0: the argument must be positive"),
     ("compress powersgd:0", ["--compress", "powersgd:0"], 2, "--compress powersgd:0: the argument must be positive"),

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from manual_dp.bench.modes import strategies
-from manual_dp.config import MODES
+from manual_dp.modes import MODES
 
 
 def test_every_mode_is_timed_beside_sync(tmp_path):

@@ -274,7 +274,8 @@ def test_zero_over_dp_across_processes_is_refused_in_one_line(stage):
     """Every process would shard over its own contexts only: refused before anything is built (the
     trainer prints the UsageError as one line and exits 2)."""
     from manual_dp.cli.build import build_model
-    from manual_dp.config import RunConfig, resolve
+    from manual_dp.config import RunConfig
+    from manual_dp.modes import resolve
     from manual_dp.errors import UsageError
     from manual_dp.multiprocess.world import World
 

@@ -15,7 +15,8 @@ from mxnet import autograd, nd
 
 from manual_dp import memory
 from manual_dp.cli import memcheck
-from manual_dp.config import LESSON_STEP, RunConfig, resolve
+from manual_dp.config import LESSON_STEP, RunConfig
+from manual_dp.modes import resolve
 from manual_dp.errors import UsageError
 from manual_dp.fast import memtrack
 from manual_dp.lesson import lenet_shapes

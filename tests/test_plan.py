@@ -127,7 +127,7 @@ def test_table_on_a_fixed_cost_model():
 def test_every_runnable_layout_s_flags_are_accepted():
     from manual_dp.cli.options import parse
     from manual_dp.checks import check_layout
-    from manual_dp.config import MODES
+    from manual_dp.modes import MODES
     for l in enumerate_layouts(4, 256):
         if mode(l) in MODES:
             cfg = parse(train_flags(l).split() + ["--batch-size", "256"])

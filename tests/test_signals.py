@@ -67,7 +67,8 @@ def test_the_memory_probe_ends_with_the_trainer_however_it_is_stopped(data_dir, 
 def test_an_interrupted_read_of_probes_ends_them():
     """In a process that lives on (a notebook catching Ctrl-C), run_probes kills its probes."""
     from manual_dp.cli import memcheck
-    from manual_dp.config import RunConfig, resolve
+    from manual_dp.config import RunConfig
+    from manual_dp.modes import resolve
     started = []
     real = memcheck.start_probe
     cfg = resolve(RunConfig(cpus=1, width=16))

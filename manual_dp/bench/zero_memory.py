@@ -26,7 +26,8 @@ import numpy as np
 
 from ..cli.options import OneLineParser, positive
 from ..cli.output import ends_on_signals, parsed_or_exit
-from ..config import ZERO_MEMORY, RunConfig, resolve
+from ..config import ZERO_MEMORY, RunConfig
+from ..modes import resolve
 
 NAMES = ("sync", "zero1", "zero2", "zero3")
 KINDS = ("param", "grad", "state")

@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 
-from .. import checks, config, memory
+from .. import checks, config, memory, modes
 from ..errors import UsageError
 from ..fast import autotune
 from ..multiprocess.world import World
@@ -53,9 +53,9 @@ def peak(report):
 def as_mode(cfg, mode):
     """`cfg` in `mode`, its mode-specific flags back to their defaults, resolved; None if the
     mode cannot run these settings."""
-    defaults = {f.name: f.default for f in config.fields() if f.name in config.APPLIES}   # mode-specific
+    defaults = {f.name: f.default for f in config.fields() if f.name in modes.FLAGS}   # mode-specific
     try:
-        return config.resolve(dataclasses.replace(cfg, mode=mode, **defaults))
+        return modes.resolve(dataclasses.replace(cfg, mode=mode, **defaults))
     except UsageError:
         return None
 
@@ -121,7 +121,7 @@ def probe_modes(cfg, kind, n):
     model with running statistics: the modes that carry them, checks.check_running), each measured
     in its own fresh process (started together, read in turn), LeNet's graph padded as by default."""
     probes = {}
-    for mode in config.MODES:
+    for mode in modes.MODES:
         other = as_mode(cfg, mode)
         try:
             if other:

@@ -5,7 +5,8 @@ import dataclasses
 import typing
 
 from ..checks import check, check_layout, check_model
-from ..config import RunConfig, device_request, fields, resolve
+from ..config import RunConfig, device_request, fields
+from ..modes import MODES, resolve
 from ..errors import UsageError
 from ..mesh import Mesh, mode_of
 
@@ -47,8 +48,9 @@ def add_flag(group, f):
         action = "store_true" if f.default is False else argparse.BooleanOptionalAction
         group.add_argument(name, action=action, default=f.default, help=f.metadata["help"])
     else:
+        choices = {"choices": MODES} if f.name == "mode" else {}     # the table's modes
         group.add_argument(name, type=kind, default=f.default, help=f.metadata["help"],
-                           **f.metadata["argparse"])
+                           **f.metadata["argparse"], **choices)
 
 
 def build_parser(prog="python -m manual_dp.train"):

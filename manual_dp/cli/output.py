@@ -8,14 +8,13 @@ import tempfile
 from pathlib import Path
 
 
-SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1"}
+from .. import modes
 from ..errors import Terminated, UsageError
 from ..fast.runtime import environment_problem
 
 # What --zero-stage shards over a mesh's data dimension (strategies/zero/dp_zero.py); stage 3's parameters are
 # all-gathered whole for a step's forward and backward, an evaluation or a checkpoint, and dropped after.
-DP_SHARDED = {1: "optimiser state", 2: "optimiser state and gradients",
-              3: "optimiser state, gradients and parameters"}
+DP_SHARDED = modes.SHARDED
 
 
 def write_atomic(path, text):
@@ -57,81 +56,17 @@ class Progress:
 
 def describe(cfg):
     """One line on what the mode does with these settings."""
-    line = {"sync": f"sync: replicas in lock-step, gradients all-reduced ({cfg.allreduce}"
-                    f"{', fused' if cfg.fuse_grads else ''}{', cached graph' if cfg.graph and not cfg.sync_batchnorm else ''}"
-                    f"{f', buckets of {cfg.bucket_mb:g} MB overlapping backward' if cfg.bucket_mb is not None else ''})",
-            "async": f"async: master on the first context, replicas up to {cfg.staleness} updates stale",
-            "model": "model: convs on the first context, dense layers on the second" if (cfg.stages or 2) == 2
-                     else "model: one stage per context",
-            "pipeline": f"pipeline: model split, {cfg.micro_batches} micro-batches on "
-                        f"{SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule",
-            "hybrid": f"hybrid: data parallel over {cfg.stages or 2}-stage pipelines, {cfg.micro_batches} micro-batches "
-                      f"each ({'the fixed tree' if cfg.deterministic else cfg.allreduce})",
-            "zero": f"zero: ZeRO stage {cfg.zero_stage}, " + {
-                1: "optimiser state", 2: "optimiser state and gradients",
-                3: "optimiser state, gradients and parameters"}.get(cfg.zero_stage, "") + " sharded over the contexts",
-            "local": f"local: replicas step alone, every {cfg.sync_every} steps their average change is "
-                     f"applied by outer {cfg.outer_optimizer} lr {cfg.outer_lr}"
-                     + (f" momentum {cfg.outer_momentum}" if cfg.outer_optimizer == "nesterov" else "")
-                     + f" ({cfg.allreduce})",
-            "tensor": f"tensor: layers split over {cfg.tensor_parallel or 'all'} context(s) per tensor "
-                      f"group (Megatron's f and g, {cfg.allreduce}), groups data parallel",
-            "mesh": f"mesh: {cfg.stages or 2}-stage pipelines of {cfg.tensor_parallel or 2}-context tensor groups, "
-                    f"{cfg.micro_batches} micro-batches on {SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule, "
-                    f"pipelines data parallel ({cfg.allreduce})",
-            "context": f"context: every sequence cut over {cfg.context_parallel or 'all'} context(s) per group, "
-                       f"{cfg.attention} attention between the blocks, groups data parallel ({cfg.allreduce})",
-            }[cfg.mode]
-    if cfg.deterministic and cfg.mode == "sync":
-        line = ("sync, deterministic: pieces of the batch added in one fixed tree, the same bits on any "
-                "number of contexts and processes")
-    if cfg.deterministic and cfg.mode == "zero":
-        line = (f"zero, deterministic: ZeRO stage {cfg.zero_stage}, pieces of the batch added in one "
-                "fixed tree, each shard's sum on its context, the same bits on any number of contexts "
-                "and processes")
-    if cfg.deterministic and cfg.mode in ("model", "pipeline", "hybrid"):
-        line += (", deterministic: each stage's gradients per piece of the batch, added in the fixed tree "
-                 "of --deterministic --mode sync: its bits on any cut, schedule and replica count")
-    if cfg.deterministic and cfg.mode == "tensor":
-        line = (f"tensor, deterministic: layers split over {cfg.tensor_parallel or 'all'} context(s) per "
-                f"tensor group in {cfg.tensor_pieces} fixed pieces, pieces of the batch and of the split "
-                f"layers added in fixed trees: the bits of every layout given --tensor-pieces {cfg.tensor_pieces}"
-                + (f" --sequence-pieces {cfg.sequence_pieces}: the sequence parallel regions in {cfg.sequence_pieces} "
-                   f"fixed pieces of the sequence, each on one context, their layer norms' gradients added in the "
-                   f"tree" if cfg.sequence_parallel else ""))
-    if cfg.deterministic and cfg.mode == "mesh":
-        line = (f"mesh, deterministic: {cfg.stages or 2}-stage pipelines of {cfg.tensor_parallel or 2}-context "
-                f"tensor groups, every split layer in {cfg.tensor_pieces} fixed pieces, {cfg.micro_batches} "
-                f"micro-batches of whole batch pieces on {SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule, "
-                f"each stage's gradients per piece added in the fixed tree: the bits of every layout given "
-                f"--tensor-pieces {cfg.tensor_pieces}")
-    if cfg.deterministic and cfg.mode == "mesh" and (cfg.context_parallel or 1) > 1:
-        line = (f"mesh, deterministic: {cfg.stages or 2}-stage pipelines of {cfg.context_parallel}-context "
-                f"context-parallel groups, every sequence in {cfg.sequence_pieces} fixed pieces ({cfg.attention} "
-                f"attention folding them in one order), {cfg.micro_batches} micro-batches of whole batch pieces on "
-                f"{SCHEDULE_NAMES.get(cfg.schedule, 'GPipe')}'s schedule, each stage's gradients per piece added in "
-                f"the fixed trees: the bits of every layout given --sequence-pieces {cfg.sequence_pieces}")
-    if cfg.deterministic and cfg.mode == "context":
-        tp = (cfg.tensor_parallel or 1) > 1
-        line = (f"context, deterministic: every sequence in {cfg.sequence_pieces} fixed pieces over "
-                f"{cfg.context_parallel or 'all'} context(s) per group, {cfg.attention} attention folding them in "
-                + (f"one order, each piece's split layers in {cfg.tensor_pieces} fixed pieces over "
-                   f"{cfg.tensor_parallel} tensor context(s), " if tp else "one order, ")
-                + f"their sums and the batch's pieces added in fixed trees: the bits of every layout given "
-                f"--sequence-pieces {cfg.sequence_pieces}" + (f" --tensor-pieces {cfg.tensor_pieces}" if tp else ""))
+    line = modes.of(cfg).describe(cfg)
     line += (f", the sequence in {cfg.sequence_pieces} fixed pieces (--sequence-pieces: the bits of --mode context "
              f"with any --context-parallel dividing it)" if (cfg.sequence_pieces or 1) > 1
-             and cfg.mode not in ("context", "tensor", "mesh") else "")
+             and not modes.of(cfg).splits else "")
     line += (f", every split layer in {cfg.tensor_pieces} fixed pieces (--tensor-pieces: the bits of --mode "
              + ("context" if (cfg.sequence_pieces or 1) > 1 else "tensor") + " with any --tensor-parallel dividing it)"
-             if (cfg.tensor_pieces or 1) > 1 and cfg.mode not in ("tensor", "mesh", "context") else "")
+             if (cfg.tensor_pieces or 1) > 1 and not modes.of(cfg).splits else "")
     line += ", the sequence cut between the split layers (sequence parallel)" if cfg.sequence_parallel \
         and not cfg.deterministic else ""
     line += (f", {DP_SHARDED.get(cfg.zero_stage)} sharded over the data dimension (ZeRO-{cfg.zero_stage})"
              if cfg.zero_stage and cfg.mode != "zero" else "")
-    line += (f", {cfg.precision} parameters and gradients kept, float32 master weights beside the optimiser "
-             f"state (strategies/zero/zero_mixed.py)") if cfg.mode == "zero" and cfg.precision != "fp32" \
-        and not cfg.deterministic else ""
     line += ", BatchNorm statistics over every context" if cfg.sync_batchnorm else ""
     line += f", gradients clipped to a global norm of {cfg.clip_norm:g}" if cfg.clip_norm else ""
     return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
@@ -141,7 +76,7 @@ def describe(cfg):
 def pipeline_settings(cfg):
     """What --stages, --schedule and --recompute change, if given."""
     return ((f", {cfg.stages} stages" if (cfg.stages or 2) != 2 and cfg.mode != "hybrid" else "")
-            + (f", {SCHEDULE_NAMES[cfg.schedule]} schedule" if cfg.schedule in SCHEDULE_NAMES and cfg.mode == "hybrid" else "")
+            + (f", {modes.SCHEDULE_NAMES[cfg.schedule]} schedule" if cfg.schedule in modes.SCHEDULE_NAMES and cfg.mode == "hybrid" else "")
             + (f", {cfg.virtual_stages} chunks a context" if (cfg.virtual_stages or 1) > 1 else "")
             + (", activations recomputed in the backward" if cfg.recompute else ""))
 
