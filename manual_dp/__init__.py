@@ -1,10 +1,45 @@
-"""manual_dp: parallel training of LeNet on MXNet, written by hand.
+"""manual_dp: parallel training on MXNet device contexts, written by hand.
 
-Read it in this order (the README has the whole path): lesson, strategies/base, strategies/
-data/, fast/, the other strategies' folders, loop, cli/, multiprocess/. The names below are
-imported lazily, so `import manual_dp` loads no MXNet; it does one thing: put the thread settings
-for the default devices in the environment before MXNet loads (manual_dp.fast.runtime.on_import),
-so that a notebook runs as fast as the command line.
+The names of `__all__` (_EXPORTS, after this docstring) are imported lazily, so `import manual_dp`
+loads no MXNet; it does one thing: put the thread settings for the default devices in the
+environment before MXNet loads (manual_dp.fast.runtime.on_import), so that a notebook runs as fast
+as the command line.
+
+Read it in this order (each folder's docstring lists its own files in reading order):
+
+    lesson.py         the lesson, "multiple GPUs from scratch", top to bottom: everything else builds on it
+    strategies/       the strategy contract (base.py), one folder per parallel dimension, the wrappers
+    models/           the model contract (contract.py) and the models every strategy can train
+    fast/             the same step, faster: collectives, flat buffers, the cached graph, thread settings
+    errors.py         the errors a run can end with, for the library and the command line alike
+    config.py         every default of a training run, in one place: RunConfig
+    checks.py         the checks of a run's settings that need no device, file or MXNet
+    optim.py          optimisers written by hand: state per parameter, living where the parameter lives
+    schedule.py       learning-rate schedules, per update: linear scaling and linear warm-up
+    precision.py      mixed precision: float32 master weights, products in bf16 or fp16, fp16's loss scale
+    mesh.py           an N-D device mesh: the contexts as a grid whose dimensions are kinds of parallelism
+    data.py           Fashion-MNIST: find the IDX files, verify and load them, iterate in memory
+    loop.py           the training loop around any strategy: epochs of steps, evaluation, a record per epoch
+    checkpoint.py     checkpoints: everything needed to continue a run, checked as a whole when read back
+    replicas.py       are the replicas still identical? checksums of every copy of every parameter
+    memory.py         bytes per context: the peak one training step holds on each context, by kind
+    digests.py        --digests FILE: per update, a fingerprint of every gradient, parameter and state
+    diverge.py        `python -m manual_dp.diverge A B`: where two runs part, from their --digests files
+    replay/           `diverge A B --replay`: where inside one update two runs part
+    cli/              the command line around the library: flags, one run, its output
+    train.py          `python -m manual_dp.train [flags]`: train from the command line
+    multiprocess/     more than one process: Horovod, MXNet's parameter server, the launcher
+    launch.py         `python -m manual_dp.launch [options] -- COMMAND...` (multiprocess/launcher, elastic)
+    flight.py         `python -m manual_dp.flight DIR`: where the ranks of a job part, from flight records
+    measure.py        measuring all-reduce: microseconds and GB/s beside the copy bound and the memory floor
+    flops.py          how much arithmetic LeNet needs, and how much this machine can do
+    costmodel.py      cost model of a data-parallel step: compute, then an all-reduce over links
+    costmodel_cpu.py  cost model of an all-reduce over the CPU contexts of one machine
+    minimax.py        the best fit by the worst error: a small linear programme
+    timeline.py       `python -m manual_dp.timeline TRACE -o timeline.png`: a --trace as a Gantt chart
+    bench/            `python -m manual_dp.bench` and its siblings: measurements side by side
+    plan.py           `python -m manual_dp.plan`: every layout of N devices, predicted; the fastest that fits
+    planner/          the planner's layouts, predictions, table and --verify
 """
 import importlib
 

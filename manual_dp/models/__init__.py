@@ -1,6 +1,17 @@
 """The models every strategy can train, each described by the contract in models/contract.py:
 `build(name, ...)` makes one from the command line's sizes; `as_model` gives the strategies the
-model they were handed (or, when none was, the lesson's LeNet of the parameters' width)."""
+model they were handed (or, when none was, the lesson's LeNet of the parameters' width).
+
+    contract.py     the model contract: how a network describes itself to the parallel code
+    lenet.py        the lesson's LeNet under the contract: the lesson's own forward functions
+    mlp.py          a multilayer perceptron: the image flattened, dense layers with ReLU
+    transformer.py  a small vision transformer for Fashion-MNIST, written with MXNet operators
+    batchnorm.py    batch normalisation by hand: the statistics a forward uses, the running ones it leaves
+    resnet.py       d2l's ResNet-18 with BatchNorm, channels scaled to train on CPU contexts
+    dropout.py      dropout whose masks no layout changes: drawn per (batch, example), never per context
+    gluon_block.py  the user's own Gluon block under the contract (--model PATH.py:FUNCTION)
+    precise.py      a model in a precision: the same layers, their products in bf16 or fp16
+"""
 from .contract import Model
 
 MODELS = ("lenet", "mlp", "transformer", "resnet")   # or PATH.py:FUNCTION, the user's own Gluon block
