@@ -4,7 +4,8 @@ one line; the defaults and tables they read are manual_dp.config's."""
 import math
 import re
 
-from .config import COMPRESSORS, GATHERED, MAX_STAGES, MESH_TP, MODELS, STAGES
+from . import modes
+from .config import COMPRESSORS, GATHERED, MAX_STAGES, MODELS, STAGES
 from .errors import UsageError
 
 
@@ -92,7 +93,7 @@ def check_model(cfg):
         check_running(cfg, True)
     elif cfg.model in MODELS:                          # a user's block is checked once it is built
         check_running(cfg, False)
-    if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and cfg.mode in ("pipeline", "hybrid", "mesh"):
+    if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and "virtual_stages" in modes.of(cfg).flags:
         raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
     if cfg.sequence_parallel and cfg.deterministic and cfg.mode == "mesh":
         raise UsageError("--sequence-parallel --deterministic: --mode tensor only, not --mode mesh (a pipeline's "
@@ -103,21 +104,20 @@ def check_model(cfg):
             "not cp with tp or --tensor-pieces in a pipeline (a lane's split layers are not cut in the fixed pieces "
             "in pipeline stages yet)" if cp_tp else "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
     check_sequence_pieces(cfg)
-    if cfg.mode == "mesh" and cfg.model != "transformer":
+    if modes.of(cfg).sequence and cfg.model != "transformer":
         raise UsageError(f"--mode mesh (tp x pp) needs layers that split on their own: --model transformer, not "
-                         f"--model {cfg.model}")
-    if cfg.mode == "context" and cfg.model != "transformer":
-        raise UsageError(f"--mode context cuts a sequence of tokens over the contexts: --model transformer has "
+                         f"--model {cfg.model}" if modes.of(cfg).stages else
+                         f"--mode {cfg.mode} cuts a sequence of tokens over the contexts: --model transformer has "
                          f"one, --model {cfg.model} does not")
-    if cfg.deterministic and cfg.mode in UNREACHED:
-        raise UsageError(f"--deterministic --mode {cfg.mode}: {UNREACHED[cfg.mode]}")
+    if cfg.deterministic and modes.of(cfg).deterministic:
+        raise UsageError(f"--deterministic --mode {cfg.mode}: {modes.of(cfg).deterministic}")
 
 
 def check_running(cfg, running):
     """UsageError where --model's running statistics (BatchNorm's; `running`: whether it keeps any)
     meet a mode or flag that does not carry them, or --sync-batchnorm a model without them or
     under --mode async."""
-    carried = ("sync", "async", "zero", "local", "model", "pipeline", "hybrid", "tensor")
+    carried = tuple(name for name, mode in modes.TABLE.items() if not mode.running)
     if running and cfg.deterministic and (cfg.sync_batchnorm or cfg.mode == "tensor" or (cfg.tensor_pieces or 1) > 1):
         raise UsageError(f"--deterministic with BatchNorm (--model {cfg.model}) normalises each piece with its own "
                          f"statistics, carried in its leaf; not " +
@@ -128,28 +128,15 @@ def check_running(cfg, running):
         raise UsageError("--sync-batchnorm: not --backend dist_async, whose servers add each worker's changes and "
                          "sum no batch across workers")
     if running and cfg.mode not in carried:
-        raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode sync, async, "
-                         f"zero, local, model, pipeline, hybrid and tensor carry, not --mode {cfg.mode}: "
-                         f"{RUNNING_REFUSED.get(cfg.mode, 'not yet')}")
+        raise UsageError(f"--model {cfg.model} keeps BatchNorm's running statistics, which --mode "
+                         f"{', '.join(carried[:-1])} and {carried[-1]} carry, not --mode {cfg.mode}: "
+                         f"{modes.of(cfg).running}")
     if cfg.sync_batchnorm and not running:
         raise UsageError(f"--sync-batchnorm applies to models with BatchNorm (--model resnet, a Gluon block with "
                          f"BatchNorm children), not --model {cfg.model}")
     if cfg.sync_batchnorm and cfg.mode == "async":
         raise UsageError("--sync-batchnorm: not --mode async, whose replicas are of different ages: statistics "
                          "summed across them are not one batch's")
-
-
-RUNNING_REFUSED = {     # why a model with BatchNorm is refused by a mode, where there is more to say than "not yet"
-    "mesh": "it lays out the transformer, whose blocks have no BatchNorm",
-    "context": "it cuts a sequence of tokens, which only the transformer (no BatchNorm) has",
-}
-PIPELINES = ("model", "pipeline", "hybrid")
-# The modes --deterministic cannot bring to one context's bits, and why (strategies/sums/fixed_sums.py).
-UNREACHED = {
-    "async": "stale replicas compute other gradients than one context by design; use --mode sync",
-    "local": "local SGD averages the replicas' parameters, not their gradients, so its rounding differs "
-             "from one context's even at --sync-every 1; use --mode sync",
-}
 
 
 def check_sequence_pieces(cfg):
@@ -186,8 +173,7 @@ def check_layout(cfg, n_contexts, n_processes=1):
     if cfg.mode in ("model", "pipeline") and n != S:
         raise UsageError(f"--mode {cfg.mode} needs exactly {S} contexts (one per stage of --stages {S}), "
                          f"got {n}: use --cpus {S} or --mode hybrid")
-    C = cfg.context_parallel or 1
-    T = C * (cfg.tensor_parallel or 1) if C > 1 else cfg.tensor_parallel or MESH_TP   # a mesh stage's group
+    C, T = cfg.context_parallel or 1, modes.mesh_group(cfg)          # a mesh stage's group
     if cfg.mode == "mesh" and n % (S * T):
         group = "--tensor-parallel" if C == 1 else "--context-parallel" if T == C else \
             "--context-parallel x --tensor-parallel"
@@ -195,8 +181,7 @@ def check_layout(cfg, n_contexts, n_processes=1):
     if cfg.mode == "hybrid" and n % S:
         raise UsageError(f"--mode hybrid needs a multiple of {S} contexts (replicas x {S} "
                          f"stages), got {n}")
-    replicas = (n // S if cfg.mode in ("model", "pipeline", "hybrid") else n // (S * T) if cfg.mode == "mesh"
-                else n) * n_processes
+    replicas = modes.of(cfg).replicas(cfg, n) * n_processes
     if cfg.batch_size < replicas:
         raise UsageError(f"--batch-size {cfg.batch_size} is smaller than the {replicas} devices it is "
                          f"split over")
@@ -228,8 +213,7 @@ def check_layout(cfg, n_contexts, n_processes=1):
                          f"--context-parallel {cfg.context_parallel} does not divide them (give --sequence-pieces "
                          f"a multiple of {cfg.context_parallel})")
     if cfg.mode in ("tensor", "mesh") and cfg.deterministic:
-        mesh_tp = 1 if (cfg.context_parallel or 1) > 1 else MESH_TP
-        check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or (n if cfg.mode == "tensor" else mesh_tp),
+        check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or (n if cfg.mode == "tensor" else modes.mesh_tp(cfg)),
                             cfg.mode)
     if (cfg.tensor_pieces or 1) > 1 and cfg.model == "lenet":
         for what, size in tensor_split_sizes(cfg.width).items():

@@ -163,7 +163,7 @@ MODEL = ["--model", "transformer", "--layers", "1", "--d-model", "16", "--heads"
                                                                       "pipeline"),
     (["--cpus", "1", "--sequence-pieces", "4"], "--sequence-pieces fixes the order of --deterministic's sums"),
     (["--cpus", "2", "--mode", "zero", "--deterministic", "--sequence-pieces", "2"],
-     "--sequence-pieces applies only to --mode sync or context"),
+     "--sequence-pieces applies only to --mode sync or tensor or context"),
 ])
 def test_cli_refusals_are_one_line(capsys, data_dir, argv, match):
     code, _, err = run_main(capsys, [*argv, *MODEL, "--data-dir", str(data_dir)])
