@@ -37,8 +37,25 @@ TENSOR_PIECES = 4             # --deterministic --mode tensor's default --tensor
 SEQUENCE_PIECES = 4           # --deterministic --mode context's default --sequence-pieces: pieces of the sequence, whatever C
 
 
-def flag(default, help, group="training", **argparse):
-    """A RunConfig field: its default, its --help text, its group in --help, argparse extras."""
+# The groups of --help and the sections of a --config file, in their order: {name: what its flags decide}.
+GROUPS = {
+    "devices": "which devices train, and how much memory each may hold",
+    "model": "the network and its sizes",
+    "data": "where Fashion-MNIST is, and how much of it to use",
+    "parallelism": "how the contexts share the work: the mode, its layout, its sums and its collectives",
+    "precision": "the precision of the products",
+    "optimisation": "epochs, batches, the learning rate and its schedule, the update",
+    "checkpoints": "a checkpoint every epoch, and continuing from it",
+    "output": "what the run writes and shows besides its checkpoints",
+    "processes": "more than one process (see docs/multi-machine.md)",
+}
+EXCLUSIVE = ("gpus", "cpus")          # flags of which a run is given one at most
+
+
+def flag(default, help, group, **argparse):
+    """A RunConfig field: its default, its --help text, its group of GROUPS, argparse extras."""
+    if group not in GROUPS:
+        raise ValueError(f"flag group {group!r} is not one of {', '.join(GROUPS)}")
     return field(default=default, metadata=dict(help=help, group=group, argparse=argparse))
 
 
@@ -48,18 +65,14 @@ class RunConfig:
     gpus: Optional[int] = flag(None, "train on gpu(0..N-1) (default: every GPU, else 2 CPU contexts)",
                                "devices")
     cpus: Optional[int] = flag(None, "train on cpu(0..N-1)", "devices")
-    epochs: int = flag(10, "passes over the training set")
-    batch_size: int = flag(256, "global batch, split over the contexts")
-    lr: float = flag(0.05, "learning rate")
-    optimizer: str = flag("momentum", "update rule (momentum: SGD with momentum 0.9)",
-                          choices=OPTIMIZERS)
-    init_scale: Optional[float] = flag(None, "std of normal(0, s) weights; default He init; "
-                                             "0.01 is the lesson's")
-    seed: int = flag(0, "seeds the initial weights and the data order")
+    memory_per_device: Optional[str] = flag(None, "emulate devices of this many bytes (300MiB, 2G: K, M, "
+                                                  "G of 1000, KiB, MiB, GiB of 1024): refuse, before training, a layout whose "
+                                                  "measured peak on a context exceeds it, and name the modes "
+                                                  "that fit (manual_dp/memory.py)", "devices")
     model: str = flag("lenet", "the network: lenet, mlp, transformer (a small vision transformer), or "
                                "PATH.py:FUNCTION, a function returning your own Gluon HybridBlock "
                                "(manual_dp/models/)", "model")
-    width: int = flag(1, "lenet and mlp: multiply the channels and hidden units (LeNet's 20, 50, 128) by W: "
+    width: int = flag(1, "lenet, mlp and resnet: multiply the channels and hidden units (LeNet's 20, 50, 128) by W: "
                          "parameters, gradients, optimiser state and activations grow (W=16: 32.6M "
                          "parameters)", "model")
     layers: Optional[int] = flag(None, f"transformer: blocks (default {TRANSFORMER['layers']})", "model")
@@ -73,10 +86,80 @@ class RunConfig:
                                "units at every dropout site while training, with masks drawn per (batch, "
                                "example), the same in every layout, micro-batching, recompute and resume "
                                "(manual_dp/models/dropout.py)", "model")
+    init_scale: Optional[float] = flag(None, "std of normal(0, s) weights; default He init; "
+                                             "0.01 is the lesson's", "model")
+    data_dir: Optional[str] = flag(None, "directory with the four Fashion-MNIST IDX .gz files "
+                                         "(default: $MANUAL_DP_DATA, then Debian's package, then "
+                                         "MXNet's cache)", "data")
+    train_size: Optional[int] = flag(None, "use only the first N training examples", "data")
+    test_size: Optional[int] = flag(None, "use only the first N test examples", "data")
+    mode: str = flag("sync", "sync: data parallel; async: parameter server with stale replicas; "
+                             "model: convs on one context, dense layers on the next; pipeline: "
+                             "model + GPipe micro-batches; hybrid: data parallel over 2-context "
+                             "pipelines; zero: data parallel with ZeRO's sharding (--zero-stage); "
+                             "local: local SGD / DiLoCo, replicas meet every --sync-every steps; "
+                             "tensor: Megatron's split layers; context: the sequence cut over the "
+                             "contexts (--model transformer); mesh: data x pipeline x tensor at once "
+                             "(--stages x --tensor-parallel a pipeline). --mesh lays these out as a grid",
+                "parallelism")
+    mesh: Optional[str] = flag(None, "the contexts as a grid, dp=D,pp=P,cp=C,tp=T (any subset, the product the "
+                                     "number of contexts): dp alone is sync (or --mode zero, async, local), "
+                                     "dp x tp tensor, dp x pp hybrid, pp model/pipeline, dp x cp context "
+                                     "(manual_dp/mesh.py)", "parallelism")
+    staleness: Optional[int] = flag(None, "async only: replicas refreshed every S+1 updates "
+                                          "(default 0)", "parallelism")
+    zero_stage: Optional[int] = flag(None, "zero: ZeRO shards over the contexts 1: the optimiser state, "
+                                           "2: also the gradients, 3: also the parameters (default 1); tensor, "
+                                           "context, mesh: 1 shards the optimiser state over the data dimension, "
+                                           "2 also the gradients, 3 also the parameters (default off)",
+                                     "parallelism", choices=(1, 2, 3))
+    sync_every: Optional[int] = flag(None, "local only: inner optimiser steps each replica takes on its own "
+                                           "shards between syncs (H; default 4)", "parallelism")
+    outer_optimizer: Optional[str] = flag(None, "local only: what applies the averaged change at a sync "
+                                                "(default sgd; nesterov as in DiLoCo)", "parallelism",
+                                          choices=("sgd", "nesterov"))
+    outer_lr: Optional[float] = flag(None, "local only: the outer optimiser's learning rate (default 1: "
+                                           "sgd then averages the replicas)", "parallelism")
+    outer_momentum: Optional[float] = flag(None, "local with --outer-optimizer nesterov only: its momentum "
+                                                 "(default 0.9)", "parallelism")
+    stages: Optional[int] = flag(None, "model, pipeline, hybrid and mesh: the model's layers cut into S "
+                                       "stages balanced by their FLOPs, one context each, S up to the layer "
+                                       "count (LeNet: 2 convs | dense, ... 4 conv1 | conv2 | dense1 | dense2; "
+                                       "default 2)", "parallelism")
+    micro_batches: Optional[int] = flag(None, "pipeline, hybrid and mesh only: micro-batches per batch and "
+                                              "pipeline (default 4)", "parallelism")
+    schedule: Optional[str] = flag(None, "pipeline, hybrid and mesh: gpipe (every forward, then every backward), "
+                                         "1f1b (one forward, one backward: stage s holds at most S - s "
+                                         "micro-batches), interleaved (--virtual-stages chunks a context, "
+                                         "bubble / V) or zb-h1 (backward split into input and weight "
+                                         "gradients, W fills the bubble) (default gpipe; "
+                                         "manual_dp/strategies/pipeline/schedules.py)", "parallelism",
+                                   choices=SCHEDULES)
+    virtual_stages: Optional[int] = flag(None, "pipeline, hybrid and mesh with --schedule interleaved: chunks of layers "
+                                               "each context holds, the model cut into S x V stages (default 2)",
+                                         "parallelism")
+    recompute: bool = flag(False, "model, pipeline and hybrid: keep only each stage's input per "
+                                  "micro-batch, recompute its activations in the backward (less memory, "
+                                  "more time)", "parallelism")
+    tensor_parallel: Optional[int] = flag(None, "tensor, mesh and context: contexts per tensor group, each "
+                                                "holding a 1/T shard of every split layer; the groups are "
+                                                "data parallel (default: every context, one group; mesh 2)",
+                                          "parallelism")
+    sequence_parallel: bool = flag(False, "tensor and mesh, --model transformer: Megatron's sequence parallelism: "
+                                          "between the split layers each context keeps 1/T of the tokens "
+                                          "(all-gather before a column-parallel layer, reduce-scatter after a "
+                                          "row-parallel one, instead of all-reduces)", "parallelism")
+    context_parallel: Optional[int] = flag(None, "context and mesh: contexts per context-parallel group, each "
+                                                 "holding a 1/C block of every sequence; the groups are data "
+                                                 "parallel (default: every context, one group)", "parallelism")
+    attention: Optional[str] = flag(None, "context and mesh: how the blocks of a sequence attend to each other: ring "
+                                          "(key and value blocks passed round, online softmax) or ulysses "
+                                          "(all-to-all to head groups and back) (default ring)",
+                                    "parallelism", choices=ATTENTIONS)
     deterministic: bool = flag(False, "the same bits on any number of contexts and processes, and in sync, "
                                       "zero, model, pipeline, hybrid, tensor, context (dp x cp x tp) and mesh (dp x pp x tp or dp x pp x cp) alike: every batch cut into pieces of "
                                       f"{PIECE_ROWS} rows whose gradients are added in one fixed tree (a model "
-                                      "with BatchNorm: each piece normalised with its own statistics); one thread per op (manual_dp/strategies/sums/fixed_sums.py)")
+                                      "with BatchNorm: each piece normalised with its own statistics); one thread per op (manual_dp/strategies/sums/fixed_sums.py)", "parallelism")
     tensor_pieces: Optional[int] = flag(None, "--deterministic: every split layer (channels, heads, hidden units) "
                                               "computed in Q fixed pieces whose partial sums are added in one tree, "
                                               "in every layout: then --mode tensor with any --tensor-parallel dividing "
@@ -93,140 +176,77 @@ class RunConfig:
     sync_batchnorm: bool = flag(False, "sync and zero, --model resnet: BatchNorm statistics over every context's "
                                        "shard (summed by hand), equal to one context; default: each "
                                        "context its own, as Gluon computes them", "parallelism")
-    check_replicas: Optional[int] = flag(None, "every N updates, compare checksums of every copy of the "
-                                               "parameters (contexts, stages, processes); stop at the first "
-                                               "difference")
-    data_dir: Optional[str] = flag(None, "directory with the four Fashion-MNIST IDX .gz files "
-                                         "(default: $MANUAL_DP_DATA, then Debian's package, then "
-                                         "MXNet's cache)", "data and outputs")
-    train_size: Optional[int] = flag(None, "use only the first N training examples", "data and outputs")
-    test_size: Optional[int] = flag(None, "use only the first N test examples", "data and outputs")
-    log_json: Optional[str] = flag(None, "write one JSON object per epoch to this file", "data and outputs")
-    digests: Optional[str] = flag(None, "write, per update, a digest, sum and norm of every gradient, parameter "
-                                        "and optimiser-state tensor to this file; compare two runs with "
-                                        "python -m manual_dp.diverge A B", "data and outputs")
-    checkpoint_dir: Optional[str] = flag(None, "save a checkpoint here at the end of every epoch",
-                                         "data and outputs")
-    resume: bool = flag(False, "continue from --checkpoint-dir", "data and outputs")
-    no_progress: bool = flag(False, "no progress bar, even on a terminal", "data and outputs")
-    mode: str = flag("sync", "sync: data parallel; async: parameter server with stale replicas; "
-                             "model: convs on one context, dense layers on the next; pipeline: "
-                             "model + GPipe micro-batches; hybrid: data parallel over 2-context "
-                             "pipelines; zero: data parallel with ZeRO's sharding (--zero-stage); "
-                             "local: local SGD / DiLoCo, replicas meet every --sync-every steps; "
-                             "tensor: Megatron's split layers; context: the sequence cut over the "
-                             "contexts (--model transformer); mesh: data x pipeline x tensor at once "
-                             "(--stages x --tensor-parallel a pipeline). --mesh lays these out as a grid",
-                "parallelism")
-    mesh: Optional[str] = flag(None, "the contexts as a grid, dp=D,pp=P,cp=C,tp=T (any subset, the product the "
-                                     "number of contexts): dp alone is sync (or --mode zero, async, local), "
-                                     "dp x tp tensor, dp x pp hybrid, pp model/pipeline, dp x cp context "
-                                     "(manual_dp/mesh.py)", "parallelism")
-    staleness: Optional[int] = flag(None, "async only: replicas refreshed every S+1 updates "
-                                          "(default 0)", "parallelism")
-    micro_batches: Optional[int] = flag(None, "pipeline and hybrid only: micro-batches per batch and "
-                                              "pipeline (default 4)", "parallelism")
-    zero_stage: Optional[int] = flag(None, "zero: ZeRO shards over the contexts 1: the optimiser state, "
-                                           "2: also the gradients, 3: also the parameters (default 1); tensor, "
-                                           "context, mesh: 1 shards the optimiser state over the data dimension, "
-                                           "2 also the gradients, 3 also the parameters (default off)",
-                                     "parallelism", choices=(1, 2, 3))
-    grad_accum: int = flag(1, "batches per update", "parallelism")
-    clip_norm: Optional[float] = flag(None, "scale the gradient by min(1, C / its global L2 norm) before every "
-                                            "update, every parameter counted once in any layout; the norm is "
-                                            "logged per epoch either way (manual_dp/strategies/clipping.py)")
-    precision: str = flag("fp32", "bf16, fp16: products (matrix multiplies, convolutions) in that precision, "
-                                  "float32 master weights and optimiser; fp16 with a dynamic loss scale "
-                                  "(manual_dp/precision.py)", choices=PRECISIONS)
-    loss_scale: Optional[float] = flag(None, f"fp16 only: the loss scale to start from (default {LOSS_SCALE['loss_scale']:g}); "
-                                             "halved on every overflow, the update skipped")
-    scale_window: Optional[int] = flag(None, f"fp16 only: good updates in a row before the loss scale doubles "
-                                             f"(default {LOSS_SCALE['scale_window']})")
-    scale_lr: str = flag("none", "linear: lr x batch-size x grad-accum / 256 (Goyal et al.)",
-                         "parallelism", choices=("none", "linear"))
-    warmup_epochs: float = flag(0.0, "ramp the lr up linearly over this many epochs, per update",
-                                "parallelism")
-    allreduce: Optional[str] = flag(None, "sync, hybrid and local: how gradients (local: parameters) are "
+    allreduce: Optional[str] = flag(None, "sync, hybrid, local, tensor, context and mesh: how gradients (local: parameters) are "
                                           "summed over the contexts (manual_dp.fast.collectives; default "
-                                          f"{FAST_STEP['allreduce']})", "speed")
+                                          f"{FAST_STEP['allreduce']})", "parallelism")
     fuse_grads: Optional[bool] = flag(None, "sync only: one flat gradient buffer per device, one "
                                             "all-reduce and one optimiser update a step (default on)",
-                                      "speed")
+                                      "parallelism")
     graph: Optional[bool] = flag(None, "sync only: the model as a cached symbolic graph instead of layer "
-                                       "by layer (default on)", "speed")
+                                       "by layer (default on)", "parallelism")
+    bucket_mb: Optional[float] = flag(None, "sync only: gradients in buckets of this many MB, last layer "
+                                            "first, each all-reduced as soon as backward has written it "
+                                            "(0: one per parameter; default: one fused buffer)", "parallelism")
+    compress: str = flag("none", "sync only: what each replica sends instead of its float32 gradient, "
+                                 "with error feedback: none, fp16, 2bit[:T] (MXNet's, T=0.5), 1bit, "
+                                 "topk:K, powersgd:R (manual_dp/fast/compress.py)", "parallelism")
     no_autotune: bool = flag(False, "sync only: do not measure which padding "
                                     "of the convolutions' channels is fastest on this CPU "
                                     "(manual_dp/fast/autotune.py); use none ($MANUAL_DP_CONV_PAD names one)",
-                             "speed")
+                             "parallelism")
+    check_replicas: Optional[int] = flag(None, "every N updates, compare checksums of every copy of the "
+                                               "parameters (contexts, stages, processes); stop at the first "
+                                               "difference", "parallelism")
+    dry_run: bool = flag(False, "print the layout (the mesh and its groups; for a pipeline the schedule's "
+                                "timeline, the micro-batches each stage holds at its peak and the bubble) and "
+                                "stop before loading data or training", "parallelism")
+    precision: str = flag("fp32", "bf16, fp16: products (matrix multiplies, convolutions) in that precision, "
+                                  "float32 master weights and optimiser; fp16 with a dynamic loss scale "
+                                  "(manual_dp/precision.py)", "precision", choices=PRECISIONS)
+    loss_scale: Optional[float] = flag(None, f"fp16 only: the loss scale to start from (default {LOSS_SCALE['loss_scale']:g}); "
+                                             "halved on every overflow, the update skipped", "precision")
+    scale_window: Optional[int] = flag(None, f"fp16 only: good updates in a row before the loss scale doubles "
+                                             f"(default {LOSS_SCALE['scale_window']})", "precision")
+    epochs: int = flag(10, "passes over the training set", "optimisation")
+    batch_size: int = flag(256, "global batch, split over the contexts", "optimisation")
+    grad_accum: int = flag(1, "batches per update", "optimisation")
+    lr: float = flag(0.05, "learning rate", "optimisation")
+    scale_lr: str = flag("none", "linear: lr x batch-size x grad-accum / 256 (Goyal et al.)",
+                         "optimisation", choices=("none", "linear"))
+    warmup_epochs: float = flag(0.0, "ramp the lr up linearly over this many epochs, per update",
+                                "optimisation")
+    optimizer: str = flag("momentum", "update rule (momentum: SGD with momentum 0.9)", "optimisation",
+                          choices=OPTIMIZERS)
+    clip_norm: Optional[float] = flag(None, "scale the gradient by min(1, C / its global L2 norm) before every "
+                                            "update, every parameter counted once in any layout; the norm is "
+                                            "logged per epoch either way (manual_dp/strategies/clipping.py)", "optimisation")
+    seed: int = flag(0, "seeds the initial weights and the data order", "optimisation")
+    checkpoint_dir: Optional[str] = flag(None, "save a checkpoint here at the end of every epoch, and the run's "
+                                               "resolved settings in DIR/config.toml (for --config)",
+                                         "checkpoints", metavar="DIR")
+    resume: bool = flag(False, "continue from --checkpoint-dir", "checkpoints")
+    log_json: Optional[str] = flag(None, "write one JSON object per epoch to this file, and the run's resolved "
+                                         "settings to PATH.config.toml (for --config)", "output",
+                                   metavar="PATH")
+    digests: Optional[str] = flag(None, "write, per update, a digest, sum and norm of every gradient, parameter "
+                                        "and optimiser-state tensor to this file; compare two runs with "
+                                        "python -m manual_dp.diverge A B", "output")
+    trace: Optional[str] = flag(None, "sync only: record a few steps (MXNet's profiler and the "
+                                      "trainer's spans) as a Chrome trace to this file; draw it with "
+                                      "python -m manual_dp.timeline", "output")
+    no_progress: bool = flag(False, "no progress bar, even on a terminal", "output")
     backend: str = flag("local", "local: this process alone; horovod: under horovodrun; dist_sync, "
                                  "dist_async: MXNet's parameter-server KVStore under python -m "
-                                 "manual_dp.launch", "more than one process (see docs/multi-machine.md)",
+                                 "manual_dp.launch", "processes",
                         choices=BACKENDS)
     timeout: float = flag(120.0, "seconds without progress after which a process of a multi-process "
-                                 "job gives up", "more than one process (see docs/multi-machine.md)")
+                                 "job gives up", "processes")
     flight_record: Optional[str] = flag(None, "every process writes its flight record (its last collectives) "
                                               "to DIR/flight-RANK.json at the end of the run and when it fails; "
                                               "python -m manual_dp.flight DIR names where the ranks part. Without "
                                               "it a failing job (watchdog, signal, failed collective) writes them "
                                               "to TMPDIR/manual_dp-flight-JOB, named in its error line",
-                                        "more than one process (see docs/multi-machine.md)", metavar="DIR")
-    memory_per_device: Optional[str] = flag(None, "emulate devices of this many bytes (300MiB, 2G: K, M, "
-                                                  "G of 1000, KiB, MiB, GiB of 1024): refuse, before training, a layout whose "
-                                                  "measured peak on a context exceeds it, and name the modes "
-                                                  "that fit (manual_dp/memory.py)", "parallelism")
-    sync_every: Optional[int] = flag(None, "local only: inner optimiser steps each replica takes on its own "
-                                           "shards between syncs (H; default 4)", "parallelism")
-    outer_optimizer: Optional[str] = flag(None, "local only: what applies the averaged change at a sync "
-                                                "(default sgd; nesterov as in DiLoCo)", "parallelism",
-                                          choices=("sgd", "nesterov"))
-    outer_lr: Optional[float] = flag(None, "local only: the outer optimiser's learning rate (default 1: "
-                                           "sgd then averages the replicas)", "parallelism")
-    outer_momentum: Optional[float] = flag(None, "local with --outer-optimizer nesterov only: its momentum "
-                                                 "(default 0.9)", "parallelism")
-    stages: Optional[int] = flag(None, "model, pipeline, hybrid and mesh: the model's layers cut into S "
-                                       "stages balanced by their FLOPs, one context each, S up to the layer "
-                                       "count (LeNet: 2 convs | dense, ... 4 conv1 | conv2 | dense1 | dense2; "
-                                       "default 2)", "parallelism")
-    schedule: Optional[str] = flag(None, "pipeline and hybrid: gpipe (every forward, then every backward), "
-                                         "1f1b (one forward, one backward: stage s holds at most S - s "
-                                         "micro-batches), interleaved (--virtual-stages chunks a context, "
-                                         "bubble / V) or zb-h1 (backward split into input and weight "
-                                         "gradients, W fills the bubble) (default gpipe; "
-                                         "manual_dp/strategies/pipeline/schedules.py)", "parallelism",
-                                   choices=SCHEDULES)
-    virtual_stages: Optional[int] = flag(None, "pipeline and hybrid with --schedule interleaved: chunks of layers "
-                                               "each context holds, the model cut into S x V stages (default 2)",
-                                         "parallelism")
-    dry_run: bool = flag(False, "print the layout (the mesh and its groups; for a pipeline the schedule's "
-                                "timeline, the micro-batches each stage holds at its peak and the bubble) and "
-                                "stop before loading data or training", "parallelism")
-    recompute: bool = flag(False, "model, pipeline and hybrid: keep only each stage's input per "
-                                  "micro-batch, recompute its activations in the backward (less memory, "
-                                  "more time)", "parallelism")
-    bucket_mb: Optional[float] = flag(None, "sync only: gradients in buckets of this many MB, last layer "
-                                            "first, each all-reduced as soon as backward has written it "
-                                            "(0: one per parameter; default: one fused buffer)", "speed")
-    trace: Optional[str] = flag(None, "sync only: record a few steps (MXNet's profiler and the "
-                                      "trainer's spans) as a Chrome trace to this file; draw it with "
-                                      "python -m manual_dp.timeline", "data and outputs")
-    tensor_parallel: Optional[int] = flag(None, "tensor, mesh and context: contexts per tensor group, each "
-                                                "holding a 1/T shard of every split layer; the groups are "
-                                                "data parallel (default: every context, one group; mesh 2)",
-                                          "parallelism")
-    sequence_parallel: bool = flag(False, "tensor and mesh, --model transformer: Megatron's sequence parallelism: "
-                                          "between the split layers each context keeps 1/T of the tokens "
-                                          "(all-gather before a column-parallel layer, reduce-scatter after a "
-                                          "row-parallel one, instead of all-reduces)", "parallelism")
-    context_parallel: Optional[int] = flag(None, "context and mesh: contexts per context-parallel group, each "
-                                                 "holding a 1/C block of every sequence; the groups are data "
-                                                 "parallel (default: every context, one group)", "parallelism")
-    attention: Optional[str] = flag(None, "context and mesh: how the blocks of a sequence attend to each other: ring "
-                                          "(key and value blocks passed round, online softmax) or ulysses "
-                                          "(all-to-all to head groups and back) (default ring)",
-                                    "parallelism", choices=ATTENTIONS)
-    compress: str = flag("none", "sync only: what each replica sends instead of its float32 gradient, "
-                                 "with error feedback: none, fp16, 2bit[:T] (MXNet's, T=0.5), 1bit, "
-                                 "topk:K, powersgd:R (manual_dp/fast/compress.py)", "speed")
+                                        "processes", metavar="DIR")
 
 
 # Mode defaults (which modes each mode-specific flag applies to: manual_dp/modes.py's table).

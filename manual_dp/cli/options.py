@@ -1,14 +1,18 @@
-"""The command line's flags, built from manual_dp.config.RunConfig: one flag per field, its default
-and help from the field. Parsing needs no MXNet (the thread settings must be chosen first)."""
+"""The command line's flags, built from manual_dp.config.RunConfig: one flag per field, its default,
+help and group of --help from the field; `--config FILE.toml` gives their values from a file
+(manual_dp/cli/config_file.py), the flags given beside it overriding it. Parsing needs no MXNet (the
+thread settings must be chosen first)."""
 import argparse
 import dataclasses
-import typing
 
 from ..checks import check, check_layout, check_model
-from ..config import RunConfig, device_request, fields
+from ..config import EXCLUSIVE, GROUPS, RunConfig, device_request, fields
 from ..modes import MODES, resolve
 from ..errors import UsageError
 from ..mesh import Mesh, mode_of
+from .config_file import base_type, read as read_config
+
+USAGE = "%(prog)s [-h] [--config FILE.toml] [FLAG ...]"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -35,42 +39,58 @@ def positive(text):
     return value
 
 
-def base_type(t):
-    """int for int and Optional[int]; likewise float, str, bool."""
-    args = [a for a in typing.get_args(t) if a is not type(None)]
-    return args[0] if args else t
-
-
-def add_flag(group, f):
-    """The argparse argument of RunConfig field `f`: --name, its type, default and help."""
+def add_flag(group, f, defaults=True):
+    """The argparse argument of RunConfig field `f` in `group`: --name, its type, default (none
+    unless `defaults`: the flag is then in the namespace only if given) and help."""
     name, kind = "--" + f.name.replace("_", "-"), base_type(f.type)
+    default = f.default if defaults else argparse.SUPPRESS
     if kind is bool:   # off by default: --name; decided by the mode: --name / --no-name
         action = "store_true" if f.default is False else argparse.BooleanOptionalAction
-        group.add_argument(name, action=action, default=f.default, help=f.metadata["help"])
+        group.add_argument(name, action=action, default=default, help=f.metadata["help"])
     else:
         choices = {"choices": MODES} if f.name == "mode" else {}     # the table's modes
-        group.add_argument(name, type=kind, default=f.default, help=f.metadata["help"],
+        group.add_argument(name, type=kind, default=default, help=f.metadata["help"],
                            **f.metadata["argparse"], **choices)
 
 
-def build_parser(prog="python -m manual_dp.train"):
-    p = OneLineParser(prog=prog, description="Train a network (LeNet by default) on Fashion-MNIST with hand-written parallelism.",
-                      formatter_class=HelpFormatter)
-    groups, devices = {}, p.add_mutually_exclusive_group()
+def build_parser(prog="python -m manual_dp.train", defaults=True):
+    """The parser of the command line: --config, then every RunConfig field's flag in its group
+    of config.GROUPS, in their order, --gpus and --cpus (EXCLUSIVE) one at most; without
+    `defaults`, a namespace holds only the flags given."""
+    p = OneLineParser(prog=prog, usage=USAGE, formatter_class=HelpFormatter,
+                      description="Train a network (LeNet by default) on Fashion-MNIST with hand-written parallelism.")
+    p.add_argument("--config", metavar="FILE.toml", default=None if defaults else argparse.SUPPRESS,
+                   help="the run's settings from this TOML file: a section per group below ([model], "
+                        "[parallelism]...), a key per flag (layers = 2); flags given beside it override it")
+    groups = {name: p.add_argument_group(name, about) for name, about in GROUPS.items()}
+    for name in {f.metadata["group"] for f in fields() if f.name in EXCLUSIVE}:
+        groups[name, "exclusive"] = groups[name].add_mutually_exclusive_group()
     for f in fields():
-        group = f.metadata["group"]
-        if group == "devices":
-            add_flag(devices, f)
-            continue
-        if group not in groups:
-            groups[group] = p if group == "training" else p.add_argument_group(group)
-        add_flag(groups[group], f)
+        add_flag(groups[f.metadata["group"], "exclusive"] if f.name in EXCLUSIVE else groups[f.metadata["group"]],
+                 f, defaults)
     return p
 
 
+def settings(argv=None):
+    """{field: value} of the command line `argv` (default sys.argv[1:]): the flags given, over the
+    values of the --config file it names (a device flag given replaces the file's), over the
+    defaults; UsageError if bad."""
+    args = vars(build_parser().parse_args(argv))     # --help ends here; so do bad flags
+    path = args.pop("config")
+    if path is None:
+        return args
+    given = vars(build_parser(defaults=False).parse_args(argv))
+    given.pop("config")
+    from_file = read_config(path)
+    if given.keys() & set(EXCLUSIVE):
+        from_file = {k: v for k, v in from_file.items() if k not in EXCLUSIVE}
+    return {**args, **from_file, **given}
+
+
 def parse(argv=None):
-    """A checked RunConfig from the command line `argv` (default sys.argv[1:]); UsageError if bad."""
-    cfg = RunConfig(**vars(build_parser().parse_args(argv)))
+    """A checked, resolved RunConfig from the command line `argv` (default sys.argv[1:]) and the
+    --config file it names; UsageError if bad."""
+    cfg = RunConfig(**settings(argv))
     check(cfg)
     if cfg.mesh is None:
         return resolve(cfg)

@@ -21,9 +21,9 @@ from ..multiprocess.agree import agree
 from ..multiprocess.connect import connect
 from ..schedule import updates_per_epoch
 from ..strategies.wrappers.digested import Digested
-from . import memcheck
+from . import config_file, memcheck
 from .build import build_model, contexts, degree, dry_run, graph_pad, learning_rate, network, policy_of
-from .output import Progress, describe, fail, format_record, interrupted, write_log
+from .output import Progress, describe, fail, format_record, interrupted, write_atomic, write_log
 
 
 def writable(directory, flag):
@@ -70,6 +70,13 @@ def check_output_paths(cfg):
             raise UsageError(f"{flag} {path} is also {seen[path.resolve()]}'s file: give each output its own path")
         seen[path.resolve()] = flag
         writable(path.parent, flag)
+    for flag, path in config_file.paths(cfg):        # the resolved settings beside the log, in the checkpoint directory
+        if path.is_dir():
+            raise UsageError(f"{flag}: {path}, where its run's settings go, is a directory")
+        if path.resolve() in seen:
+            raise UsageError(f"{flag}: {path}, where its run's settings go, is also {seen[path.resolve()]}'s file: "
+                             f"give each output its own path")
+        seen[path.resolve()] = f"{flag}'s settings"
 
 
 def save_log(cfg, history):
@@ -78,6 +85,17 @@ def save_log(cfg, history):
         write_log(cfg.log_json, history)
     except OSError as e:
         raise OutputError(f"--log-json {cfg.log_json}: could not write it ({e.strerror})") from None
+
+
+def save_config(cfg):
+    """The resolved settings of `cfg` written (atomically) to each of config_file.paths(cfg), for
+    --config to run again; OutputError if one cannot be."""
+    for flag, path in config_file.paths(cfg):
+        try:
+            write_atomic(path, config_file.dumps(cfg))
+        except (OSError, ValueError) as e:
+            raise OutputError(f"{flag}: could not write the run's settings to {path} "
+                              f"({getattr(e, 'strerror', None) or e})") from None
 
 
 def resume_from(cfg, world, model, run_config):
@@ -115,6 +133,8 @@ def run_in(cfg, world):
     with contextlib.ExitStack() as stack:
         if world.is_root and cfg.checkpoint_dir:
             stack.enter_context(checkpoint.lock(cfg.checkpoint_dir))
+        if world.is_root:
+            save_config(cfg)
         return train_in(cfg, world, ctx)
 
 
