@@ -5,7 +5,7 @@ import math
 import re
 
 from . import modes
-from .config import COMPRESSORS, GATHERED, MAX_STAGES, MODELS, STAGES
+from .config import COMPRESSORS, GATHERED, MAX_STAGES, MODELS
 from .errors import UsageError
 
 
@@ -168,19 +168,10 @@ def check_local(cfg):
 
 
 def check_layout(cfg, n_contexts, n_processes=1):
-    """Raise UsageError if the mode cannot be laid out on n_contexts contexts per process."""
-    n, S = n_contexts, cfg.stages or STAGES
-    if cfg.mode in ("model", "pipeline") and n != S:
-        raise UsageError(f"--mode {cfg.mode} needs exactly {S} contexts (one per stage of --stages {S}), "
-                         f"got {n}: use --cpus {S} or --mode hybrid")
-    C, T = cfg.context_parallel or 1, modes.mesh_group(cfg)          # a mesh stage's group
-    if cfg.mode == "mesh" and n % (S * T):
-        group = "--tensor-parallel" if C == 1 else "--context-parallel" if T == C else \
-            "--context-parallel x --tensor-parallel"
-        raise UsageError(f"--mode mesh needs a multiple of --stages {S} x {group} {T} contexts, got {n}")
-    if cfg.mode == "hybrid" and n % S:
-        raise UsageError(f"--mode hybrid needs a multiple of {S} contexts (replicas x {S} "
-                         f"stages), got {n}")
+    """Raise UsageError if the mode cannot be laid out on n_contexts contexts per process: its own
+    refusals (its entry's `fits`), then what every mode needs."""
+    n = n_contexts
+    modes.of(cfg).fits(cfg, n)
     replicas = modes.of(cfg).replicas(cfg, n) * n_processes
     if cfg.batch_size < replicas:
         raise UsageError(f"--batch-size {cfg.batch_size} is smaller than the {replicas} devices it is "
@@ -190,65 +181,11 @@ def check_layout(cfg, n_contexts, n_processes=1):
         raise UsageError(f"--micro-batches {micro} is larger than the per-device batch of "
                          f"{cfg.batch_size // replicas} (--batch-size {cfg.batch_size} over "
                          f"{replicas} pipeline(s))")
-    if cfg.mode == "context":
-        tp = cfg.tensor_parallel or 1
-        cp = cfg.context_parallel or max(n // tp, 1)
-        if n % (cp * tp):
-            raise UsageError(f"--context-parallel {cp}" + (f" x --tensor-parallel {tp}" if tp > 1 else "")
-                             + f" does not divide the {n} contexts into groups")
-    if cfg.mode == "tensor" and (cfg.model == "lenet" or n % (cfg.tensor_parallel or n)):
-        check_tensor_layout(cfg.tensor_parallel or n, n, cfg.width)   # other models: Model.tensor_refusal
-    if cfg.mode == "context" and cfg.deterministic and (cfg.sequence_pieces or 1) % cp:
-        raise UsageError(f"--deterministic --mode context cuts the sequence into {cfg.sequence_pieces or 1} pieces: "
-                         f"--context-parallel {cp} does not divide them (give --sequence-pieces a multiple of {cp})")
-    if cfg.mode == "tensor" and cfg.deterministic and cfg.sequence_parallel and \
-            (cfg.sequence_pieces or 1) % (cfg.tensor_parallel or n):
-        raise UsageError(f"--deterministic --sequence-parallel cuts the sequence into {cfg.sequence_pieces or 1} "
-                         f"pieces: --tensor-parallel {cfg.tensor_parallel or n} does not divide them (give "
-                         f"--sequence-pieces a multiple of it)")
-    if cfg.mode == "context" and cfg.deterministic and (cfg.tensor_parallel or 1) > 1:
-        check_tensor_pieces(cfg.tensor_pieces or 1, cfg.tensor_parallel, "context")
-    if cfg.mode == "mesh" and cfg.deterministic and (cfg.sequence_pieces or 1) % (cfg.context_parallel or 1):
-        raise UsageError(f"--deterministic --mode mesh cuts the sequence into {cfg.sequence_pieces} pieces: "
-                         f"--context-parallel {cfg.context_parallel} does not divide them (give --sequence-pieces "
-                         f"a multiple of {cfg.context_parallel})")
-    if cfg.mode in ("tensor", "mesh") and cfg.deterministic:
-        check_tensor_pieces(cfg.tensor_pieces, cfg.tensor_parallel or (n if cfg.mode == "tensor" else modes.mesh_tp(cfg)),
-                            cfg.mode)
     if (cfg.tensor_pieces or 1) > 1 and cfg.model == "lenet":
-        for what, size in tensor_split_sizes(cfg.width).items():
+        for what, size in modes.tensor_split_sizes(cfg.width).items():
             if size % cfg.tensor_pieces:
                 raise UsageError(f"--tensor-pieces {cfg.tensor_pieces} does not divide {what} ({size} at "
                                  f"--width {cfg.width})")
-
-
-def tensor_split_sizes(width):
-    """{what --mode tensor splits: its size} for LeNet of `width` (lesson.lenet_shapes; conv2's
-    input channels are conv1's outputs, the second dense layer's inputs the first's units)."""
-    return {"conv1's output channels": 20 * width, "the first dense layer's units": 128 * width}
-
-
-def check_tensor_layout(T, n, width):
-    """Raise UsageError unless T contexts per tensor group divide the n contexts and every split size."""
-    if n % T:
-        raise UsageError(f"--tensor-parallel {T} does not divide the {n} contexts into tensor groups")
-    sizes = tensor_split_sizes(width)
-    for what, size in sizes.items():
-        if size % T:
-            fits = [t for t in range(1, n + 1) if n % t == 0 and all(s % t == 0 for s in sizes.values())]
-            raise UsageError(f"--tensor-parallel {T} does not divide {what} ({size} at --width {width}): "
-                             f"use --tensor-parallel {' or '.join(map(str, fits))} on {n} contexts")
-
-
-
-def check_tensor_pieces(Q, T, mode="tensor"):
-    """Raise UsageError unless T divides --deterministic's Q pieces of every split layer
-    (strategies/tensor/tensor_deterministic.py, mesh_deterministic.py)."""
-    if Q % T:
-        fits = [t for t in range(1, Q + 1) if Q % t == 0]
-        raise UsageError(f"--deterministic --mode {mode} cuts every split layer into {Q} pieces "
-                         f"(--tensor-pieces): --tensor-parallel {T} does not divide them (use "
-                         f"{' or '.join(map(str, fits))}, or give --tensor-pieces a multiple of {T})")
 
 
 BYTE_UNITS = {"": 1, "B": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "KB": 10 ** 3,

@@ -13,7 +13,8 @@ agree on every other coordinate: each collective of that kind of parallelism run
 
 The modes of the command line are meshes: sync dp=N, tensor dp=N/T x tp=T, hybrid dp=N/S x pp=S,
 model and pipeline pp=N, context dp=N/C x cp=C (or dp x cp x tp with --tensor-parallel), mesh dp x
-pp x tp (Megatron's 3-D), dp x pp x cp or dp x pp x cp x tp (`for_mode`, `mode_of`).
+pp x tp (Megatron's 3-D), dp x pp x cp or dp x pp x cp x tp: each mode's entry in manual_dp/modes.py
+says which mesh it lays out (`grid`) and which --mesh shapes it is (`shapes`).
 """
 import math
 from dataclasses import dataclass
@@ -55,23 +56,6 @@ class Mesh:
             raise ValueError(f"--mesh {text} multiplies to {mesh.size} contexts, not the {n_contexts} "
                              f"this run has")
         return mesh
-
-    @classmethod
-    def for_mode(cls, mode, n_contexts, degree=None):
-        """The mesh a --mode lays out: `degree` is its T (tensor), S (hybrid) or C (context); for
-        mode "mesh", (S, T, C)."""
-        if mode == "mesh":
-            S, T, C = degree
-            return cls(dp=n_contexts // (S * T * C), pp=S, cp=C, tp=T)
-        if mode == "context" and isinstance(degree, tuple):
-            C, T = degree
-            return cls(dp=n_contexts // (C * T), cp=C, tp=T)
-        if mode in ("tensor", "hybrid", "context"):
-            d = degree or n_contexts
-            return cls(**{"dp": n_contexts // d, {"tensor": "tp", "hybrid": "pp", "context": "cp"}[mode]: d})
-        if mode in ("model", "pipeline"):
-            return cls(pp=n_contexts)
-        return cls(dp=n_contexts)
 
     @property
     def shape(self):
@@ -130,31 +114,3 @@ class Mesh:
             groups = " ".join("[" + " ".join(names[r] for r in g) + "]" for g in self.groups(d))
             lines.append(f"  {d} groups {groups}: {collectives[d]}")
         return lines
-
-
-DATA_MODES = ("sync", "async", "zero", "local")       # modes whose every context is a data replica
-MODE_OF = {"tp": ("tensor", "tensor_parallel"), "cp": ("context", "context_parallel"), "pp": ("hybrid", "stages")}
-
-
-def mode_of(mesh, mode="sync"):
-    """(mode, {flag: value}) that lay `mesh` out, `mode` being the --mode given with it (sync, the
-    default, or a data-parallel mode for a mesh of dp alone); ValueError (one line) otherwise."""
-    used = [d for d in mesh.used() if d != "dp"]
-    if not used:
-        if mode not in DATA_MODES:
-            raise ValueError(f"--mesh {mesh} is data parallel only: --mode {mode} lays out more")
-        return mode, {}
-    if used == ["pp", "tp"]:
-        return "mesh", {"stages": mesh.pp, "tensor_parallel": mesh.tp}
-    if used == ["pp", "cp"]:
-        return "mesh", {"stages": mesh.pp, "context_parallel": mesh.cp}
-    if used == ["cp", "tp"]:
-        return "context", {"context_parallel": mesh.cp, "tensor_parallel": mesh.tp}
-    if used == ["pp", "cp", "tp"]:
-        return "mesh", {"stages": mesh.pp, "context_parallel": mesh.cp, "tensor_parallel": mesh.tp}
-    want, flag = MODE_OF[used[0]]
-    if used[0] == "pp" and mesh.dp == 1:
-        want = mode if mode in ("model", "pipeline") else "pipeline"
-    if mode not in ("sync", want):
-        raise ValueError(f"--mesh {mesh} is --mode {want}, not --mode {mode}")
-    return want, {flag: getattr(mesh, used[0])}

@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 from .config import (DEFAULT_ONLY_IN, FAST_STEP, LOSS_SCALE, MESH_TP, MODE_DEFAULTS, MODEL_APPLIES, MODELS,
                      SEQUENCE_PIECES, STAGES, TENSOR_PIECES, TRANSFORMER, fields)
 from .errors import UsageError
+from .mesh import Mesh
 
 PIPELINE_FLAGS = ("stages", "schedule", "virtual_stages", "micro_batches")
 SHARDED = {1: "optimiser state", 2: "optimiser state and gradients", 3: "optimiser state, gradients and parameters"}
@@ -284,16 +285,135 @@ def mesh_group(cfg):
     return C * (cfg.tensor_parallel or 1) if C > 1 else cfg.tensor_parallel or MESH_TP
 
 
-def context_layout(cfg, n):
-    T = cfg.tensor_parallel or 1
-    return (context_degree(cfg, n), T) if T > 1 else cfg.context_parallel
+def data_grid(cfg, n):
+    return {"dp": n}
+
+
+def pipeline_grid(cfg, n):
+    return {"pp": n}
+
+
+def hybrid_grid(cfg, n):
+    return {"dp": n // stages_of(cfg), "pp": stages_of(cfg)}
+
+
+def tensor_grid(cfg, n):
+    T = cfg.tensor_parallel or n
+    return {"dp": n // T, "tp": T}
+
+
+def context_grid(cfg, n):
+    C, T = context_degree(cfg, n), cfg.tensor_parallel or 1
+    return {"dp": n // (C * T), "cp": C, "tp": T}
+
+
+def mesh_grid(cfg, n):
+    S, T, C = stages_of(cfg), mesh_tp(cfg), cfg.context_parallel or 1
+    return {"dp": n // (S * T * C), "pp": S, "cp": C, "tp": T}
+
+
+def grid_of(cfg, n):
+    """The mesh (manual_dp.mesh.Mesh) cfg's mode lays its n contexts out as."""
+    return Mesh(**of(cfg).grid(cfg, n))
+
+
+# ---- what each mode's layout refuses ----------------------------------------------------------
+
+def fits_anywhere(cfg, n):
+    """No refusal: every context count lays the mode out."""
+
+
+def fits_pipeline(cfg, n):
+    """UsageError unless there is exactly one context per stage."""
+    S = stages_of(cfg)
+    if n != S:
+        raise UsageError(f"--mode {cfg.mode} needs exactly {S} contexts (one per stage of --stages {S}), "
+                         f"got {n}: use --cpus {S} or --mode hybrid")
+
+
+def fits_hybrid(cfg, n):
+    """UsageError unless the stages divide the contexts into pipelines."""
+    if n % stages_of(cfg):
+        raise UsageError(f"--mode hybrid needs a multiple of {stages_of(cfg)} contexts (replicas x "
+                         f"{stages_of(cfg)} stages), got {n}")
+
+
+def fits_tensor(cfg, n):
+    """UsageError unless the tensor groups divide the contexts and, under --deterministic, the pieces."""
+    T = cfg.tensor_parallel or n
+    if cfg.model == "lenet" or n % T:
+        check_tensor_layout(T, n, cfg.width)            # other models: Model.tensor_refusal
+    if cfg.deterministic and cfg.sequence_parallel and (cfg.sequence_pieces or 1) % T:
+        raise UsageError(f"--deterministic --sequence-parallel cuts the sequence into {cfg.sequence_pieces or 1} "
+                         f"pieces: --tensor-parallel {T} does not divide them (give --sequence-pieces a multiple "
+                         f"of it)")
+    if cfg.deterministic:
+        check_tensor_pieces(cfg.tensor_pieces, T, cfg.mode)
+
+
+def fits_context(cfg, n):
+    """UsageError unless cp x tp groups divide the contexts and, under --deterministic, the pieces."""
+    tp = cfg.tensor_parallel or 1
+    cp = cfg.context_parallel or max(n // tp, 1)
+    if n % (cp * tp):
+        raise UsageError(f"--context-parallel {cp}" + (f" x --tensor-parallel {tp}" if tp > 1 else "")
+                         + f" does not divide the {n} contexts into groups")
+    if cfg.deterministic and (cfg.sequence_pieces or 1) % cp:
+        raise UsageError(f"--deterministic --mode context cuts the sequence into {cfg.sequence_pieces or 1} pieces: "
+                         f"--context-parallel {cp} does not divide them (give --sequence-pieces a multiple of {cp})")
+    if cfg.deterministic and tp > 1:
+        check_tensor_pieces(cfg.tensor_pieces or 1, cfg.tensor_parallel, cfg.mode)
+
+
+def fits_mesh(cfg, n):
+    """UsageError unless pipelines of stage groups divide the contexts and, under --deterministic, the pieces."""
+    S, C, T = stages_of(cfg), cfg.context_parallel or 1, mesh_group(cfg)
+    if n % (S * T):
+        group = "--tensor-parallel" if C == 1 else "--context-parallel" if T == C else \
+            "--context-parallel x --tensor-parallel"
+        raise UsageError(f"--mode mesh needs a multiple of --stages {S} x {group} {T} contexts, got {n}")
+    if cfg.deterministic and (cfg.sequence_pieces or 1) % C:
+        raise UsageError(f"--deterministic --mode mesh cuts the sequence into {cfg.sequence_pieces} pieces: "
+                         f"--context-parallel {cfg.context_parallel} does not divide them (give --sequence-pieces "
+                         f"a multiple of {cfg.context_parallel})")
+    if cfg.deterministic:
+        check_tensor_pieces(cfg.tensor_pieces, mesh_tp(cfg), cfg.mode)
+
+
+def tensor_split_sizes(width):
+    """{what --mode tensor splits: its size} for LeNet of `width` (lesson.lenet_shapes; conv2's
+    input channels are conv1's outputs, the second dense layer's inputs the first's units)."""
+    return {"conv1's output channels": 20 * width, "the first dense layer's units": 128 * width}
+
+
+def check_tensor_layout(T, n, width):
+    """Raise UsageError unless T contexts per tensor group divide the n contexts and every split size."""
+    if n % T:
+        raise UsageError(f"--tensor-parallel {T} does not divide the {n} contexts into tensor groups")
+    sizes = tensor_split_sizes(width)
+    for what, size in sizes.items():
+        if size % T:
+            fits = [t for t in range(1, n + 1) if n % t == 0 and all(s % t == 0 for s in sizes.values())]
+            raise UsageError(f"--tensor-parallel {T} does not divide {what} ({size} at --width {width}): "
+                             f"use --tensor-parallel {' or '.join(map(str, fits))} on {n} contexts")
+
+
+def check_tensor_pieces(Q, T, mode="tensor"):
+    """Raise UsageError unless T divides --deterministic's Q pieces of every split layer."""
+    if Q % T:
+        fits = [t for t in range(1, Q + 1) if Q % t == 0]
+        raise UsageError(f"--deterministic --mode {mode} cuts every split layer into {Q} pieces "
+                         f"(--tensor-pieces): --tensor-parallel {T} does not divide them (use "
+                         f"{' or '.join(map(str, fits))}, or give --tensor-pieces a multiple of {T})")
 
 
 @dataclass(frozen=True)
 class Mode:
     """One --mode: `flags` the mode-specific flags that apply to it; `build(cfg, parts)` its strategy;
     `describe(cfg)` its header line; `replicas(cfg, n)` the data-parallel replicas of n contexts;
-    `degree(cfg, n)` its own dimension, as manual_dp.mesh.Mesh.for_mode takes it; `stages` whether
+    `grid(cfg, n)` the mesh it lays n contexts out as ({dimension: size}); `shapes` the sets of
+    dimensions besides dp of the --mesh shapes it lays out; `fits(cfg, n)` raises UsageError where
+    n contexts cannot be laid out so (before any device is touched); `stages` whether
     it cuts the model in pipeline stages; `sequence` whether it needs a model with a sequence of
     tokens; `splits` whether it splits layers or the sequence itself (its line names the pieces); `deterministic` and `running` why --deterministic, or a model with BatchNorm's running
     statistics, is refused ("" where they are not); `refused(cfg)` what a one-line refusal of a layout
@@ -305,7 +425,9 @@ class Mode:
     build: Callable
     describe: Callable
     replicas: Callable = every_context_a_replica
-    degree: Callable = lambda cfg, n: None
+    grid: Callable = data_grid
+    shapes: tuple = (frozenset(),)
+    fits: Callable = fits_anywhere
     stages: bool = False
     sequence: bool = False
     deterministic: str = ""
@@ -314,6 +436,7 @@ class Mode:
     refused: Callable = lambda cfg: None
 
 
+PP, CP, TP = frozenset({"pp"}), frozenset({"cp"}), frozenset({"tp"})     # --mesh shapes besides dp
 DATA_FLAGS = ("precision", "check_replicas", "deterministic")
 SUMMED = ("clip_norm", "loss_scale", "scale_window", "tensor_pieces")     # one reduced gradient per update
 
@@ -329,13 +452,15 @@ TABLE = {m.name: m for m in (
          deterministic="stale replicas compute other gradients than one context by design; use --mode sync"),
     Mode("model", "the model's stages on consecutive contexts, the activation copied by hand", "PipelineParallel",
          DATA_FLAGS + SUMMED + ("stages", "recompute"), build_pipeline, describe_model,
-         one_replica_per_pipeline, stages=True, refused=lambda cfg: f"--schedule {cfg.schedule}: "),
+         one_replica_per_pipeline, pipeline_grid, (PP,), fits_pipeline, stages=True,
+         refused=lambda cfg: f"--schedule {cfg.schedule}: "),
     Mode("pipeline", "model + micro-batches on GPipe, 1F1B, interleaved or ZB-H1", "PipelineParallel",
          DATA_FLAGS + SUMMED + PIPELINE_FLAGS + ("recompute",), build_pipeline, describe_pipeline,
-         one_replica_per_pipeline, stages=True, refused=lambda cfg: f"--schedule {cfg.schedule}: "),
+         one_replica_per_pipeline, pipeline_grid, (PP,), fits_pipeline, stages=True,
+         refused=lambda cfg: f"--schedule {cfg.schedule}: "),
     Mode("hybrid", "data parallel over pipelines", "PipelineParallel",
          DATA_FLAGS + SUMMED + PIPELINE_FLAGS + ("recompute", "allreduce"), build_pipeline, describe_hybrid,
-         one_replica_per_pipeline, lambda cfg, n: stages_of(cfg), stages=True,
+         one_replica_per_pipeline, hybrid_grid, (PP,), fits_hybrid, stages=True,
          refused=lambda cfg: f"--schedule {cfg.schedule}: "),
     Mode("zero", "data parallel with ZeRO's sharding (--zero-stage 1-3)", "ZeroRedundancy, MixedZero",
          DATA_FLAGS + SUMMED + ("sync_batchnorm", "zero_stage"), build_zero, describe_zero),
@@ -347,21 +472,22 @@ TABLE = {m.name: m for m in (
     Mode("tensor", "Megatron's split layers (--sequence-parallel: Megatron-SP), groups data parallel",
          "TensorParallel", DATA_FLAGS + SUMMED + ("allreduce", "zero_stage", "tensor_parallel", "sequence_parallel",
                                                  "sequence_pieces"),
-         build_tensor, describe_tensor, degree=lambda cfg, n: cfg.tensor_parallel, splits=True,
+         build_tensor, describe_tensor, grid=tensor_grid, shapes=(TP,), fits=fits_tensor, splits=True,
          refused=lambda cfg: "--deterministic --sequence-parallel: " if cfg.deterministic and cfg.sequence_parallel
          else None),
     Mode("context", "the sequence cut over a group: ring or Ulysses attention", "ContextParallel",
          DATA_FLAGS + SUMMED + ("allreduce", "zero_stage", "tensor_parallel", "context_parallel", "attention",
                                 "sequence_pieces"),
-         build_context, describe_context, degree=context_layout, sequence=True, splits=True,
+         build_context, describe_context, grid=context_grid, shapes=(CP, CP | TP), fits=fits_context, sequence=True,
+         splits=True,
          running="it cuts a sequence of tokens, which only the transformer (no BatchNorm) has",
          refused=lambda cfg: f"--deterministic --sequence-pieces {cfg.sequence_pieces}: " if cfg.deterministic
          else "" if (cfg.tensor_parallel or 1) > 1 else None),
     Mode("mesh", "data x pipeline x tensor (or context) at once", "MeshParallel",
          DATA_FLAGS + SUMMED + PIPELINE_FLAGS + ("allreduce", "zero_stage", "tensor_parallel", "sequence_parallel",
                                                  "context_parallel", "attention", "sequence_pieces"),
-         build_mesh, describe_mesh, mesh_replicas,
-         lambda cfg, n: (stages_of(cfg), mesh_tp(cfg), cfg.context_parallel or 1), stages=True, sequence=True, splits=True,
+         build_mesh, describe_mesh, mesh_replicas, mesh_grid, (PP | TP, PP | CP, PP | CP | TP), fits_mesh,
+         stages=True, sequence=True, splits=True,
          running="it lays out the transformer, whose blocks have no BatchNorm",
          refused=lambda cfg: "--deterministic --mode mesh: " if cfg.deterministic else "--mode mesh: "),
 )}
@@ -369,6 +495,24 @@ MODES = tuple(TABLE)
 
 
 FLAGS = tuple(dict.fromkeys(f for mode in TABLE.values() for f in mode.flags))   # every mode-specific flag
+MESH_FLAGS = {"pp": "stages", "cp": "context_parallel", "tp": "tensor_parallel"}   # --mesh's sizes as flags
+
+
+def mode_of(mesh, given="sync"):
+    """(mode, {flag: value}) that lay `mesh` out: the table's modes of its shape, `given` (the
+    --mode given with it: sync by default) if it is one of them, else the first (a pipeline of one
+    replica is --mode pipeline, of several hybrid); ValueError (one line) otherwise."""
+    used = frozenset(d for d in mesh.used() if d != "dp")
+    shaped = [name for name, mode in TABLE.items() if used in mode.shapes
+              and (not used == PP or (name == "hybrid") == (mesh.dp > 1))]
+    if not used and given not in shaped:
+        raise ValueError(f"--mesh {mesh} is data parallel only: --mode {given} lays out more")
+    if not shaped:
+        raise ValueError(f"--mesh {mesh}: no mode lays out {' x '.join(sorted(used))}")
+    want = given if given in shaped else "pipeline" if "pipeline" in shaped else shaped[0]
+    if given not in ("sync", want):
+        raise ValueError(f"--mesh {mesh} is --mode {want}, not --mode {given}")
+    return want, {MESH_FLAGS[d]: getattr(mesh, d) for d in sorted(used)}
 
 
 def applies(flag):

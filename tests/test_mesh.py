@@ -41,10 +41,17 @@ def test_groups_partition_the_ranks_and_vary_one_coordinate():
 
 
 def test_the_modes_are_meshes_with_the_strategies_placement():
-    assert Mesh.for_mode("tensor", 4, 2).groups("tp") == [[0, 1], [2, 3]]     # TensorParallel's grid rows
-    assert Mesh.for_mode("hybrid", 4, 2).groups("pp") == [[0, 1], [2, 3]]     # PipelineParallel's rows
-    assert Mesh.for_mode("context", 6, 3).groups("cp") == [[0, 1, 2], [3, 4, 5]]
-    assert Mesh.for_mode("sync", 3) == Mesh(dp=3) and Mesh.for_mode("pipeline", 4) == Mesh(pp=4)
+    from manual_dp.config import RunConfig
+    from manual_dp.modes import grid_of
+
+    def grid(n, **flags):
+        return grid_of(RunConfig(**flags), n)
+    assert grid(4, mode="tensor", tensor_parallel=2).groups("tp") == [[0, 1], [2, 3]]   # TensorParallel's grid rows
+    assert grid(4, mode="hybrid", stages=2).groups("pp") == [[0, 1], [2, 3]]           # PipelineParallel's rows
+    assert grid(6, mode="context", context_parallel=3).groups("cp") == [[0, 1, 2], [3, 4, 5]]
+    assert grid(3) == Mesh(dp=3) and grid(4, mode="pipeline", stages=4) == Mesh(pp=4)
+    assert grid(8, mode="mesh", stages=2, tensor_parallel=2) == Mesh(dp=2, pp=2, tp=2)
+    assert grid(8, mode="context", context_parallel=2, tensor_parallel=2) == Mesh(dp=2, cp=2, tp=2)
 
 
 def test_the_header_names_every_context_and_group():

@@ -15,7 +15,7 @@ from mxnet import autograd, nd
 
 from conftest import batch, cpus, write_dataset
 from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, train_cmd
-from manual_dp import DataParallel, checks, init_lenet_params
+from manual_dp import DataParallel, init_lenet_params, modes
 from manual_dp.errors import UsageError
 from manual_dp.fast.collectives import make_allreduce
 from manual_dp.fast.tensor_ops import f, g
@@ -132,7 +132,7 @@ def test_eight_contexts_equal_one_device(n, T, width):
 def test_the_layout_check_splits_what_the_strategy_splits(width):
     shapes = [shape for _, shape in lenet_shapes(width)]
     split = {shapes[i][a] for i, a in enumerate(SPLIT) if a is not None}
-    assert split == set(checks.tensor_split_sizes(width).values())
+    assert split == set(modes.tensor_split_sizes(width).values())
 
 
 @pytest.mark.parametrize("T,n,width,message", [
@@ -147,7 +147,7 @@ def test_the_layout_check_splits_what_the_strategy_splits(width):
 ])
 def test_bad_layouts_are_refused(T, n, width, message):
     with pytest.raises(UsageError, match=message):
-        checks.check_tensor_layout(T, n, width)
+        modes.check_tensor_layout(T, n, width)
     with pytest.raises(ValueError):
         TensorParallel(init_lenet_params(seed=0, width=width), cpus(n), "sgd", T)
 

@@ -9,7 +9,6 @@ from .. import checks, config, modes
 from ..errors import UsageError
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
-from ..mesh import Mesh
 from ..models import build as build_network
 from ..models.dropout import Noise
 from ..models.precise import Precise
@@ -165,7 +164,7 @@ def dry_run(cfg, ctx, world):
     model = build_model(cfg, net.init_params(cfg.seed, cfg.init_scale), ctx, world)   # refuses what cannot run
     print(f"model {net.name}: {net.n_params():,} parameters in {len(net.layers)} layers")
     print(f"mode {describe(cfg)}")
-    print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg, len(ctx))).describe(ctx, world.size, cfg.deterministic)))
+    print("\n".join(modes.grid_of(cfg, len(ctx)).describe(ctx, world.size, cfg.deterministic)))
     if modes.of(cfg).stages:
         replicas = modes.of(cfg).replicas(cfg, len(ctx))
         M = min(cfg.micro_batches or 1, cfg.batch_size // (replicas * world.size))
@@ -180,11 +179,6 @@ def dry_run(cfg, ctx, world):
                                           how=f"its actions timed here, one micro-batch of {micro} alone")))
     print("dry run: nothing trained")
     return []
-
-
-def degree(cfg, n_contexts):
-    """The mode's own dimension: tensor's T, hybrid's S, context's C or (C, T), mesh's (S, T, C)."""
-    return modes.of(cfg).degree(cfg, n_contexts)
 
 
 def learning_rate(cfg, n_train):

@@ -7,9 +7,9 @@ import dataclasses
 
 from ..checks import check, check_layout, check_model
 from ..config import EXCLUSIVE, GROUPS, RunConfig, device_request, fields
-from ..modes import MODES, resolve
+from ..modes import MODES, mode_of, resolve
 from ..errors import UsageError
-from ..mesh import Mesh, mode_of
+from ..mesh import Mesh
 from .config_file import base_type, read as read_config
 
 USAGE = "%(prog)s [-h] [--config FILE.toml] [FLAG ...]"

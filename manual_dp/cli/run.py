@@ -9,20 +9,19 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import checkpoint, checks, config, memory
+from .. import checkpoint, checks, config, memory, modes
 from ..data import load_fashion_mnist, locate_data
 from ..digests import DigestFile, header as digest_header
 from ..errors import (PEER_LOST, CheckpointError, DataError, DistributedError, DivergedError, OutputError,
                       ReplicaMismatchError, Terminated, UsageError)
 from ..fast.trace import TRACE_UPDATES
 from ..loop import fit
-from ..mesh import Mesh
 from ..multiprocess.agree import agree
 from ..multiprocess.connect import connect
 from ..schedule import updates_per_epoch
 from ..strategies.wrappers.digested import Digested
 from . import config_file, memcheck
-from .build import build_model, contexts, degree, dry_run, graph_pad, learning_rate, network, policy_of
+from .build import build_model, contexts, dry_run, graph_pad, learning_rate, network, policy_of
 from .output import Progress, describe, fail, format_record, interrupted, write_atomic, write_log
 
 
@@ -172,7 +171,7 @@ def train_in(cfg, world, ctx):
     print(f"model {net.name} ({', '.join(f'{k} {v}' for k, v in net.config.items())}): "
           f"{net.n_params():,} parameters in {len(net.layers)} layers")
     print(f"mode {describe(cfg)}; lr {lr}")
-    print("\n".join(Mesh.for_mode(cfg.mode, len(ctx), degree(cfg, len(ctx))).describe(ctx, world.size, cfg.deterministic)))
+    print("\n".join(modes.grid_of(cfg, len(ctx)).describe(ctx, world.size, cfg.deterministic)))
     print(f"memory per context: {memory.format_report(mem)}")
     if policy.precision != "fp32":
         print(f"precision {policy.describe()}")
