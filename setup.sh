@@ -27,11 +27,15 @@ if [ -z "$python" ]; then
   exit 1
 fi
 
-# Fashion-MNIST from Debian's package, where apt is at hand (otherwise see README: --data-dir).
-if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && command -v apt-get >/dev/null; then
+# Fashion-MNIST and the fortunes (--data fortunes) from Debian's packages, where apt is at hand
+# (otherwise see README: --data-dir, --data fortunes:DIR).
+packages=""
+[ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || packages="dataset-fashion-mnist"
+[ -d /usr/share/games/fortunes ] || packages="$packages fortunes"
+if [ -n "$packages" ] && command -v apt-get >/dev/null; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
-  if ! { $sudo apt-get update -qq && $sudo apt-get install -y -qq dataset-fashion-mnist; } >/dev/null; then
-    echo "setup.sh: could not install dataset-fashion-mnist; pass --data-dir to training" >&2
+  if ! { $sudo apt-get update -qq && $sudo apt-get install -y -qq $packages; } >/dev/null; then
+    echo "setup.sh: could not install$packages; pass --data-dir or --data fortunes:DIR to training" >&2
   fi
 fi
 

@@ -19,7 +19,7 @@ Read it in this order (each folder's docstring lists its own files in reading or
     schedule.py       learning-rate schedules, per update: linear scaling and linear warm-up
     precision.py      mixed precision: float32 master weights, products in bf16 or fp16, fp16's loss scale
     mesh.py           an N-D device mesh: the contexts as a grid whose dimensions are kinds of parallelism
-    data.py           Fashion-MNIST: find the IDX files, verify and load them, iterate in memory
+    datasets/         the data contract and every --data: Fashion-MNIST, the fortunes, the user's arrays
     loop.py           the training loop around any strategy: epochs of steps, evaluation, a record per epoch
     checkpoint.py     checkpoints: everything needed to continue a run, checked as a whole when read back
     replicas.py       are the replicas still identical? checksums of every copy of every parameter
@@ -53,7 +53,8 @@ _EXPORTS = {
     "lesson": ["LENET_SHAPES", "init_lenet_params", "lenet", "cross_entropy", "get_params",
                "split_and_load", "allreduce", "sgd", "train_batch"],
     "config": ["RunConfig"],
-    "data": ["load_fashion_mnist", "batches"],
+    "datasets.fashion_mnist": ["load_fashion_mnist"],
+    "datasets.contract": ["batches"],
     "strategies.base": ["Strategy"],
     "strategies.data.data_parallel": ["DataParallel"],
     "strategies.wrappers.accum": ["GradAccum"],

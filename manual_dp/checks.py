@@ -4,7 +4,7 @@ one line; the defaults and tables they read are manual_dp.config's."""
 import math
 import re
 
-from . import modes
+from . import datasets, modes
 from .config import COMPRESSORS, GATHERED, MAX_STAGES, MODELS
 from .errors import UsageError
 
@@ -13,7 +13,7 @@ def check(cfg):
     """Raise UsageError for values no run can use (before any device, file or MXNet is touched)."""
     for name in ("batch_size", "gpus", "cpus", "width", "train_size", "test_size", "micro_batches",
                  "grad_accum", "check_replicas", "tensor_parallel", "context_parallel", "virtual_stages",
-                 "layers", "d_model", "heads", "tensor_pieces", "sequence_pieces"):
+                 "layers", "d_model", "heads", "tensor_pieces", "sequence_pieces", "seq_len"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -74,6 +74,7 @@ def check(cfg):
                          "--grad-accum only")
     check_local(cfg)
     check_compress(cfg)
+    datasets.check_flags(cfg)
 
 
 def check_model(cfg):

@@ -13,8 +13,12 @@ from .fast.runtime import visible_gpus
 MESH_TP = 2                   # --mode mesh: contexts per tensor group unless --tensor-parallel says
 ATTENTIONS = ("ring", "ulysses")                              # --attention (manual_dp/fast/attention.py)
 OPTIMIZERS = ("sgd", "momentum", "adam")
-MODELS = ("lenet", "mlp", "transformer", "resnet")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
+MODELS = ("lenet", "mlp", "transformer", "resnet", "lstm")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
 TRANSFORMER = dict(layers=2, d_model=64, heads=4, patch=0)   # --model transformer's default sizes
+LSTM = dict(layers=1, d_model=128)                          # --model lstm's: LSTM layers, hidden units (= embedding)
+MODEL_SIZES = {"transformer": TRANSFORMER, "lstm": LSTM}    # each sized model's defaults
+SEQ_LEN = 128                 # --seq-len: tokens per example of a text data set
+FORTUNES = dict(directory="/usr/share/games/fortunes", categories=10, test_every=10)   # --data fortunes (datasets/)
 LOSS_SCALE = dict(loss_scale=2.0 ** 16, scale_window=200)     # --precision fp16's dynamic loss scale
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")          # --schedule (manual_dp/strategies/pipeline/schedules.py)
 PIPELINE_COSTS = dict(input_grad=1.0, weight_grad=1.0)   # a layer's gradients over its forward FLOPs (strategies/pipeline/stage_costs.py)
@@ -41,7 +45,7 @@ SEQUENCE_PIECES = 4           # --deterministic --mode context's default --seque
 GROUPS = {
     "devices": "which devices train, and how much memory each may hold",
     "model": "the network and its sizes",
-    "data": "where Fashion-MNIST is, and how much of it to use",
+    "data": "what to train on (--data), where Fashion-MNIST is, and how much of it to use",
     "parallelism": "how the contexts share the work: the mode, its layout, its sums and its collectives",
     "precision": "the precision of the products",
     "optimisation": "epochs, batches, the learning rate and its schedule, the update",
@@ -88,6 +92,13 @@ class RunConfig:
                                "(manual_dp/models/dropout.py)", "model")
     init_scale: Optional[float] = flag(None, "std of normal(0, s) weights; default He init; "
                                              "0.01 is the lesson's", "model")
+    data: str = flag("fashion-mnist", "the data set: fashion-mnist (28x28 images, 10 classes); fortunes[:DIR] "
+                                      "(Debian's fortunes package: a fortune's category from its first --seq-len "
+                                      "bytes, the largest categories, for --model lstm or mlp); npz:PATH (your arrays "
+                                      "X, y and optionally X_test, y_test; integer X are token ids) "
+                                      "(manual_dp/datasets/)", "data")
+    seq_len: Optional[int] = flag(None, f"fortunes: bytes of each fortune read, left-padded (default {SEQ_LEN})",
+                                  "data")
     data_dir: Optional[str] = flag(None, "directory with the four Fashion-MNIST IDX .gz files "
                                          "(default: $MANUAL_DP_DATA, then Debian's package, then "
                                          "MXNet's cache)", "data")
@@ -257,20 +268,20 @@ MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "stages": STAGES, "schedule
 # Flags whose default holds only in some of the modes they apply to (elsewhere: off unless given).
 DEFAULT_ONLY_IN = {"zero_stage": ("zero",), "tensor_pieces": ("tensor", "mesh"), "sequence_pieces": ("context",)}      # tensor, context and mesh: ZeRO over the data dimension if asked
 # The model each size flag applies to (given for another: refused), and its default there.
-MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer",), "d_model": ("transformer",),
-                 "heads": ("transformer",), "patch": ("transformer",)}
+MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer", "lstm"),
+                 "d_model": ("transformer", "lstm"), "heads": ("transformer",), "patch": ("transformer",)}
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "dropout", "sync_batchnorm", "clip_norm", "precision",
             "scale_window", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
             "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
-            "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress")
+            "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress", "data", "seq_len")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
 DEFAULTS_OF_NEWER_KEYS = {"model": "lenet", "layers": None, "d_model": None, "heads": None, "patch": None,
                           "dropout": 0.0,
                           "sync_batchnorm": False, "clip_norm": None, "precision": "fp32", "scale_window": None,
                           "width": 1, "sync_every": None, "outer_optimizer": None, "outer_lr": None,
-                          "outer_momentum": None, "compress": "none"}
+                          "outer_momentum": None, "compress": "none", "data": "fashion-mnist", "seq_len": None}
 
 
 def fields():

@@ -11,7 +11,7 @@ import time
 import numpy as np
 from mxnet import autograd, nd
 
-from .data import batches
+from .datasets.contract import batches
 from .errors import DivergedError
 from . import replicas
 from .fast.prefetch import prefetch

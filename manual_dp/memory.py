@@ -110,10 +110,14 @@ def per_context(model, batch_size, shapes=None):
     return finish(report, peaks, "shapes")
 
 
-def random_batch(batch_size, seed=0):
-    """Images (batch_size, 1, 28, 28) and labels (batch_size,) as the loop feeds them."""
-    rng = np.random.default_rng(seed)
-    return rng.random((batch_size, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, batch_size).astype(np.float32)
+def random_batch(batch_size, seed=0, spec=None):
+    """Examples of `spec` (a datasets.Spec; default Fashion-MNIST's images (batch_size, 1, 28, 28))
+    and labels (batch_size,) as the loop feeds them: values in [0, 1), or token ids below the vocabulary."""
+    from .datasets import IMAGES
+    spec, rng = spec or IMAGES, np.random.default_rng(seed)
+    shape = (batch_size,) + tuple(spec.shape)
+    X = rng.integers(0, spec.vocab, shape).astype(np.float32) if spec.tokens else rng.random(shape, dtype=np.float32)
+    return X, rng.integers(0, spec.classes, batch_size).astype(np.float32)
 
 
 def steps_to_update(model, X, y, lr, updates=1):
@@ -127,10 +131,11 @@ def steps_to_update(model, X, y, lr, updates=1):
             raise RuntimeError(f"{type(model).__name__} took no update in {steps} steps")
 
 
-def measure(build, ctx, batch_size, shapes=None, lr=1e-3, counters=True):
-    """The report of a step on `batch_size` of the strategy `build()` makes on `ctx`: measured peak
-    (method "profiler") where MXNet can count every context (and `counters`), else `per_context`'s."""
-    X, y = random_batch(batch_size)
+def measure(build, ctx, batch_size, shapes=None, lr=1e-3, counters=True, spec=None):
+    """The report of a step on `batch_size` examples of `spec` (default images) of the strategy
+    `build()` makes on `ctx`: measured peak (method "profiler") where MXNet can count every context
+    (and `counters`), else `per_context`'s."""
+    X, y = random_batch(batch_size, spec=spec)
     if not counters or memtrack.counter_names(ctx) is None or not memtrack.configured():
         return per_context(build(), batch_size, shapes)
     with memtrack.Window(ctx) as window:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from .config import (DEFAULT_ONLY_IN, FAST_STEP, LOSS_SCALE, MESH_TP, MODE_DEFAULTS, MODEL_APPLIES, MODELS,
-                     SEQUENCE_PIECES, STAGES, TENSOR_PIECES, TRANSFORMER, fields)
+                     SEQUENCE_PIECES, STAGES, TENSOR_PIECES, MODEL_SIZES, fields)
 from .errors import UsageError
 from .mesh import Mesh
 
@@ -555,7 +555,7 @@ def resolve(cfg):
             raise UsageError(f"--{name.replace('_', '-')} applies only to --model {' or '.join(models)}, "
                              f"not --model {cfg.model}")
         if given is None and kind in models:
-            values[name] = TRANSFORMER[name]
+            values[name] = MODEL_SIZES[kind][name]
     return dataclasses.replace(cfg, **values)
 
 

@@ -8,7 +8,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from manual_dp.data import FILES
+from manual_dp.datasets.fashion_mnist import FILES
 
 
 def write_idx(path, array, magic):

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from conftest import write_dataset, write_idx
-from manual_dp import data
-from manual_dp.data import DataError, batches, load_fashion_mnist
+from manual_dp.datasets import fashion_mnist as data
+from manual_dp.datasets.contract import batches
+from manual_dp.datasets.fashion_mnist import DataError, load_fashion_mnist
 
 
 def test_loads_shapes_dtypes_and_ranges(data_dir):

@@ -10,13 +10,13 @@ import zlib
 import pytest
 
 from conftest import write_dataset
-from manual_dp import data
-from manual_dp.data import DataError, load_fashion_mnist, locate_data
+from manual_dp.datasets import fashion_mnist as data
+from manual_dp.datasets.fashion_mnist import DataError, load_fashion_mnist, locate_data
 
 # As root, permissions only bind without the capabilities that override them.
 AS_USER = ([] if os.geteuid() != 0 else
            ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"])
-LOAD = ("import sys\nfrom manual_dp.data import DataError, load_fashion_mnist\n"
+LOAD = ("import sys\nfrom manual_dp.datasets.fashion_mnist import DataError, load_fashion_mnist\n"
         "try:\n    load_fashion_mnist(sys.argv[1], allow_download=False)\n"
         "except DataError as e:\n    print('DataError:', e)\nelse:\n    print('loaded')\n")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import write_dataset, write_idx
-from manual_dp.data import FILES, DataError, load_fashion_mnist
+from manual_dp.datasets.fashion_mnist import FILES, DataError, load_fashion_mnist
 
 REAL_LABELS = Path("/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz")
 

@@ -3,7 +3,7 @@ gradient compression, gluon.Trainer over kvstore('device') with
 set_gradient_compression({'type': '2bit', 'threshold': T}).
 
 The same LeNet (gluon layers holding init_lenet_params(seed)), the same batches in the same order
-(manual_dp.data.batches with numpy's generator seeded by --seed, as `python -m manual_dp.train`),
+(manual_dp.datasets.contract.batches with numpy's generator seeded by --seed, as `python -m manual_dp.train`),
 SGD with momentum 0.9 (MXNet's form, mom = 0.9 mom - lr g; w += mom, is the project's v = 0.9 v + g;
 w -= lr v), one JSON line per epoch. If manual_dp's 2bit and this run end at the same accuracy, a
 gap to the uncompressed run belongs to the 2bit scheme, not to this project's code of it.
@@ -23,7 +23,7 @@ def train(ctx, epochs, threshold, lr, batch_size, seed, data):
     2bit compression (threshold None: none)."""
     import numpy as np
     from mxnet import autograd, gluon, nd
-    from ..data import batches
+    from ..datasets.contract import batches
     from ..lesson import init_lenet_params, n_correct
     from .train import gluon_lenet_holding
 
@@ -72,7 +72,7 @@ def main(argv=None):
     p.add_argument("--log-json", help="also write the records here, one JSON object per line")
     args = parsed_or_exit(p.parse_args, argv, prog)
     import mxnet as mx
-    from ..data import load_fashion_mnist
+    from ..datasets.fashion_mnist import load_fashion_mnist
     data = load_fashion_mnist(args.data_dir, args.train_size, args.test_size)
     ctx = [mx.cpu(i) for i in range(args.cpus)]
     out = open(args.log_json, "w") if args.log_json else None

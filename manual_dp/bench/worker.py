@@ -14,7 +14,7 @@ def training_data(spec):
     """spec['images'] training images: the first of Fashion-MNIST, or random ones (spec['data'])."""
     n = spec["images"]
     if spec.get("data") == "fashion":
-        from ..data import load_fashion_mnist
+        from ..datasets.fashion_mnist import load_fashion_mnist
         (X, y), _ = load_fashion_mnist(spec.get("data_dir"), train_size=n, test_size=1,
                                        allow_download=False)
         return np.ascontiguousarray(X), y

@@ -5,7 +5,7 @@ import functools
 
 import mxnet as mx
 
-from .. import checks, config, modes
+from .. import checks, config, datasets, modes
 from ..errors import UsageError
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
@@ -57,9 +57,9 @@ def graph_pad(cfg, world):
 
 
 @functools.lru_cache(maxsize=4)
-def network_of(model, width, layers, d_model, heads, patch, seed, dropout=0.0):
+def network_of(model, width, layers, d_model, heads, patch, seed, dropout=0.0, spec=None):
     try:
-        net = build_network(model, width, layers, d_model, heads, patch, seed)
+        net = build_network(model, width, layers, d_model, heads, patch, seed, spec)
         if dropout:
             net.drop(Noise(dropout, seed))
         return net
@@ -68,9 +68,10 @@ def network_of(model, width, layers, d_model, heads, patch, seed, dropout=0.0):
 
 
 def network(cfg):
-    """The models.Model that cfg names, built once per process (a user's block is loaded once), with
-    cfg's dropout."""
-    return network_of(cfg.model, cfg.width, cfg.layers, cfg.d_model, cfg.heads, cfg.patch, cfg.seed, cfg.dropout)
+    """The models.Model that cfg names, reading cfg's data (datasets.spec_of), built once per process
+    (a user's block is loaded once), with cfg's dropout."""
+    return network_of(cfg.model, cfg.width, cfg.layers, cfg.d_model, cfg.heads, cfg.patch, cfg.seed, cfg.dropout,
+                      datasets.spec_of(cfg))
 
 
 def policy_of(cfg):

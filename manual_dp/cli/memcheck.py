@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 
-from .. import checks, config, memory, modes
+from .. import checks, config, datasets, memory, modes
 from ..errors import UsageError
 from ..fast import autotune
 from ..multiprocess.world import World
@@ -41,7 +41,7 @@ def measure_run(cfg, params, ctx, build, n_processes=1, where="this process"):
         with contextlib.redirect_stdout(io.StringIO()):            # build's notes are printed once, later
             return build(cfg, params, ctx, World())
     report = memory.measure(make, ctx, max(1, cfg.batch_size // n_processes), [p.shape for p in params],
-                            counters=n_processes == 1)
+                            counters=n_processes == 1, spec=datasets.spec_of(cfg))
     return {c: dict(r, process=where) for c, r in report.items()}
 
 

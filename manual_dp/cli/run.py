@@ -9,8 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import checkpoint, checks, config, memory, modes
-from ..data import load_fashion_mnist, locate_data
+from .. import checkpoint, checks, config, datasets, memory, modes
 from ..digests import DigestFile, header as digest_header
 from ..errors import (PEER_LOST, CheckpointError, DataError, DistributedError, DivergedError, OutputError,
                       ReplicaMismatchError, Terminated, UsageError)
@@ -141,8 +140,8 @@ def train_in(cfg, world, ctx):
     """run_in's training, its outputs checked and its checkpoint directory ours."""
     net = network(cfg)
     params = net.init_params(cfg.seed, cfg.init_scale)
-    data_dir, data_label = locate_data(cfg.data_dir)
-    train_data, test_data = load_fashion_mnist(data_dir, cfg.train_size, cfg.test_size)
+    data = datasets.load(cfg).cut(cfg.train_size, cfg.test_size)
+    train_data, test_data = data.train, data.test
     pad = graph_pad(cfg, world) if world.size == 1 else None       # autotune's timing is no part of a step
     mem = memcheck.run_report(cfg, params, ctx, build_model, world.size, pad)   # before MXNet's own work
     policy = policy_of(cfg)
@@ -166,7 +165,8 @@ def train_in(cfg, world, ctx):
     if rng_state is not None:
         rng.bit_generator.state = rng_state
     print(f"training on {', '.join(map(str, ctx))}: {len(train_data[0])} train / "
-          f"{len(test_data[0])} test images from {data_label}, batch {cfg.batch_size}, "
+          f"{len(test_data[0])} test {'images' if data.spec == datasets.IMAGES else 'examples'} from {data.label}, "
+          f"batch {cfg.batch_size}, "
           f"{cfg.optimizer} lr {cfg.lr}")
     print(f"model {net.name} ({', '.join(f'{k} {v}' for k, v in net.config.items())}): "
           f"{net.n_params():,} parameters in {len(net.layers)} layers")

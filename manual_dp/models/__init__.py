@@ -6,6 +6,7 @@ model they were handed (or, when none was, the lesson's LeNet of the parameters'
     lenet.py        the lesson's LeNet under the contract: the lesson's own forward functions
     mlp.py          a multilayer perceptron: the image flattened, dense layers with ReLU
     transformer.py  a small vision transformer for Fashion-MNIST, written with MXNet operators
+    lstm.py         seed 000's text classifier: an embedding, an LSTM read to its last step, the classes
     batchnorm.py    batch normalisation by hand: the statistics a forward uses, the running ones it leaves
     resnet.py       d2l's ResNet-18 with BatchNorm, channels scaled to train on CPU contexts
     dropout.py      dropout whose masks no layout changes: drawn per (batch, example), never per context
@@ -14,18 +15,27 @@ model they were handed (or, when none was, the lesson's LeNet of the parameters'
 """
 from .contract import Model
 
-MODELS = ("lenet", "mlp", "transformer", "resnet")   # or PATH.py:FUNCTION, the user's own Gluon block
+MODELS = ("lenet", "mlp", "transformer", "resnet", "lstm")   # or PATH.py:FUNCTION, the user's own Gluon block
 
 
-def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=None, seed=0):
-    """The model `name` of these sizes; a "PATH.py:FUNCTION" name loads the user's block
-    (models.gluon_block). ValueError (one line) for sizes it cannot take."""
+def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=None, seed=0, spec=None):
+    """The model `name` of these sizes reading examples of `spec` (a datasets.Spec; default
+    Fashion-MNIST's images); a "PATH.py:FUNCTION" name loads the user's block (models.gluon_block).
+    ValueError (one line) for sizes or data it cannot take."""
+    from ..datasets import IMAGES
+    spec = spec or IMAGES
+    if name == "mlp":
+        from .mlp import MLP
+        return MLP(width, spec)
+    if name == "lstm":
+        from .lstm import LSTM
+        return LSTM(layers, d_model, spec)
+    if spec != IMAGES and (spec.shape, spec.classes, spec.tokens) != (IMAGES.shape, IMAGES.classes, False):
+        raise ValueError(f"reads 28x28 images of 10 classes, (1, 28, 28) values; the data holds {spec.describe()}"
+                         f" (--model mlp reads any values, --model lstm token sequences)")
     if name == "lenet":
         from .lenet import LeNet
         return LeNet(width)
-    if name == "mlp":
-        from .mlp import MLP
-        return MLP(width)
     if name == "resnet":
         from .resnet import ResNet
         return ResNet(width)

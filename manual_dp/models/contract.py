@@ -46,6 +46,7 @@ import numpy as np
 from mxnet import nd
 
 from .dropout import noisy
+from ..datasets import IMAGES
 from ..precision import float32_ops
 
 IMAGE = (1, 28, 28)        # Fashion-MNIST, as every model here reads it
@@ -106,6 +107,7 @@ class Model:
     lesson's cross-entropy. `config` holds the sizes that define the model (saved in checkpoints).
     """
     name = "model"
+    spec = IMAGES       # what one example is (datasets.Spec): Fashion-MNIST's images unless the model says
     config = {}
     layers = ()
     noise = None               # models.dropout.Noise of a model with dropout sites

@@ -1,13 +1,14 @@
-"""A multilayer perceptron under the model contract: the image flattened, dense layers with ReLU,
-then 10 class scores. Its layers are the lesson's `dense` (weights (in, out)), so ZeRO's hand-made
+"""A multilayer perceptron under the model contract: the input flattened (an image, or any values
+the data holds), dense layers with ReLU, then the class scores. Its layers are the lesson's `dense` (weights (in, out)), so ZeRO's hand-made
 dense gradients and a pipeline's cuts apply to it as to LeNet's dense layers.
 
     dense1  (B, 1, 28, 28) -> (B, 256 W)     dense2  (B, 256 W) -> (B, 128 W)     out  (B, 128 W) -> (B, 10)
 """
+import numpy as np
 from mxnet import nd
 
 from ..lesson import dense, relu
-from .contract import CLASSES, IMAGE, Layer, Model, Param, add_bias, pair_roles, pair_traffic, split_pairs
+from .contract import Layer, Model, Param, add_bias, pair_roles, pair_traffic, split_pairs
 from .lenet import dense_layer, dense_relu_layer
 
 HIDDEN = (256, 128)
@@ -17,9 +18,15 @@ class MLP(Model):
     """Dense layers of HIDDEN x `width` units with ReLU, then the class scores."""
     name = "mlp"
 
-    def __init__(self, width=1):
-        self.config = {"width": width}
-        sizes = [IMAGE[0] * IMAGE[1] * IMAGE[2]] + [h * width for h in HIDDEN] + [CLASSES]
+    def __init__(self, width=1, spec=None):
+        from ..datasets import IMAGES
+        spec = spec or IMAGES
+        if spec.tokens:
+            raise ValueError(f"reads values; the data holds {spec.describe()}: --model lstm reads token ids")
+        self.spec = spec
+        self.config = {"width": width} if spec == IMAGES else {"width": width, "inputs": list(spec.shape),
+                                                               "classes": spec.classes}
+        sizes = [int(np.prod(spec.shape))] + [h * width for h in HIDDEN] + [spec.classes]
         self.roles = pair_roles(len(sizes) - 1, lambda i: i < len(sizes) - 2)   # dense1 | dense2, out whole
         axes = {"column": (1, 0), "row": (0, None)}                             # W (in, out), b
         layers = []

@@ -29,7 +29,7 @@ class Precise(Model):
             raise ValueError(f"--precision {policy.precision}: a Gluon block's layers run as MXNet's cached "
                              f"graphs, which the precision does not reach: it trains in fp32 only")
         self.inner, self.policy = model, policy
-        self.name, self.config, self.noise = model.name, model.config, model.noise
+        self.name, self.config, self.noise, self.spec = model.name, model.config, model.noise, model.spec
         last = len(model.layers) - 1
         self.tokens = getattr(model, "tokens", None)
         self.layers = tuple(dataclasses.replace(

@@ -3,7 +3,7 @@ data, the batch of update t as the training loop drew it, the state both held af
 and each one's strategy (manual_dp.cli.build's build_model, so the very layout the run had).
 
 The batch of update t: loop.run_epoch draws, every epoch, one permutation of the training set from
-an rng seeded by --seed (data.batches) and takes its batches in order, dropping a last batch
+an rng seeded by --seed (datasets.contract.batches) and takes its batches in order, dropping a last batch
 shorter than the strategy's min_batch; `batches_from` repeats that, counting A's updates.
 
 The state after update t-1 (the runs agree until then, or diverge would name an earlier update):
@@ -21,7 +21,8 @@ import numpy as np
 
 from .. import checkpoint, config
 from ..cli.build import build_model, contexts, learning_rate, network
-from ..data import batches, load_fashion_mnist, locate_data
+from ..datasets.contract import batches
+from ..datasets.fashion_mnist import load_fashion_mnist, locate_data
 from ..errors import CheckpointError
 from ..multiprocess.world import World
 from ..schedule import lr_at

@@ -27,7 +27,7 @@ def stage_times(pipe, micro, repeats=5, seed=0):
     """{(phase, stage): seconds} of PipelineParallel `pipe`'s actions on one micro-batch of `micro`
     random images (see the module's docstring)."""
     p = plan(pipe.schedule, pipe.S, 1, pipe.V)
-    X, y = random_batch(micro, seed)
+    X, y = random_batch(micro, seed, pipe.net.spec)
     places, params = pipe.places[0], pipe.params[0]
     Xs, ys = [nd.array(X, ctx=places[0])], [nd.array(y, ctx=places[-1])]
     took = {}

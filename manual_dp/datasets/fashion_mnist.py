@@ -1,4 +1,4 @@
-"""Fashion-MNIST: find the IDX files, verify and load them, and iterate in memory."""
+"""Fashion-MNIST: find the IDX files, verify and load them (images (N, 1, 28, 28) in [0, 1], 10 classes)."""
 import gzip
 import os
 import struct
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DataError
+from ..errors import DataError
 
 FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", 60000),
@@ -145,14 +145,3 @@ def load_fashion_mnist(data_dir=None, train_size=None, test_size=None, allow_dow
     directory = find_data_dir(data_dir, allow_download)
     (Xtr, ytr), (Xte, yte) = load_split(directory, "train"), load_split(directory, "test")
     return (Xtr[:train_size], ytr[:train_size]), (Xte[:test_size], yte[:test_size])
-
-
-def batches(X, y, batch_size, rng=None):
-    """Yield (X_batch, y_batch) numpy slices; shuffled by `rng` when given; keeps the last short batch."""
-    order = rng.permutation(len(X)) if rng is not None else None
-    for start in range(0, len(X), batch_size):
-        if order is None:
-            yield X[start:start + batch_size], y[start:start + batch_size]
-        else:
-            idx = order[start:start + batch_size]
-            yield X[idx], y[idx]
