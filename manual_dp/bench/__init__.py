@@ -11,6 +11,7 @@ files marked * run on their own too: `python -m manual_dp.bench.NAME`.
     plots.py              the PNG plots
     memory.py             every mode's measured memory per context (--memory)
     local_sgd.py          local SGD at H = 1, 4, 16: test accuracy and communication rounds (--local-sgd)
+    lstm.py *             seed 000's LSTM on the fortunes: Gluon's Trainer beside sync, the lesson's step, async
     compress.py           every --compress setting trained side by side: bytes, accuracy, images/s
     kvstore_compress.py * the same run through MXNet's own 2bit, the reference for --compress 2bit
     stages.py *           what 1F1B and --recompute buy: activation bytes per stage, step times
