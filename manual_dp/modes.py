@@ -71,16 +71,12 @@ def context_degree(cfg, n_contexts):
 def build_sync(cfg, p):
     if p.sums and (cfg.sequence_pieces or 1) > 1:  # the sequence in pieces: context parallelism's lanes, C = 1
         return build_context(cfg, p)
-    if p.sums:                                      # the fixed tree, its leaves a piece per context
-        return strategy("data.deterministic", "DeterministicDataParallel")(
-            p.params, p.ctx, cfg.optimizer, graph=cfg.graph, rank=p.world.rank, size=p.world.size,
-            exchange=p.sums.exchange, model=p.net, tensor_pieces=p.sums.tensor_pieces)
     from .fast.compress import make_reducer
     compressed = make_reducer(cfg.compress, p.reduce, [w.shape for w in p.params], p.world)
     bucket_mb = float("inf") if cfg.trace and cfg.bucket_mb is None else cfg.bucket_mb   # inf: one buffer
     model = strategy("data.data_parallel", "DataParallel")(
         p.params, p.ctx, cfg.optimizer, compressed or p.grad_reduce, cfg.fuse_grads, cfg.graph, conv_pad=p.pad,
-        bucket_mb=bucket_mb, model=p.net, sync_batchnorm=cfg.sync_batchnorm, stats_reduce=p.reduce)
+        bucket_mb=bucket_mb, model=p.net, sync_batchnorm=cfg.sync_batchnorm, stats_reduce=p.reduce, sums=p.sums)
     if cfg.trace:
         model.trace(cfg.trace, algorithm=p.algorithm)
     return strategy("wrappers.compressed", "Compressed")(model, compressed, cfg.compress, p.world) \
@@ -98,16 +94,11 @@ def build_local(cfg, p):
 
 def build_zero(cfg, p):
     world = p.world
-    if p.sums:                  # across processes: a zero-slot table per shard
-        return strategy("zero.zero_deterministic", "DeterministicZero")(
-            p.params, p.ctx, cfg.optimizer, cfg.zero_stage, rank=world.rank, size=world.size,
-            exchange=lambda table, i: world.allreduce(table, f"zero-tree{i}-" + "x".join(map(str, table.shape))),
-            model=p.net, tensor_pieces=cfg.tensor_pieces or 1)
     cross_sum = world.allreduce if world.size > 1 else None   # the owned gradient shards summed by the engine
-    if p.policy.precision == "fp32":
-        return strategy("zero.zero", "ZeroRedundancy")(p.params, p.ctx, cfg.optimizer, cfg.zero_stage,
-                                                       cross_sum=cross_sum, model=p.net,
-                                                       sync_batchnorm=cfg.sync_batchnorm, stats_reduce=p.reduce)
+    if p.policy.precision == "fp32" or p.sums:      # sums: the fixed tree (across processes a table per shard)
+        return strategy("zero.zero", "ZeroRedundancy")(
+            p.params, p.ctx, cfg.optimizer, cfg.zero_stage, cross_sum=cross_sum, model=p.net,
+            sync_batchnorm=cfg.sync_batchnorm, stats_reduce=p.reduce, sums=p.sums)
     return strategy("zero.zero_mixed", "MixedZero")(p.params, p.ctx, cfg.optimizer, cfg.zero_stage,
                                                     cross_sum=cross_sum, model=p.net, precision=p.policy.precision,
                                                     native=p.policy.native)   # 16-bit parameters and gradients

@@ -14,11 +14,10 @@ import pytest
 from conftest import batch, cpus, hand_grads, run_main, small_model
 from manual_dp.strategies.wrappers.accum import GradAccum
 from manual_dp.strategies.data.data_parallel import DataParallel
-from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.pipeline.pipeline import PipelineParallel
 from manual_dp.strategies.tensor.tensor import TensorParallel
 from manual_dp.strategies.zero.zero import ZeroRedundancy
-from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
 
 CLIP = 0.5          # well below the first gradients' norms (about 2.6 and 4.8 here): clipping bites
 LAYOUTS = {
@@ -88,10 +87,10 @@ def test_deterministic_layouts_keep_one_bit_pattern_when_clipped(reference):
     net, P, _ = reference
     pad = dict(model=net)
     digests = {digest(steps(make(), CLIP)[0]) for make in (
-        lambda: DeterministicDataParallel(P, cpus(1), "momentum", **pad),
-        lambda: DeterministicDataParallel(P, cpus(3), "momentum", **pad),
-        lambda: DeterministicZero(P, cpus(2), "momentum", 3, **pad),
-        lambda: DeterministicZero(P, cpus(4), "momentum", 1, **pad))}
+        lambda: DataParallel(P, cpus(1), "momentum", sums=FixedSums(), **pad),
+        lambda: DataParallel(P, cpus(3), "momentum", sums=FixedSums(), **pad),
+        lambda: ZeroRedundancy(P, cpus(2), "momentum", 3, sums=FixedSums(), **pad),
+        lambda: ZeroRedundancy(P, cpus(4), "momentum", 1, sums=FixedSums(), **pad))}
     assert len(digests) == 1
 
 

@@ -12,15 +12,14 @@ from mxnet import nd
 from conftest import batch, cpus
 from manual_dp import replicas
 from manual_dp.loop import evaluate
-from manual_dp.strategies.data.deterministic import DeterministicDataParallel
 from manual_dp.fast.compress import make_reducer
 from manual_dp.strategies.wrappers.compressed import Compressed
 from manual_dp import (AsyncDataParallel, DataParallel, GradAccum, PipelineParallel, Strategy,
                        init_lenet_params, make_allreduce)
 from manual_dp import ZeroRedundancy
 from manual_dp import LocalSGD
+from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.tensor.tensor import TensorParallel
-from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
 from manual_dp.strategies.tensor.tensor_deterministic import TensorDeterministic
 
 
@@ -35,7 +34,7 @@ STRATEGIES = {
     "model": lambda p, opt: PipelineParallel(p, cpus(2), opt, 1),
     "pipeline M=3": lambda p, opt: PipelineParallel(p, cpus(2), opt, 3),
     "hybrid 2x2": lambda p, opt: PipelineParallel(p, cpus(4), opt, 2),
-    "deterministic x3": lambda p, opt: DeterministicDataParallel(p, cpus(3), opt, piece=4),
+    "deterministic x3": lambda p, opt: DataParallel(p, cpus(3), opt, sums=FixedSums(piece=4)),
     "zero1 x3": lambda p, opt: ZeroRedundancy(p, cpus(3), opt, stage=1),
     "zero2 x4": lambda p, opt: ZeroRedundancy(p, cpus(4), opt, stage=2),
     "zero3 x3": lambda p, opt: ZeroRedundancy(p, cpus(3), opt, stage=3),
@@ -65,9 +64,9 @@ STRATEGIES = {
     "compress powersgd:1000 x2": lambda p, opt: Compressed(
         DataParallel(p, cpus(2), opt, r := make_reducer("powersgd:1000", make_allreduce("reduce_bcast"),
                                                         [q.shape for q in p])), r, "powersgd:1000"),
-    "zero-deterministic s1 x2": lambda p, opt: DeterministicZero(p, cpus(2), opt, stage=1, piece=4),
-    "zero-deterministic s2 x4": lambda p, opt: DeterministicZero(p, cpus(4), opt, stage=2, piece=4),
-    "zero-deterministic s3 x3": lambda p, opt: DeterministicZero(p, cpus(3), opt, stage=3, piece=4),
+    "zero-deterministic s1 x2": lambda p, opt: ZeroRedundancy(p, cpus(2), opt, stage=1, sums=FixedSums(piece=4)),
+    "zero-deterministic s2 x4": lambda p, opt: ZeroRedundancy(p, cpus(4), opt, stage=2, sums=FixedSums(piece=4)),
+    "zero-deterministic s3 x3": lambda p, opt: ZeroRedundancy(p, cpus(3), opt, stage=3, sums=FixedSums(piece=4)),
     "tensor-deterministic T2 x4": lambda p, opt: TensorDeterministic(p, cpus(4), opt, 2, piece=4),
 }
 # Strategies that keep the contract but compute, by design, something other than the one-device

@@ -14,7 +14,7 @@ from jobs import assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, tr
 from manual_dp import DataParallel, GradAccum, init_lenet_params
 from manual_dp.lesson import lenet
 from manual_dp.loop import evaluate
-from manual_dp.strategies.data.deterministic import DeterministicDataParallel, cover, pieces, spans, tree_sum
+from manual_dp.strategies.sums.fixed_sums import FixedSums, cover, pieces, spans, tree_sum
 from test_distributed import needs_horovod
 
 
@@ -64,7 +64,7 @@ def test_the_same_bits_on_1_2_3_and_4_contexts(optimizer, graph):
     replica and every reported loss the same bits on every context count."""
     seen = {}
     for k in (1, 2, 3, 4):
-        model = DeterministicDataParallel(init_lenet_params(seed=2), cpus(k), optimizer, piece=32, graph=graph)
+        model = DataParallel(init_lenet_params(seed=2), cpus(k), optimizer, graph=graph, sums=FixedSums(piece=32))
         losses = [model.step(*batch(100, seed=s), 0.05)[0][0].asscalar() for s in range(3)]
         replicas = {hashlib.sha256(f.flat.asnumpy().tobytes()).hexdigest() for f in model.flat}
         assert len(replicas) == 1 and {a.context for a in model.flat[-1].params} == {mx.cpu(k - 1)}
@@ -76,18 +76,24 @@ def test_the_same_bits_on_1_2_3_and_4_contexts(optimizer, graph):
 def test_grad_accumulation_is_deterministic_too():
     digests = set()
     for k in (1, 3):
-        model = GradAccum(DeterministicDataParallel(init_lenet_params(seed=1), cpus(k), "momentum", piece=8), 2)
+        model = GradAccum(DataParallel(init_lenet_params(seed=1), cpus(k), "momentum", sums=FixedSums(piece=8)), 2)
         for s in range(4):
             model.step(*batch(20, seed=s), 0.05)
         digests.add(digest(model))
     assert len(digests) == 1
 
 
+def test_buckets_and_the_lessons_step_are_refused():
+    for kw in (dict(bucket_mb=0), dict(lesson=True)):
+        with pytest.raises(ValueError, match="fixed tree takes the fused step"):
+            DataParallel(init_lenet_params(seed=0), cpus(2), "sgd", sums=FixedSums(), **kw)
+
+
 def test_deterministic_computes_the_one_device_step():
     """Another order of the same sums: equal to the lesson's step to float32 rounding (loss sums
     of ~300 to 1e-5 relative, parameters to 1e-5 absolute after 3 SGD steps)."""
     ref = DataParallel(init_lenet_params(seed=3), cpus(1), "sgd", lesson=True)
-    model = DeterministicDataParallel(init_lenet_params(seed=3), cpus(3), "sgd", piece=16)
+    model = DataParallel(init_lenet_params(seed=3), cpus(3), "sgd", sums=FixedSums(piece=16))
     for s in range(3):
         want = ref.step(*batch(100, seed=s), 0.05)[0][0].asscalar()
         got = model.step(*batch(100, seed=s), 0.05)[0][0].asscalar()

@@ -19,10 +19,9 @@ from conftest import batch, close, cpus, statistics_alike, straight_and_resumed,
 from jobs import launch_cmd, read_log, run_job, saved_arrays, train_cmd
 from manual_dp import models
 from manual_dp.strategies.data.data_parallel import DataParallel
-from manual_dp.strategies.data.deterministic import DeterministicDataParallel
 from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.pipeline.pipeline import PipelineParallel
-from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
+from manual_dp.strategies.zero.zero import ZeroRedundancy
 
 PIECE = 8                      # batches of 24: three pieces
 
@@ -50,7 +49,7 @@ def test_the_same_bits_on_1_2_and_3_contexts(resnet):
     net, P = resnet
     seen = {}
     for k in (1, 2, 3):
-        model = DeterministicDataParallel(P, cpus(k), "momentum", piece=PIECE, model=net)
+        model = DataParallel(P, cpus(k), "momentum", model=net, sums=FixedSums(piece=PIECE))
         assert model.graph is None
         state, losses = trained(model)
         assert statistics_alike(model, k)
@@ -63,8 +62,8 @@ def test_the_same_bits_on_1_2_and_3_contexts(resnet):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_give_the_bits_of_sync(resnet, stage):
     net, P = resnet
-    want, want_losses = trained(DeterministicDataParallel(P, cpus(1), "momentum", piece=PIECE, model=net))
-    got, losses = trained(DeterministicZero(P, cpus(2), "momentum", stage, piece=PIECE, model=net))
+    want, want_losses = trained(DataParallel(P, cpus(1), "momentum", model=net, sums=FixedSums(piece=PIECE)))
+    got, losses = trained(ZeroRedundancy(P, cpus(2), "momentum", stage, model=net, sums=FixedSums(piece=PIECE)))
     assert losses == want_losses
     for a, b in zip([*got["params"], *got["extra"]["running"]], [*want["params"], *want["extra"]["running"]]):
         np.testing.assert_array_equal(a, b)
@@ -76,7 +75,7 @@ def test_pipelines_give_the_bits_of_sync(resnet, contexts, stages, micro, schedu
     """Model, pipeline and hybrid parallelism: each stage's leaf of a piece ends with its BatchNorms'
     statistics on the piece; after the tree the stages' sums are the model's, folded as sync's."""
     net, P = resnet
-    want, want_losses = trained(DeterministicDataParallel(P, cpus(1), "momentum", piece=PIECE, model=net))
+    want, want_losses = trained(DataParallel(P, cpus(1), "momentum", model=net, sums=FixedSums(piece=PIECE)))
     pipe = PipelineParallel(P, cpus(contexts), "momentum", micro, stages=stages, schedule=schedule, model=net,
                             recompute=recompute, sums=FixedSums(PIECE))
     got, losses = trained(pipe)
@@ -91,7 +90,7 @@ def test_each_piece_normalises_with_its_own_statistics(resnet):
     """One context in pieces of 8 computes what data parallelism over 3 contexts of 8 rows computes,
     each with its own statistics, and not what one context computes with the batch's."""
     net, P = resnet
-    got, _ = trained(DeterministicDataParallel(P, cpus(1), "momentum", piece=PIECE, model=net))
+    got, _ = trained(DataParallel(P, cpus(1), "momentum", model=net, sums=FixedSums(piece=PIECE)))
     want, _ = trained(DataParallel(P, cpus(3), "momentum", model=net, graph=False))
     whole, _ = trained(DataParallel(P, cpus(1), "momentum", model=net, graph=False))
     assert close(got["params"], want["params"]) and close(got["extra"]["running"], want["extra"]["running"])
@@ -102,8 +101,8 @@ def test_a_resume_on_another_context_count_is_bit_identical(resnet):
     net, P = resnet
     X, y = batch(24, 0)
     straight, resumed, state = straight_and_resumed(
-        lambda: DeterministicDataParallel(P, cpus(3), "momentum", piece=PIECE, model=net),
-        DeterministicDataParallel(P, cpus(2), "momentum", piece=PIECE, model=net), X, y)
+        lambda: DataParallel(P, cpus(3), "momentum", model=net, sums=FixedSums(piece=PIECE)),
+        DataParallel(P, cpus(2), "momentum", model=net, sums=FixedSums(piece=PIECE)), X, y)
     assert "running" in state["extra"]
     assert bits(straight.state_dict()) == bits(resumed.state_dict())
 
@@ -111,7 +110,16 @@ def test_a_resume_on_another_context_count_is_bit_identical(resnet):
 def test_tensor_pieces_are_refused(resnet):
     net, P = resnet
     with pytest.raises(ValueError, match="--tensor-pieces 2 cuts the split layers of the transformer"):
-        DeterministicDataParallel(P, cpus(1), "momentum", model=net, tensor_pieces=2)
+        DataParallel(P, cpus(1), "momentum", model=net, sums=FixedSums(tensor_pieces=2))
+
+
+def test_sync_batchnorm_is_refused_in_sync_and_zero(resnet):
+    """Each piece normalises with its own statistics: statistics across contexts are refused."""
+    net, P = resnet
+    for make in (lambda: DataParallel(P, cpus(2), "momentum", model=net, sync_batchnorm=True, sums=FixedSums()),
+                 lambda: ZeroRedundancy(P, cpus(2), "momentum", 1, model=net, sync_batchnorm=True, sums=FixedSums())):
+        with pytest.raises(ValueError, match="each piece with its own statistics, not --sync-batchnorm"):
+            make()
 
 
 SMALL = ["--model", "resnet", "--train-size", "96", "--batch-size", "24", "--test-size", "40", "--epochs", "1",

@@ -22,13 +22,12 @@ from manual_dp.strategies.data.async_dp import AsyncDataParallel
 from manual_dp.strategies.context.context import ContextParallel
 from manual_dp.strategies.context.context_tensor import ContextTensorParallel
 from manual_dp.strategies.data.data_parallel import DataParallel
-from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.data.local_sgd import LocalSGD
 from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
 from manual_dp.strategies.pipeline.pipeline import PipelineParallel
 from manual_dp.strategies.tensor.tensor import TensorParallel
 from manual_dp.strategies.zero.zero import ZeroRedundancy
-from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
 
 TOL, RATE = 1e-5, 0.3
 USER_BLOCK = """
@@ -160,9 +159,9 @@ def test_masks_are_the_documented_hash_at_the_rate():
 def test_deterministic_bits_hold_with_dropout(reference):
     net, P, _ = reference
     digests = {hashlib.sha256(b"".join(p.tobytes() for p in steps(layout(), net, n=70))).hexdigest() for layout in (
-        lambda: DeterministicDataParallel(P, cpus(1), "momentum", model=net),
-        lambda: DeterministicDataParallel(P, cpus(3), "momentum", model=net),
-        lambda: DeterministicZero(P, cpus(2), "momentum", 3, model=net))}
+        lambda: DataParallel(P, cpus(1), "momentum", model=net, sums=FixedSums()),
+        lambda: DataParallel(P, cpus(3), "momentum", model=net, sums=FixedSums()),
+        lambda: ZeroRedundancy(P, cpus(2), "momentum", 3, model=net, sums=FixedSums()))}
     assert len(digests) == 1
 
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import batch, cpus, run_main
 from jobs import assert_same_run, launch_cmd, train_cmd
 from manual_dp import models
-from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.data.data_parallel import DataParallel
 from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.mesh.mesh_deterministic import MeshDeterministic
 from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
@@ -56,7 +56,7 @@ def net():
 @pytest.fixture(scope="module")
 def reference(net):
     """One context's --deterministic --tensor-pieces 4 step, per optimiser."""
-    return {opt: digest(DeterministicDataParallel(net.init_params(0), cpus(1), opt, model=net, tensor_pieces=4))
+    return {opt: digest(DataParallel(net.init_params(0), cpus(1), opt, model=net, sums=FixedSums(tensor_pieces=4)))
             for opt in ("sgd", "adam")}
 
 
@@ -108,7 +108,7 @@ def test_a_checkpoint_moves_between_a_mesh_one_context_and_tensor_mode(net, refe
     X, y = batch(150, 0)
     first = mesh(8, 2, 2, 2)(net.init_params(0), net, "adam")
     first.step(X, y, 0.05)
-    for other in (DeterministicDataParallel(net.init_params(5), cpus(1), "adam", model=net, tensor_pieces=4),
+    for other in (DataParallel(net.init_params(5), cpus(1), "adam", model=net, sums=FixedSums(tensor_pieces=4)),
                   TensorDeterministic(net.init_params(5), cpus(4), "adam", 4, model=net)):
         other.load_state_dict(first.state_dict())
         other.step(X, y, 0.05)

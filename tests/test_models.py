@@ -21,13 +21,11 @@ from manual_dp.models.contract import balanced_cuts
 from manual_dp.strategies.wrappers.accum import GradAccum
 from manual_dp.strategies.data.async_dp import AsyncDataParallel
 from manual_dp.strategies.data.data_parallel import DataParallel
-from manual_dp.strategies.data.deterministic import DeterministicDataParallel
 from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.data.local_sgd import LocalSGD
 from manual_dp.strategies.pipeline.pipeline import PipelineParallel
 from manual_dp.strategies.tensor.tensor import TensorParallel
 from manual_dp.strategies.zero.zero import ZeroRedundancy
-from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
 
 TOL = 1e-5
 USER_BLOCK = """
@@ -192,10 +190,10 @@ def digest(params):
 @pytest.mark.parametrize("name", ["transformer", "user"])
 def test_deterministic_bits_on_any_context_count_and_zero_stage(references, name):
     net, P, _ = references[name]
-    want = digest(params_after(DeterministicDataParallel(P, cpus(1), "momentum", model=net), n=70))
-    for layout in (lambda: DeterministicDataParallel(P, cpus(3), "momentum", model=net),
-                   lambda: DeterministicZero(P, cpus(2), "momentum", 3, model=net),
-                   lambda: DeterministicZero(P, cpus(4), "momentum", 1, model=net)):
+    want = digest(params_after(DataParallel(P, cpus(1), "momentum", model=net, sums=FixedSums()), n=70))
+    for layout in (lambda: DataParallel(P, cpus(3), "momentum", model=net, sums=FixedSums()),
+                   lambda: ZeroRedundancy(P, cpus(2), "momentum", 3, model=net, sums=FixedSums()),
+                   lambda: ZeroRedundancy(P, cpus(4), "momentum", 1, model=net, sums=FixedSums())):
         assert digest(params_after(layout(), n=70)) == want
 
 
@@ -443,7 +441,7 @@ def test_running_statistics_are_checkpointed_and_resume_exactly(resnet):
 
 def test_strategies_without_running_statistics_refuse_them(resnet):
     net, P, _ = resnet
-    for make in (lambda: DeterministicZero(P, cpus(2), "momentum", 1, model=net, tensor_pieces=2),
+    for make in (lambda: ZeroRedundancy(P, cpus(2), "momentum", 1, model=net, sums=FixedSums(tensor_pieces=2)),
                  lambda: PipelineParallel(P, cpus(2), "momentum", 2, model=net, sums=FixedSums(tensor_pieces=2))):
         with pytest.raises(ValueError, match="running statistics"):
             make()

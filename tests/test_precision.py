@@ -19,12 +19,11 @@ from manual_dp.errors import DivergedError
 from manual_dp.models.precise import Precise
 from manual_dp.precision import MIN_SCALE, LossScale, Policy, numpy_rounded, rounded
 from manual_dp.strategies.data.data_parallel import DataParallel
-from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.wrappers.loss_scaled import LossScaled
 from manual_dp.strategies.pipeline.pipeline import PipelineParallel
 from manual_dp.strategies.tensor.tensor import TensorParallel
 from manual_dp.strategies.zero.zero import ZeroRedundancy
-from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
 from manual_dp.strategies.zero.zero_mixed import MixedZero
 
 EDGES = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -7 + 2 ** -9, 65504, 65519.9, 65520, 7e4, 1e-40,
@@ -130,10 +129,10 @@ def test_deterministic_layouts_in_bf16_keep_one_bit_pattern_of_their_own(bf16_re
     low, P, _ = bf16_reference
     pad = dict(model=low)
     digests = {digest(steps(make())) for make in (
-        lambda: DeterministicDataParallel(P, cpus(1), "momentum", **pad),
-        lambda: DeterministicDataParallel(P, cpus(3), "momentum", **pad),
-        lambda: DeterministicZero(P, cpus(2), "momentum", 3, **pad))}
-    fp32 = digest(steps(DeterministicDataParallel(P, cpus(1), "momentum", model=low.inner)))
+        lambda: DataParallel(P, cpus(1), "momentum", sums=FixedSums(), **pad),
+        lambda: DataParallel(P, cpus(3), "momentum", sums=FixedSums(), **pad),
+        lambda: ZeroRedundancy(P, cpus(2), "momentum", 3, sums=FixedSums(), **pad))}
+    fp32 = digest(steps(DataParallel(P, cpus(1), "momentum", model=low.inner, sums=FixedSums())))
     assert len(digests) == 1 and fp32 not in digests
 
 

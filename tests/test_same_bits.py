@@ -11,11 +11,11 @@ import pytest
 from conftest import batch, cpus
 from jobs import assert_same_run, horovod_cmd, launch_cmd, train_cmd
 from manual_dp import models
-from manual_dp.strategies.data.deterministic import DeterministicDataParallel
+from manual_dp.strategies.data.data_parallel import DataParallel
 from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.pipeline.pipeline import PipelineParallel
 from manual_dp.strategies.tensor.tensor_deterministic import TensorDeterministic
-from manual_dp.strategies.zero.zero_deterministic import DeterministicZero
+from manual_dp.strategies.zero.zero import ZeroRedundancy
 from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
 from test_distributed import needs_horovod
 
@@ -25,8 +25,8 @@ def pipeline(n, micro, stages, **kw):
 
 
 LAYOUTS = {
-    "sync x3": lambda P, net, opt: DeterministicDataParallel(P, cpus(3), opt, model=net),
-    "zero-3 x2": lambda P, net, opt: DeterministicZero(P, cpus(2), opt, 3, model=net),
+    "sync x3": lambda P, net, opt: DataParallel(P, cpus(3), opt, model=net, sums=FixedSums()),
+    "zero-3 x2": lambda P, net, opt: ZeroRedundancy(P, cpus(2), opt, 3, model=net, sums=FixedSums()),
     "model 2 stages": pipeline(2, 1, 2),
     "gpipe 3 stages x 3 micro-batches": pipeline(3, 3, 3),
     "1f1b 2 stages x 4, recompute": pipeline(2, 4, 2, schedule="1f1b", recompute=True),
@@ -53,7 +53,7 @@ def nets():
 
 @pytest.fixture(scope="module")
 def references(nets):
-    return {(name, opt): digest(DeterministicDataParallel(net.init_params(0), cpus(1), opt, model=net), net)
+    return {(name, opt): digest(DataParallel(net.init_params(0), cpus(1), opt, model=net, sums=FixedSums()), net)
             for name, net in nets.items() for opt in ("sgd", "momentum", "adam")}
 
 
@@ -66,8 +66,8 @@ def test_every_layout_has_one_contexts_bits(nets, references, layout, name, opti
 
 
 PIECED = {     # --tensor-pieces 4: every split layer in 4 pieces, in every layout, tensor parallelism included
-    "sync x3": lambda P, net, opt: DeterministicDataParallel(P, cpus(3), opt, model=net, tensor_pieces=4),
-    "zero-3 x2": lambda P, net, opt: DeterministicZero(P, cpus(2), opt, 3, model=net, tensor_pieces=4),
+    "sync x3": lambda P, net, opt: DataParallel(P, cpus(3), opt, model=net, sums=FixedSums(tensor_pieces=4)),
+    "zero-3 x2": lambda P, net, opt: ZeroRedundancy(P, cpus(2), opt, 3, model=net, sums=FixedSums(tensor_pieces=4)),
     "tensor T=1": lambda P, net, opt: TensorDeterministic(P, cpus(1), opt, 1, model=net),
     "tensor T=2": lambda P, net, opt: TensorDeterministic(P, cpus(2), opt, 2, model=net),
     "tensor T=2 x data 2": lambda P, net, opt: TensorDeterministic(P, cpus(4), opt, 2, model=net),
@@ -79,7 +79,7 @@ PIECED = {     # --tensor-pieces 4: every split layer in 4 pieces, in every layo
 
 @pytest.fixture(scope="module")
 def pieced_references(nets):
-    return {(name, opt): digest(DeterministicDataParallel(net.init_params(0), cpus(1), opt, model=net, tensor_pieces=4), net)
+    return {(name, opt): digest(DataParallel(net.init_params(0), cpus(1), opt, model=net, sums=FixedSums(tensor_pieces=4)), net)
             for name, net in nets.items() for opt in ("sgd", "adam")}
 
 

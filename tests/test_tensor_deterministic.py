@@ -18,7 +18,7 @@ from mxnet import autograd, nd
 from conftest import batch, cpus, write_dataset
 from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, saved_arrays, train_cmd
 from manual_dp import DataParallel, GradAccum, init_lenet_params
-from manual_dp.strategies.data.deterministic import root_of, tree_sum
+from manual_dp.strategies.sums.fixed_sums import root_of, tree_sum
 from manual_dp.strategies.tensor.tensor import TensorParallel
 from manual_dp.strategies.tensor.tensor_deterministic import TensorDeterministic
 from manual_dp import models

@@ -12,9 +12,8 @@ import pytest
 
 from conftest import batch, cpus, write_dataset
 from jobs import assert_same_run, horovod_cmd, launch_cmd, read_log, run_job, saved_arrays, train_cmd
-from manual_dp import GradAccum, init_lenet_params
-from manual_dp.strategies.data.deterministic import DeterministicDataParallel, cover, root_of, spans, tree_sum
-from manual_dp.strategies.zero.zero_deterministic import DeterministicZero, Fold
+from manual_dp import DataParallel, GradAccum, ZeroRedundancy, init_lenet_params
+from manual_dp.strategies.sums.fixed_sums import FixedSums, Fold, cover, root_of, spans, tree_sum
 from test_distributed import needs_horovod
 
 
@@ -56,11 +55,11 @@ def test_the_fold_makes_exactly_the_cover_nodes_with_tree_sums_bits(m):
 @pytest.mark.parametrize("optimizer,counts", [("momentum", (1, 2, 3, 4)), ("adam", (1, 3)), ("sgd", (2, 4))])
 def test_the_same_bits_on_every_stage_and_context_count_as_deterministic_sync(optimizer, counts):
     """Parameters and optimiser state after each of 3 steps, losses and correct counts: the bits of
-    DeterministicDataParallel on one context, for stages 1, 2, 3 on each count."""
-    want = three_steps(DeterministicDataParallel(init_lenet_params(seed=2), cpus(1), optimizer, piece=32))
+    DataParallel given FixedSums on one context, for stages 1, 2, 3 on each count."""
+    want = three_steps(DataParallel(init_lenet_params(seed=2), cpus(1), optimizer, sums=FixedSums(piece=32)))
     for stage in (1, 2, 3):
         for k in counts:
-            model = DeterministicZero(init_lenet_params(seed=2), cpus(k), optimizer, stage, piece=32)
+            model = ZeroRedundancy(init_lenet_params(seed=2), cpus(k), optimizer, stage, sums=FixedSums(piece=32))
             assert three_steps(model) == want, (stage, k)
             assert [s.context for s in model.shards] == cpus(k)
             assert [g.context for g in model.grad_shards] == cpus(k)
@@ -70,13 +69,13 @@ def test_grad_accumulation_and_the_imperative_pass_are_deterministic_too():
     for graph in (True, False):
         seen = set()
         for k, stage in ((1, 2), (3, 3), (2, 1)):
-            model = GradAccum(DeterministicZero(init_lenet_params(seed=1), cpus(k), "momentum", stage,
-                                                piece=8, graph=graph), 2)
+            model = GradAccum(ZeroRedundancy(init_lenet_params(seed=1), cpus(k), "momentum", stage,
+                                             graph=graph, sums=FixedSums(piece=8)), 2)
             for s in range(4):
                 model.step(*batch(20, seed=s), 0.05)
             seen.add(bits(model))
-        ref = GradAccum(DeterministicDataParallel(init_lenet_params(seed=1), cpus(1), "momentum", piece=8,
-                                                  graph=graph), 2)
+        ref = GradAccum(DataParallel(init_lenet_params(seed=1), cpus(1), "momentum",
+                                     graph=graph, sums=FixedSums(piece=8)), 2)
         for s in range(4):
             ref.step(*batch(20, seed=s), 0.05)
         assert seen == {bits(ref)}
@@ -85,7 +84,7 @@ def test_grad_accumulation_and_the_imperative_pass_are_deterministic_too():
 def test_stage_3_holds_full_parameters_only_during_a_step():
     """Between steps each context keeps its shard; the step's peak counts the gathered (N,)
     parameters and (N,) gradients of every context (Peak, via peak_arrays)."""
-    model = DeterministicZero(init_lenet_params(seed=0), cpus(3), "sgd", stage=3, piece=16)
+    model = ZeroRedundancy(init_lenet_params(seed=0), cpus(3), "sgd", stage=3, sums=FixedSums(piece=16))
     model.step(*batch(64, seed=0), 0.05)
     n = model.n
     shard_sizes = [b - a for a, b in zip(model.bounds, model.bounds[1:])]

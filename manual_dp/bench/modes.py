@@ -30,7 +30,7 @@ def strategies(ctx, net=None):
     from ..strategies.context.context import ContextParallel
     from ..strategies.mesh.mesh_parallel import MeshParallel
     from ..strategies.data.data_parallel import DataParallel
-    from ..strategies.data.deterministic import DeterministicDataParallel
+    from ..strategies.sums.fixed_sums import FixedSums
     from ..strategies.data.local_sgd import LocalSGD
     from ..strategies.pipeline.pipeline import PipelineParallel
     from ..strategies.tensor.tensor import TensorParallel
@@ -39,7 +39,7 @@ def strategies(ctx, net=None):
     modes = {
         "sync (fast step)": lambda p: DataParallel(p, ctx, opt, **m),
         "sync (the lesson's step)": lambda p: DataParallel(p, ctx, opt, lesson=True, **m),
-        "deterministic": lambda p: DeterministicDataParallel(p, ctx, opt, **m),
+        "deterministic": lambda p: DataParallel(p, ctx, opt, sums=FixedSums(), **m),
         "async S=1": lambda p: AsyncDataParallel(p, ctx, opt, staleness=1, **m),
         "local H=4": lambda p: LocalSGD(p, ctx, opt, sync_every=4, **m),
         "zero stage 1": lambda p: ZeroRedundancy(p, ctx, opt, stage=1, **m),

@@ -18,7 +18,7 @@ from mxnet.gluon import nn
 from ..fast.collectives import make_allreduce
 from ..lesson import allreduce, cross_entropy, get_params, init_lenet_params, lenet, sgd
 from ..strategies.data.data_parallel import DataParallel
-from ..strategies.data.deterministic import DeterministicDataParallel
+from ..strategies.sums.fixed_sums import FixedSums
 from ..loop import run_epoch
 
 
@@ -68,7 +68,7 @@ def manual_trainer(params, ctx, lr, batch, allreduce="lesson", fused=False, grap
                    deterministic=False):
     """conv_pad None: the autotune's choice for this machine (the bench measures it first);
     deterministic: --deterministic's strategy (its cached graph, unpadded, pieces added in one fixed tree)."""
-    model = DeterministicDataParallel(params, ctx, "sgd") if deterministic else \
+    model = DataParallel(params, ctx, "sgd", sums=FixedSums()) if deterministic else \
         DataParallel(params, ctx, "sgd", make_allreduce(allreduce), fuse_grads=fused, graph=graph,
                      conv_pad=conv_pad)
     return (lambda X, y: run_epoch(model, X, y, batch, lr, rng=None)), lambda: model.replicas[0]

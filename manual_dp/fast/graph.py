@@ -30,7 +30,7 @@ import functools
 
 import mxnet as mx
 import numpy as np
-from mxnet import nd
+from mxnet import autograd, nd
 
 from ..lesson import cross_entropy
 from ..models import as_model
@@ -105,3 +105,14 @@ class ModelGraph:
             keys = row_keys(X) if keys is None else keys
             out[name] = noise.mask(keys, site, shapes[name][1:], 0, X.context, rate)
         return out
+
+
+def graph_forward_backward(graph, X_shards, y_shards, device_params, on_forward=None):
+    """forward_backward through the model's cached graph: one call per context, one backward for all
+    (on_forward(losses), if given, is called in between)."""
+    with autograd.record():
+        metrics = [graph(X, y, W) for X, y, W in zip(X_shards, y_shards, device_params)]
+    if on_forward:
+        on_forward([m[0] for m in metrics])
+    autograd.backward([m[0] for m in metrics])
+    return metrics

@@ -5,7 +5,8 @@ parameters, gradients and optimiser state are views of flat buffers (manual_dp.f
 does one all-reduce and one optimiser update per device, and forward and backward run as LeNet's
 cached graph (manual_dp.fast.graph). `lesson=True` turns both off and takes the lesson's own
 train_batch, with the lesson's allreduce: one call per gradient. `bucket_mb` cuts the flat buffers
-into buckets whose all-reduces overlap the backward pass (manual_dp.fast.buckets).
+into buckets whose all-reduces overlap the backward pass (manual_dp.fast.buckets). Given
+--deterministic's FixedSums, every sum over the batch is taken in its fixed tree (data_sums.py).
 """
 from mxnet import autograd, nd
 
@@ -15,7 +16,7 @@ from ...fast import autotune
 from ...fast.buckets import Buckets
 from ...fast.collectives import make_allreduce
 from ...fast.flat import FlatReplica
-from ...fast.graph import ModelGraph
+from ...fast.graph import ModelGraph, graph_forward_backward
 from ...fast.prefetch import host
 from ...fast.trace import Tracer
 from ...lesson import forward_backward, get_params, n_correct, shard_sizes, split_and_load, train_batch
@@ -25,17 +26,7 @@ from ...replicas import fingerprint
 from ..base import Strategy
 from ..clipping import NormLog, squares
 from ..running import RunningStats
-
-
-def graph_forward_backward(graph, X_shards, y_shards, device_params, on_forward=None):
-    """forward_backward through the model's cached graph: one call per context, one backward for all
-    (on_forward(losses), if given, is called in between)."""
-    with autograd.record():
-        metrics = [graph(X, y, W) for X, y, W in zip(X_shards, y_shards, device_params)]
-    if on_forward:
-        on_forward([m[0] for m in metrics])
-    autograd.backward([m[0] for m in metrics])
-    return metrics
+from .data_sums import FixedData, leaf_graph
 
 
 def host_state(params, states, t, **extra):
@@ -55,7 +46,7 @@ def load_into(params, states, state):
             s[:] = nd.array(value, ctx=s.context)
 
 
-class DataParallel(RunningStats, Strategy):
+class DataParallel(RunningStats, FixedData, Strategy):
     """A replica on every context; gradients all-reduced with `allreduce_fn`, then the same update.
 
     allreduce_fn, fuse_grads, graph: None takes the fast step's choice (manual_dp.config.FAST_STEP),
@@ -67,11 +58,20 @@ class DataParallel(RunningStats, Strategy):
     cached graph too, or with sync_batchnorm across them: then every context's forward runs at
     once, imperatively (models.batchnorm). stats_reduce: the exact all-reduce their sums take
     (None: allreduce_fn; --compress gives the uncompressed one, the statistics must stay exact).
+    sums: None, the gradients all-reduced as above; or --deterministic's FixedSums
+    (strategies/sums/fixed_sums.py): each context computes the whole model's gradient of each of its
+    run of the batch's pieces, added in the one tree (across processes by the policy's exchange), the
+    same bits on any layout (data_sums.py). Its leaves run on the fused flat buffers, through the
+    cached graph unpadded (the kernels a pipeline stage runs), or imperatively (graph=False, split
+    layers in pieces, BatchNorm); allreduce_fn, fuse_grads and conv_pad are not read, buckets and
+    the lesson's step refused.
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, allreduce_fn=None,
                  fuse_grads=None, graph=None, lesson=False, conv_pad=None, bucket_mb=None, model=None,
-                 sync_batchnorm=False, stats_reduce=None):
+                 sync_batchnorm=False, stats_reduce=None, sums=None):
+        if sums and (lesson or bucket_mb is not None):
+            raise ValueError("--deterministic's fixed tree takes the fused step: no buckets, not the lesson's step")
         choice = LESSON_STEP if lesson else FAST_STEP
         fuse_grads = choice["fuse_grads"] if fuse_grads is None else fuse_grads
         graph = choice["graph"] if graph is None else graph
@@ -79,6 +79,8 @@ class DataParallel(RunningStats, Strategy):
         self.allreduce_fn = allreduce_fn or make_allreduce(choice["allreduce"])
         self.keep_running(sync_batchnorm, stats_reduce or self.allreduce_fn)
         graph = graph and not self.sync_batchnorm   # statistics across contexts: no one context's graph
+        if sums:                                    # the tree's leaves: one flat gradient, unpadded kernels
+            fuse_grads, conv_pad, graph = True, 1, leaf_graph(graph, sums, self.net)
         if graph and conv_pad is None:
             conv_pad = autotune.conv_pad()
         self.buckets = Buckets(params, self.ctx, bucket_mb, optimizer, self.net.names()) if bucket_mb is not None else None
@@ -99,7 +101,9 @@ class DataParallel(RunningStats, Strategy):
                 p.attach_grad(grad_req="add")     # backward adds up, update zeroes
             self.states = [init_states(W, optimizer) for W in self.replicas]
         self.states_of = {id(W): S for W, S in zip(self.replicas, self.states)}   # for train_batch's update
-        self.t, self.tracer = 0, None
+        self.t, self.tracer, self.sums = 0, None, sums
+        if sums:
+            self.keep_fixed()
 
     def trace(self, path, skip=2, steps=3, algorithm=None):
         """Record updates skip+1 .. skip+steps as a Chrome trace in `path` (manual_dp.fast.trace;
@@ -129,7 +133,18 @@ class DataParallel(RunningStats, Strategy):
             self.n_counted = self.counted(n)
         apply_update_and_clear(W, self.states_of[id(W)], self.optimizer, lr, self.t, self.n_counted)
 
+    @property
+    def min_batch(self):
+        """A row per context (with sums: a piece of any size; the tree leaves no context idle)."""
+        return 1 if self.sums else len(self.ctx)
+
+    def rows(self, n, rank, size):
+        """With sums every row: each process picks its pieces (strategies/sums/fixed_sums.py)."""
+        return (0, n) if self.sums else super().rows(n, rank, size)
+
     def backward(self, X, y):
+        if self.sums:
+            return self.fixed_backward(X, y)
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
         if self.tracer:
             self.tracer.step_begins(X_shards)
@@ -145,6 +160,9 @@ class DataParallel(RunningStats, Strategy):
 
     def update(self, lr, n_examples):
         self.t += 1
+        if self.sums:
+            self.fixed_update(lr, n_examples)
+            return
         if self.buckets:
             self.bucket_update(lr, n_examples)
             return
@@ -176,7 +194,10 @@ class DataParallel(RunningStats, Strategy):
 
     def reduced_grads(self):
         """The first replica's gradients (every replica holds the same sums): its one flat
-        gradient when fused (one reduction for the norm, not one per parameter)."""
+        gradient when fused (one reduction for the norm, not one per parameter); with sums the
+        tree's total gradient (the same bits on any layout)."""
+        if self.sums:
+            return [self.held[:self.n]]
         return [self.flat[0].grad] if self.flat else [p.grad for p in self.replicas[0]]
 
     def correct(self, X, y):

@@ -20,6 +20,7 @@ processes before the update: ZeRO inside a process, data parallel across them. U
 bf16|fp16, strategies.zero_mixed keeps these shards in DeepSpeed's mixed-precision layout. A model
 with running statistics (BatchNorm) keeps them whole on every context (strategies.running), as sync
 does: stage 1 runs every context's forward at once, stages 2 and 3 each layer on every context at once.
+Given --deterministic's FixedSums, every sum over the batch is taken in its fixed tree (zero_sums.py).
 """
 from collections import namedtuple
 
@@ -39,6 +40,7 @@ from ...replicas import fingerprint
 from . import zero_layers
 from ..base import Strategy
 from ..running import RunningStats
+from .zero_sums import FixedZero
 
 Held = namedtuple("Held", "context shape size dtype")     # what memory.per_context reads of an array
 
@@ -58,15 +60,19 @@ class Peak:
             self.bytes, self.held = total, held
 
 
-class ZeroRedundancy(RunningStats, Strategy):
+class ZeroRedundancy(RunningStats, FixedZero, Strategy):
     """ZeRO stage 1, 2 or 3 over the contexts `ctx`; collective: "ring" or "naive" (fast.sharded);
     cross_sum(array, key): a sum across processes, or None in one process; model: the network
     (manual_dp.models; None: the lesson's LeNet of the parameters' width). A model with running
     statistics: sync_batchnorm as DataParallel's; stats_reduce(arrays) the all-reduce of its
-    statistics over the contexts (and processes: give it when cross_sum is given)."""
+    statistics over the contexts (and processes: give it when cross_sum is given). sums: None; or
+    --deterministic's FixedSums (strategies/sums/fixed_sums.py): every sum over the batch in its
+    one tree, each shard's part of it on its context, across processes by the policy's exchange
+    (cross_sum not read): the bits of DataParallel given it (zero_sums.py); graph: whether its
+    leaves run the cached graph (unpadded) rather than imperatively."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, collective="ring",
-                 cross_sum=None, model=None, sync_batchnorm=False, stats_reduce=None):
+                 cross_sum=None, model=None, sync_batchnorm=False, stats_reduce=None, graph=True, sums=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO has stages 1, 2 and 3, not {stage}")
         self.ctx, self.optimizer, self.stage, self.cross_sum, self.t = list(ctx), optimizer, stage, cross_sum, 0
@@ -79,7 +85,9 @@ class ZeroRedundancy(RunningStats, Strategy):
         self.bounds = chunk_bounds(int(self.offsets[-1]), len(self.ctx))
         self.reduce_scatter, self.all_gather = REDUCE_SCATTER[collective], ALL_GATHER[collective]
         self.keep(params, np.concatenate([p.asnumpy().reshape(-1) for p in params]))    # (N,)
-        self.peak = Peak()
+        self.peak, self.sums = Peak(), sums
+        if sums:
+            self.keep_fixed(graph)
 
     def keep(self, params, flat):
         """Make what the stage keeps (the module's table): replicas (stage 1) or flats (stage 2),
@@ -141,7 +149,18 @@ class ZeroRedundancy(RunningStats, Strategy):
         """What the step holds besides arrays(): gathered parameters (stage 3) and gradients."""
         self.peak.note([p for Wb in params for p in Wb] if self.stage == 3 else [], grads)
 
+    @property
+    def min_batch(self):
+        """A row per context (with sums: a piece of any size; the tree leaves no context idle)."""
+        return 1 if self.sums else len(self.ctx)
+
+    def rows(self, n, rank, size):
+        """With sums every row: each process picks its pieces (strategies/sums/fixed_sums.py)."""
+        return (0, n) if self.sums else super().rows(n, rank, size)
+
     def backward(self, X, y):
+        if self.sums:
+            return self.fixed_backward(X, y)
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
         if self.stage == 1 and self.running:
             return self.grouped_forward_backward(X_shards, y_shards, [r.params for r in self.replicas])
@@ -170,6 +189,9 @@ class ZeroRedundancy(RunningStats, Strategy):
     def update(self, lr, n_examples):
         """Each context updates its shard; stages 1 and 2 then all-gather the parameters."""
         self.t += 1
+        if self.sums:
+            self.fixed_update(lr, n_examples)
+            return
         self.owned = self.owned_grads()
         n_examples = self.counted(n_examples)
         if n_examples is not None:
@@ -191,8 +213,9 @@ class ZeroRedundancy(RunningStats, Strategy):
             g[:] = 0
 
     def reduced_grads(self):
-        """The owned gradient shards: together the flat gradient, once, in the model's order."""
-        return self.owned
+        """The owned gradient shards (with sums the tree-summed ones): together the flat gradient,
+        once, in the model's order."""
+        return [p.grad for p in self.shards] if self.sums else self.owned
 
     def correct(self, X, y):
         """Correct predictions on (X, y), sharded over the contexts (idle ones if X is tiny)."""
@@ -226,8 +249,10 @@ class ZeroRedundancy(RunningStats, Strategy):
     def arrays(self):
         """What each context keeps between steps: its parameters (full, or its shard in stage 3), its
         gradients (full in stage 1, else its shard) and its shard of the optimiser state (and the
-        whole running statistics of a model with BatchNorm)."""
-        return {"param": self.flats or self.shards, "grad": self.grads(),
+        whole running statistics of a model with BatchNorm); with sums in stage 1 also the gradient
+        shards the tree's sums are held in."""
+        grads = self.grads() + (self.grad_shards if self.sums and self.stage == 1 else [])
+        return {"param": self.flats or self.shards, "grad": grads,
                 "state": [s for st in self.states for s in st] + self.running_arrays()}
 
     def peak_arrays(self):

@@ -1,4 +1,5 @@
-"""--deterministic --mode sync: data parallelism whose every sum is strategies/sums/fixed_sums.py's.
+"""--deterministic --mode sync: DataParallel (data_parallel.py) given a FixedSums, whose every sum is
+strategies/sums/fixed_sums.py's.
 
 Each context owns a contiguous run of the batch's pieces and computes each piece's leaf, the whole
 model's [gradient, loss sum, correct] on the piece, with the model's own layers (the cached graph
@@ -6,21 +7,18 @@ without LeNet's channel padding, which would change the kernels, or the same lay
 the same bits, as a pipeline stage computes them); the leaves are added in the fixed tree
 (FixedSums), and every replica takes the same elementwise update. A model with BatchNorm normalises
 each piece with the piece's own statistics, carried in its leaf and folded after the tree
-(WholeBatch.stats_width), and runs imperatively: MXNet's cached graph of a BatchNorm gives other
+(FixedData.stats_width), and runs imperatively: MXNet's cached graph of a BatchNorm gives other
 bits than its imperative pass (most of ResNet's arrays differ in their last bits after one step),
 and the imperative pass is the one a pipeline stage runs.
 """
 from mxnet import nd
 
-from ...config import PIECE_ROWS
+from ...fast.graph import graph_forward_backward
 from ...fast.prefetch import host
 from ...lesson import forward_backward
-from ...models import as_model
 from ...models.batchnorm import Batch, Moments
 from ...optim import apply_update_and_clear
-from .data_parallel import DataParallel, graph_forward_backward
-from ..sums.fixed_sums import (FixedSums, WholeBatch, cover, pieces, root_of, spans, tree_sum,  # noqa: F401 (their home)
-                         refuse_running_pieces, whole_leaves_backward)
+from ..sums.fixed_sums import refuse_running_pieces, stat_elements, whole_leaves_backward
 from ..tensor.tensor_pieces import piece_forward
 
 
@@ -60,31 +58,35 @@ def piece_leaves(ctx, params, grads, graph, X, y, bounds, runs, net=None, runnin
                                       *[s.reshape((-1,)) for s in stats], dim=0) + 0
 
 
-class DeterministicDataParallel(WholeBatch, DataParallel):
-    """Data parallelism whose every sum is in one fixed order (see the module docstring).
+def leaf_graph(graph, sums, net):
+    """Whether the leaves run the cached graph (asked for by `graph`): not for split layers in
+    pieces, nor for a model with BatchNorm (see the module docstring)."""
+    return bool(graph) and sums.tensor_pieces == 1 and not net.stats()
 
-    tensor_pieces Q > 1: every split layer in Q pieces added in the tree (strategies/tensor/tensor_pieces.py),
-    the leaves of --deterministic --mode tensor with any T dividing Q (no cached graph then).
-    rank, size: this process's place among the job's processes; exchange(array, key): afterwards
-    `array` holds the elementwise sum of every process's (the job's all-reduce; size > 1 only).
-    The fused flat buffers and the cached graph of DataParallel (convolutions unpadded: the kernels
-    a pipeline stage runs); no all-reduce algorithm to choose.
-    """
 
-    def __init__(self, params, ctx, optimizer, piece=PIECE_ROWS, graph=True, rank=0, size=1, exchange=None,
-                 model=None, tensor_pieces=1):
-        super().__init__(params, ctx, optimizer, allreduce_fn=lambda arrays: None, fuse_grads=True,
-                         graph=graph and tensor_pieces == 1 and not as_model(model, params).stats(), conv_pad=1,
-                         model=model)
-        self.leaf_forward = piece_forward(self.net, tensor_pieces)
-        refuse_running_pieces(self.running, tensor_pieces)
+def refuse_sync_batchnorm(sync_batchnorm):
+    """ValueError (one line) for --sync-batchnorm under the fixed tree: each piece normalises with
+    its own statistics."""
+    if sync_batchnorm:
+        raise ValueError("--deterministic normalises each piece with its own statistics, not --sync-batchnorm's")
+
+
+class FixedData:
+    """The --deterministic half of DataParallel (data_parallel.py), whose attributes it reads."""
+
+    def keep_fixed(self):
+        """Afterwards the leaves' forward is ready (tensor_pieces: split layers in pieces), every
+        flat gradient is overwritten by each piece's backward, and no tree total is held."""
+        refuse_running_pieces(self.running, self.sums.tensor_pieces)
+        refuse_sync_batchnorm(self.sync_batchnorm)
+        self.leaf_forward = piece_forward(self.net, self.sums.tensor_pieces)
         for f in self.flat:
             f.mark("write")                              # each piece's backward overwrites
-        self.sums = FixedSums(piece, rank, size, exchange)
         self.n = self.flat[0].flat.size                  # parameters; a leaf is [gradient, loss, correct]
         self.held = None
 
-    def backward(self, X, y):
+    def fixed_backward(self, X, y):
+        """The tree's total of the batch's leaves added into self.held on the first context."""
         return whole_leaves_backward(self, X, y, len(self.ctx), "tree")
 
     def leaves(self, X, y, bounds, runs):
@@ -93,9 +95,8 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
                                                        self.graph, X, y, bounds, runs, self.leaf_forward,
                                                        bool(self.running))}
 
-    def update(self, lr, n_examples):
+    def fixed_update(self, lr, n_examples):
         """The tree's gradient on every replica, then the same elementwise update on each."""
-        self.t += 1
         gradient = self.held[:self.n]
         n_examples = self.counted(n_examples)
         for f, s in zip(self.flat, self.flat_states):
@@ -103,6 +104,8 @@ class DeterministicDataParallel(WholeBatch, DataParallel):
             apply_update_and_clear([f.flat], [s], self.optimizer, lr, self.t, n_examples)
         self.held = None
 
-    def reduced_grads(self):
-        """The tree's total gradient (the same bits on any layout)."""
-        return [self.held[:self.n]]
+    def stats_width(self):
+        """Elements a leaf carries after [gradient, loss, correct]: its piece's batch statistics
+        (each BatchNorm's mean and variance per channel, whose tree sum fixed_sums.fold_pieces
+        folds), or 0 without BatchNorm."""
+        return stat_elements(self.net.stats()) if self.running else 0
