@@ -243,7 +243,7 @@ def check_tensor_layout(T, n, width):
 
 def check_tensor_pieces(Q, T, mode="tensor"):
     """Raise UsageError unless T divides --deterministic's Q pieces of every split layer
-    (strategies/tensor/tensor_deterministic.py, mesh_deterministic.py)."""
+    (strategies/tensor/tensor_sums.py, mesh_deterministic.py)."""
     if Q % T:
         fits = [t for t in range(1, Q + 1) if Q % t == 0]
         raise UsageError(f"--deterministic --mode {mode} cuts every split layer into {Q} pieces "
