@@ -111,39 +111,24 @@ def build_pipeline(cfg, p):
 
 
 def build_tensor(cfg, p):
-    world = p.world
-    if p.sums and cfg.sequence_parallel:            # Megatron-SP in the lanes' trees
-        return strategy("tensor.sequence_deterministic", "SequenceParallelDeterministic")(
-            p.params, p.ctx, cfg.optimizer, cfg.tensor_parallel, cfg.sequence_pieces, cfg.tensor_pieces, p.sums, p.net)
-    if p.sums:                                      # every sum in a fixed tree; processes swap subtrees
-        return strategy("tensor.tensor_deterministic", "TensorDeterministic")(
-            p.params, p.ctx, cfg.optimizer, cfg.tensor_parallel, pieces=cfg.tensor_pieces, rank=world.rank,
-            size=world.size, model=p.net,
-            exchange=lambda table: world.allreduce(table, "tensortree" + "x".join(map(str, table.shape))))
-    # f and g inside a group stay in this process; `reduce` sums over groups
+    # f and g inside a group stay in this process; `reduce` sums over groups (sums: trees, swapped subtrees)
     return strategy("tensor.tensor", "TensorParallel")(
         p.params, p.ctx, cfg.optimizer, cfg.tensor_parallel, p.reduce, p.local, model=p.net,
-        sequence_parallel=cfg.sequence_parallel, zero_stage=cfg.zero_stage or 0)
+        sequence_parallel=cfg.sequence_parallel, zero_stage=cfg.zero_stage or 0, sums=p.sums,
+        sequence_pieces=cfg.sequence_pieces)
 
 
 def build_context(cfg, p):
     C = context_degree(cfg, len(p.ctx)) if cfg.mode == "context" else 1
     T = (cfg.tensor_parallel or 1) if cfg.mode == "context" else 1
-    if p.sums and (cfg.tensor_pieces or 1) > 1:     # dp x cp x tp: lanes' split layers in fixed pieces
-        return strategy("context.grid_deterministic", "GridDeterministic")(
-            p.params, p.ctx, cfg.optimizer, C, T, cfg.attention or "ring", cfg.sequence_pieces, cfg.tensor_pieces,
-            p.sums, p.net)
-    if p.sums:                                      # dp x cp: K lanes, attention folded in one order
-        return strategy("context.context_deterministic", "ContextDeterministic")(
-            p.params, p.ctx, cfg.optimizer, C, cfg.attention or "ring", cfg.sequence_pieces, sums=p.sums, model=p.net)
-    if T > 1:                                       # a grid of cp x tp per replica
+    if ((cfg.tensor_pieces or 1) > 1 if p.sums else T > 1):   # a grid of cp x tp per replica (sums: Q pieces)
         return strategy("context.context_tensor", "ContextTensorParallel")(
-            p.params, p.ctx, cfg.optimizer, C, T, cfg.attention, p.grad_reduce, p.local, model=p.net,
-            zero_stage=cfg.zero_stage or 0)
-    # attention's collectives inside a group; `grad_reduce` sums over all
+            p.params, p.ctx, cfg.optimizer, C, T, cfg.attention or "ring", p.grad_reduce, p.local, model=p.net,
+            zero_stage=cfg.zero_stage or 0, sums=p.sums, sequence_pieces=cfg.sequence_pieces)
+    # attention's collectives inside a group; `grad_reduce` sums over all (sums: K lanes, fixed trees)
     return strategy("context.context", "ContextParallel")(
-        p.params, p.ctx, cfg.optimizer, cfg.context_parallel, cfg.attention, p.grad_reduce, p.local, model=p.net,
-        zero_stage=cfg.zero_stage or 0)
+        p.params, p.ctx, cfg.optimizer, C, cfg.attention or "ring", p.grad_reduce, p.local, model=p.net,
+        zero_stage=cfg.zero_stage or 0, sums=p.sums, sequence_pieces=cfg.sequence_pieces)
 
 
 def build_mesh(cfg, p):

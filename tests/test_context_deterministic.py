@@ -15,9 +15,14 @@ from jobs import assert_same_run, launch_cmd, train_cmd
 from manual_dp import models
 from manual_dp.fast.attention import full
 from manual_dp.strategies.context.context import ContextParallel
-from manual_dp.strategies.context.context_deterministic import ContextDeterministic
 from manual_dp.strategies.context.sequence_pieces import Lanes
+from manual_dp.strategies.sums.fixed_sums import FixedSums
 from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
+
+
+def fixed(params, ctx, optimizer, C, attention="ring", pieces=4, model=None):
+    """ContextParallel under --deterministic: the sequence in `pieces` lanes, groups of C contexts."""
+    return ContextParallel(params, ctx, optimizer, C, attention, model=model, sums=FixedSums(), sequence_pieces=pieces)
 
 
 def steps(strategy, n=2):
@@ -39,7 +44,7 @@ def net():
 @pytest.fixture(scope="module")
 def reference(net):
     """One context's step with the sequence in 4 pieces (what --mode sync --sequence-pieces 4 runs)."""
-    return steps(ContextDeterministic(net.init_params(0), cpus(1), "adam", 1, pieces=4, model=net))
+    return steps(fixed(net.init_params(0), cpus(1), "adam", 1, pieces=4, model=net))
 
 
 # The pieces of the sequence ---------------------------------------------------------------------
@@ -84,15 +89,15 @@ LAYOUTS = {     # name: (contexts, C, attention)
 def test_every_context_degree_has_one_contexts_bits(net, reference, layout):
     """Both losses and every parameter after 2 adam steps: exactly one context's."""
     n, C, attention = LAYOUTS[layout]
-    assert same(steps(ContextDeterministic(net.init_params(0), cpus(n), "adam", C, attention, 4, model=net)),
+    assert same(steps(fixed(net.init_params(0), cpus(n), "adam", C, attention, 4, model=net)),
                 reference)
 
 
 def test_pieces_that_are_not_a_power_of_two_keep_the_bits(net):
     """K = 6 over C = 2 and 3: a context's run of lanes is then not one whole subtree of the tree."""
-    one = steps(ContextDeterministic(net.init_params(0), cpus(1), "adam", 1, pieces=6, model=net), 1)
+    one = steps(fixed(net.init_params(0), cpus(1), "adam", 1, pieces=6, model=net), 1)
     for C in (2, 3):
-        assert same(steps(ContextDeterministic(net.init_params(0), cpus(C), "adam", C, pieces=6, model=net), 1), one)
+        assert same(steps(fixed(net.init_params(0), cpus(C), "adam", C, pieces=6, model=net), 1), one)
 
 
 def test_plain_context_parallelism_does_not(net, reference):
@@ -106,7 +111,7 @@ def test_plain_context_parallelism_does_not(net, reference):
 def test_every_array_lives_on_its_context_and_a_checkpoint_moves_to_one_context(net, reference):
     """dp2 x cp2: each context's parameters and state on it, lanes 2 a context, the tree's sums on
     the first; its checkpoint after one step, loaded into one context, gives the reference's second."""
-    s = ContextDeterministic(net.init_params(0), cpus(4), "adam", 2, pieces=4, model=net)
+    s = fixed(net.init_params(0), cpus(4), "adam", 2, pieces=4, model=net)
     X, y = batch(150, 0)
     s.backward(X, y)
     assert s.held.context == cpus(4)[0]
@@ -116,7 +121,7 @@ def test_every_array_lives_on_its_context_and_a_checkpoint_moves_to_one_context(
     assert {a.context for a in arrays["state"]} == set(cpus(4))
     assert [lanes.where for lanes in s.lanes] == [[cpus(4)[0]] * 2 + [cpus(4)[1]] * 2,
                                                   [cpus(4)[2]] * 2 + [cpus(4)[3]] * 2]
-    one = ContextDeterministic(net.init_params(1), cpus(1), "adam", 1, pieces=4, model=net)
+    one = fixed(net.init_params(1), cpus(1), "adam", 1, pieces=4, model=net)
     one.load_state_dict(s.state_dict())
     loss = one.step(X, y, 0.01)[0][0].asnumpy()
     assert np.array_equal(loss, reference[0][1])
@@ -131,7 +136,7 @@ def test_every_array_lives_on_its_context_and_a_checkpoint_moves_to_one_context(
 def test_what_the_strategy_refuses(kw, match):
     net = models.build("transformer", layers=1, d_model=16, heads=kw.get("heads", 4))
     with pytest.raises(ValueError, match=match):
-        ContextDeterministic(net.init_params(0), cpus(kw["n"]), "sgd", kw["C"], "ulysses", kw["pieces"], model=net)
+        fixed(net.init_params(0), cpus(kw["n"]), "sgd", kw["C"], "ulysses", kw["pieces"], model=net)
 
 
 # The command line -------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from manual_dp import ZeroRedundancy
 from manual_dp import LocalSGD
 from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.tensor.tensor import TensorParallel
-from manual_dp.strategies.tensor.tensor_deterministic import TensorDeterministic
+from manual_dp.strategies.sums.fixed_sums import FixedSums
 
 
 STRATEGIES = {
@@ -67,7 +67,7 @@ STRATEGIES = {
     "zero-deterministic s1 x2": lambda p, opt: ZeroRedundancy(p, cpus(2), opt, stage=1, sums=FixedSums(piece=4)),
     "zero-deterministic s2 x4": lambda p, opt: ZeroRedundancy(p, cpus(4), opt, stage=2, sums=FixedSums(piece=4)),
     "zero-deterministic s3 x3": lambda p, opt: ZeroRedundancy(p, cpus(3), opt, stage=3, sums=FixedSums(piece=4)),
-    "tensor-deterministic T2 x4": lambda p, opt: TensorDeterministic(p, cpus(4), opt, 2, piece=4),
+    "tensor-deterministic T2 x4": lambda p, opt: TensorParallel(p, cpus(4), opt, 2, sums=FixedSums(4, tensor_pieces=4)),
 }
 # Strategies that keep the contract but compute, by design, something other than the one-device
 # step (their own references are in their own tests): every test here but the equality with it.

@@ -1,5 +1,5 @@
 """--deterministic on grids: the sequence in K pieces and every split layer in Q pieces at once
-(cp x tp, strategies/context/grid_deterministic.py; Megatron-SP, strategies/tensor/sequence_deterministic.py), and
+(cp x tp, strategies/context/grid_sums.py; Megatron-SP, strategies/tensor/sequence_sums.py), and
 the sequence's pieces in pipelines (pp x cp, strategies/mesh/mesh_lanes.py), with the bits of one
 context's --deterministic step given the same --sequence-pieces K (and --tensor-pieces Q).
 
@@ -14,19 +14,24 @@ from mxnet import nd
 from conftest import batch, cpus, run_main
 from jobs import assert_same_run, train_cmd
 from manual_dp.strategies.context.context_tensor import ContextTensorParallel
-from manual_dp.strategies.context.grid_deterministic import GridDeterministic
 from manual_dp.strategies.mesh.mesh_lanes import MeshLanes
 from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
-from manual_dp.strategies.tensor.sequence_deterministic import SequenceParallelDeterministic
+from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.tensor.tensor import TensorParallel
 from test_context_deterministic import MODEL, TINY, net, reference, same, steps  # noqa: F401 (fixtures)
 from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
 
 
+def fixed_grid(net, n, C, T, attention="ring", seed=0, pieces=4, tensor_pieces=2):
+    """ContextTensorParallel under --deterministic: dp x cp x tp on n contexts, the sequence in
+    `pieces` lanes, every split layer in `tensor_pieces`."""
+    return ContextTensorParallel(net.init_params(seed), cpus(n), "adam", C, T, attention, model=net,
+                                 sums=FixedSums(tensor_pieces=tensor_pieces), sequence_pieces=pieces)
+
+
 def grid(net, n, C=1, T=1, attention="ring", seed=0):
     """dp x cp x tp on n contexts, the sequence in 4 pieces, every split layer in 2."""
-    return GridDeterministic(net.init_params(seed), cpus(n), "adam", C, T, attention, pieces=4, tensor_pieces=2,
-                             model=net)
+    return fixed_grid(net, n, C, T, attention, seed)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +80,7 @@ def test_what_the_grid_refuses(net):
     with pytest.raises(ValueError, match="cp=2 x tp=2 must divide the 6 contexts"):
         grid(net, 6, 2, 2)
     with pytest.raises(ValueError, match="Ulysses needs cp=4 to divide the 2 heads of each of the tp=2 ranks"):
-        GridDeterministic(net.init_params(0), cpus(4), "adam", 4, 1, "ulysses", 4, 2, model=net)
+        fixed_grid(net, 4, 4, 1, "ulysses")
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +113,10 @@ def test_cli_refusals_are_one_line(capsys, data_dir, argv, match):
 
 # Megatron-SP -------------------------------------------------------------------------------------------
 
-def sp(net, n, T):
-    return SequenceParallelDeterministic(net.init_params(0), cpus(n), "adam", T, pieces=4, tensor_pieces=2, model=net)
+def sp(net, n, T, tensor_pieces=2):
+    """TensorParallel --sequence-parallel under --deterministic: 4 lanes, every split layer in `tensor_pieces`."""
+    return TensorParallel(net.init_params(0), cpus(n), "adam", T, model=net, sequence_parallel=True,
+                          sums=FixedSums(tensor_pieces=tensor_pieces), sequence_pieces=4)
 
 
 @pytest.mark.parametrize("n, T", [(2, 2), (4, 2), (4, 4)], ids=["tp2", "dp2 x tp2", "tp4"])
@@ -117,11 +124,8 @@ def test_sequence_parallel_has_one_contexts_bits(net, one, n, T):
     """--sequence-parallel in tensor groups of T (K = 4 lanes, K/T at home on each context; Q = 2
     pieces, or 4 for T = 4): both losses and every parameter after 2 adam steps are one context's
     given the same K and Q."""
-    want = one if T < 4 else steps(GridDeterministic(net.init_params(0), cpus(1), "adam", 1, 1, pieces=4,
-                                                     tensor_pieces=4, model=net))
-    got = SequenceParallelDeterministic(net.init_params(0), cpus(n), "adam", T, pieces=4, tensor_pieces=max(T, 2),
-                                        model=net)
-    assert same(steps(got), want)
+    want = one if T < 4 else steps(fixed_grid(net, 1, 1, 1, tensor_pieces=4))
+    assert same(steps(sp(net, n, T, tensor_pieces=max(T, 2))), want)
 
 
 def test_plain_sequence_parallelism_does_not(net, one):
@@ -137,7 +141,7 @@ def test_each_lanes_token_wise_work_stays_home(net):
     s.backward(X, y)
     assert [[h.context for h in row] for row in s.held] == [cpus(2)]
     assert s.homes(0) == [cpus(2)[0]] * 2 + [cpus(2)[1]] * 2
-    scores = s.forward(0, nd.array(X), [[P for P in s.shards[0]]] * 4)
+    scores = s.lane_forward(0, nd.array(X), [[P for P in s.shards[0]]] * 4)
     assert [[x.context for x in lane] for lane in scores] == [[c] for c in s.homes(0)]
 
 

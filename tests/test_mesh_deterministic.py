@@ -18,7 +18,7 @@ from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.mesh.mesh_deterministic import MeshDeterministic
 from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
 from manual_dp.strategies.pipeline.pipeline import PipelineParallel
-from manual_dp.strategies.tensor.tensor_deterministic import TensorDeterministic
+from manual_dp.strategies.tensor.tensor import TensorParallel
 from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
 
 
@@ -68,7 +68,7 @@ def test_every_mesh_has_one_contexts_bits(net, reference, layout):
 
 def test_the_tensor_and_pipeline_layouts_have_them_too(net, reference):
     """The other deterministic layouts of the same pieces, beside a mesh, on sgd."""
-    for make in (lambda P: TensorDeterministic(P, cpus(2), "sgd", 2, model=net),
+    for make in (lambda P: TensorParallel(P, cpus(2), "sgd", 2, model=net, sums=FixedSums(tensor_pieces=4)),
                  lambda P: PipelineParallel(P, cpus(2), "sgd", 2, stages=2, schedule="1f1b", model=net,
                                             sums=FixedSums(tensor_pieces=4)),
                  lambda P: mesh(8, 2, 2, 2, "1f1b")(P, net, "sgd")):
@@ -109,7 +109,7 @@ def test_a_checkpoint_moves_between_a_mesh_one_context_and_tensor_mode(net, refe
     first = mesh(8, 2, 2, 2)(net.init_params(0), net, "adam")
     first.step(X, y, 0.05)
     for other in (DataParallel(net.init_params(5), cpus(1), "adam", model=net, sums=FixedSums(tensor_pieces=4)),
-                  TensorDeterministic(net.init_params(5), cpus(4), "adam", 4, model=net)):
+                  TensorParallel(net.init_params(5), cpus(4), "adam", 4, model=net, sums=FixedSums(tensor_pieces=4))):
         other.load_state_dict(first.state_dict())
         other.step(X, y, 0.05)
         back = mesh(4, 2, 2, 1, "1f1b")(net.init_params(7), net, "adam")

@@ -14,7 +14,7 @@ from manual_dp import models
 from manual_dp.strategies.data.data_parallel import DataParallel
 from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.pipeline.pipeline import PipelineParallel
-from manual_dp.strategies.tensor.tensor_deterministic import TensorDeterministic
+from manual_dp.strategies.tensor.tensor import TensorParallel
 from manual_dp.strategies.zero.zero import ZeroRedundancy
 from test_deterministic import data, run  # noqa: F401 (the data fixture; a logged, checkpointed run)
 from test_distributed import needs_horovod
@@ -22,6 +22,10 @@ from test_distributed import needs_horovod
 
 def pipeline(n, micro, stages, **kw):
     return lambda P, net, opt: PipelineParallel(P, cpus(n), opt, micro, stages=stages, model=net, sums=FixedSums(), **kw)
+
+
+def tensor(n, T):
+    return lambda P, net, opt: TensorParallel(P, cpus(n), opt, T, model=net, sums=FixedSums(tensor_pieces=4))
 
 
 LAYOUTS = {
@@ -68,10 +72,10 @@ def test_every_layout_has_one_contexts_bits(nets, references, layout, name, opti
 PIECED = {     # --tensor-pieces 4: every split layer in 4 pieces, in every layout, tensor parallelism included
     "sync x3": lambda P, net, opt: DataParallel(P, cpus(3), opt, model=net, sums=FixedSums(tensor_pieces=4)),
     "zero-3 x2": lambda P, net, opt: ZeroRedundancy(P, cpus(2), opt, 3, model=net, sums=FixedSums(tensor_pieces=4)),
-    "tensor T=1": lambda P, net, opt: TensorDeterministic(P, cpus(1), opt, 1, model=net),
-    "tensor T=2": lambda P, net, opt: TensorDeterministic(P, cpus(2), opt, 2, model=net),
-    "tensor T=2 x data 2": lambda P, net, opt: TensorDeterministic(P, cpus(4), opt, 2, model=net),
-    "tensor T=4": lambda P, net, opt: TensorDeterministic(P, cpus(4), opt, 4, model=net),
+    "tensor T=1": tensor(1, 1),
+    "tensor T=2": tensor(2, 2),
+    "tensor T=2 x data 2": tensor(4, 2),
+    "tensor T=4": tensor(4, 4),
     "1f1b 2 stages x 3 (layer-split models)": lambda P, net, opt: PipelineParallel(
         P, cpus(2), opt, 3, stages=2, schedule="1f1b", model=net, sums=FixedSums(tensor_pieces=4)),
 }

@@ -18,14 +18,19 @@ from mxnet import autograd, nd
 from conftest import batch, cpus, write_dataset
 from jobs import assert_same_run, horovod_cmd, launch_cmd, run_job, saved_arrays, train_cmd
 from manual_dp import DataParallel, GradAccum, init_lenet_params
-from manual_dp.strategies.sums.fixed_sums import root_of, tree_sum
+from manual_dp.config import PIECE_ROWS
+from manual_dp.strategies.sums.fixed_sums import FixedSums, root_of, tree_sum
 from manual_dp.strategies.tensor.tensor import TensorParallel
-from manual_dp.strategies.tensor.tensor_deterministic import TensorDeterministic
 from manual_dp import models
 from manual_dp.strategies.tensor.tensor_pieces import TreeF, TreeG, cut, join, tree_reduce
 from test_distributed import needs_horovod
 
 LAYOUTS = [(1, 1), (2, 1), (2, 2), (3, 1), (4, 1), (4, 2), (4, 4)]     # (contexts, T)
+
+
+def fixed(params, ctx, optimizer, T=None, piece=PIECE_ROWS):
+    """TensorParallel under --deterministic: every split layer in 4 pieces, the batch in pieces of `piece` rows."""
+    return TensorParallel(params, ctx, optimizer, T, sums=FixedSums(piece, tensor_pieces=4))
 
 
 def digest(arrays):
@@ -97,7 +102,7 @@ def test_the_same_bits_on_every_layout():
     own context, every copy of a shard position and of b2, b4 the same."""
     seen = {}
     for k, T in LAYOUTS:
-        model = TensorDeterministic(init_lenet_params(seed=2), cpus(k), "adam", T)
+        model = fixed(init_lenet_params(seed=2), cpus(k), "adam", T)
         losses = [model.step(*batch(100, seed=s), 0.05)[0][0].asscalar() for s in range(3)]
         assert [{p.context for p in P} for row in model.shards for P in row] == [{c} for c in cpus(k)]
         for copies in model.fingerprints().values():
@@ -112,16 +117,16 @@ def test_grad_accumulation_and_a_checkpoint_moved_between_layouts_keep_the_bits(
     2 contexts x T=1 for 2 more: all end on the same bits."""
     runs = []
     for k, T in ((1, 1), (4, 2)):
-        model = GradAccum(TensorDeterministic(init_lenet_params(seed=1), cpus(k), "momentum", T, piece=8), 2)
+        model = GradAccum(fixed(init_lenet_params(seed=1), cpus(k), "momentum", T, piece=8), 2)
         for s in range(4):
             model.step(*batch(20, seed=s), 0.05)
         runs.append(digest(model.state_dict()["params"]))
     assert runs[0] == runs[1]
-    whole = TensorDeterministic(init_lenet_params(seed=1), cpus(1), "momentum", piece=8)
-    first = TensorDeterministic(init_lenet_params(seed=1), cpus(4), "momentum", 4, piece=8)
+    whole = fixed(init_lenet_params(seed=1), cpus(1), "momentum", piece=8)
+    first = fixed(init_lenet_params(seed=1), cpus(4), "momentum", 4, piece=8)
     for s in range(2):
         first.step(*batch(20, seed=s), 0.05)
-    moved = TensorDeterministic(init_lenet_params(seed=5), cpus(2), "momentum", 1, piece=8)
+    moved = fixed(init_lenet_params(seed=5), cpus(2), "momentum", 1, piece=8)
     moved.load_state_dict(first.state_dict())
     for s in range(4):
         whole.step(*batch(20, seed=s), 0.05)
@@ -134,13 +139,13 @@ def test_grad_accumulation_and_a_checkpoint_moved_between_layouts_keep_the_bits(
 def test_its_checkpoint_moves_to_and_from_sync_and_plain_tensor():
     """state_dict is the whole, unsharded state: loaded into DataParallel and TensorParallel (T=4)
     and back, every array comes through bit for bit."""
-    model = TensorDeterministic(init_lenet_params(seed=3), cpus(4), "adam", 2, piece=8)
+    model = fixed(init_lenet_params(seed=3), cpus(4), "adam", 2, piece=8)
     model.step(*batch(20, seed=0), 0.05)
     state = model.state_dict()
     for other in (DataParallel(init_lenet_params(seed=7), cpus(2), "adam"),
                   TensorParallel(init_lenet_params(seed=7), cpus(4), "adam", 4)):
         other.load_state_dict(state)
-        back = TensorDeterministic(init_lenet_params(seed=9), cpus(1), "adam")
+        back = fixed(init_lenet_params(seed=9), cpus(1), "adam")
         back.load_state_dict(other.state_dict())
         for got in (other.state_dict(), back.state_dict()):
             assert got["t"] == 1
@@ -150,7 +155,7 @@ def test_its_checkpoint_moves_to_and_from_sync_and_plain_tensor():
 
 def test_a_tensor_degree_that_does_not_divide_the_pieces_is_refused():
     with pytest.raises(ValueError, match="must divide 3 contexts and the 4 pieces"):
-        TensorDeterministic(init_lenet_params(seed=0, width=3), cpus(3), "sgd", 3)
+        fixed(init_lenet_params(seed=0, width=3), cpus(3), "sgd", 3)
 
 
 # The command line ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ contexts sums the group and the replicas at once, as data parallelism does.
 """
 from mxnet import autograd, nd
 
-from ...config import FAST_STEP, RunConfig
+from ...config import FAST_STEP, SEQUENCE_PIECES, RunConfig
 from ...fast.attention import ATTENTION
 from ...fast.collectives import chunk_bounds, make_allreduce
 from ...fast.prefetch import host
@@ -31,8 +31,8 @@ from ...errors import CheckpointError
 from ..base import Strategy, placed
 from ..zero.dp_zero import DataShardedOptimizer, backward, gathered, peak
 from ..data.data_parallel import host_state, load_into
-from ..tensor.tensor import copies
-from ..tensor.tensor_layout import even_split
+from ..tensor.tensor_layout import copies, even_split
+from .context_sums import FixedContext
 
 
 class Sequence:
@@ -48,25 +48,33 @@ class Sequence:
         return sum_everywhere(xs, self.allreduce)
 
 
-class ContextParallel(Strategy):
+class ContextParallel(FixedContext, Strategy):
     """len(ctx) // C data-parallel groups of C contexts; group r's block j on ctx[r * C + j].
     attention: "ring" or "ulysses"; allreduce_fn sums the gradients over every context (and, under
     a multi-process world, the processes); cp_allreduce is seq.sum's, inside a group. zero_stage 1:
     each context keeps the optimiser state of 1/N of every parameter (strategies/zero/dp_zero.py); 2: and
-    1/N of its summed gradient; 3: and 1/N of it between steps (gathered whole for a use)."""
+    1/N of its summed gradient; 3: and 1/N of it between steps (gathered whole for a use).
+    sums: None, the fast sums above; or --deterministic's FixedSums (strategies/sums/fixed_sums.py):
+    the sequence in `sequence_pieces` lanes, K/C a context, every sum over the lanes and the batch's
+    pieces in fixed trees: the bits of one context's step (context_sums.py)."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, context_parallel=None, attention="ring",
-                 allreduce_fn=None, cp_allreduce=None, model=None, zero_stage=0):
-        self.ctx, self.optimizer = list(ctx), optimizer
-        self.net = stateless(model, "--mesh cp") if model is not None else None
+                 allreduce_fn=None, cp_allreduce=None, model=None, zero_stage=0, sums=None,
+                 sequence_pieces=SEQUENCE_PIECES):
+        self.ctx, self.optimizer, self.sums = list(ctx), optimizer, sums
+        self.net = stateless(model, "--deterministic --mode context" if sums else "--mesh cp") \
+            if model is not None else None
         C = self.C = context_parallel or len(self.ctx)
         if attention not in ATTENTION:
             raise ValueError(f"unknown attention {attention!r}: choose from {', '.join(ATTENTION)}")
+        self.attention = attention
+        if sums:
+            self.hold_lanes(params, sequence_pieces)
+            return
         refusal = self.net.sequence_refusal(C, attention) if self.net else "LeNet has no sequence of tokens to cut"
         if len(self.ctx) % C or refusal:
             raise ValueError(f"context degree {C} does not divide {len(self.ctx)} contexts"
                              if len(self.ctx) % C else f"--mesh cp={C}: {refusal}")
-        self.attention = attention
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.seq = Sequence(self.net.tokens, C, attention, cp_allreduce or make_allreduce(FAST_STEP["allreduce"]))
         self.grid = [self.ctx[r:r + C] for r in range(0, len(self.ctx), C)]      # grid[group][block]
@@ -77,7 +85,6 @@ class ContextParallel(Strategy):
         self.states = None if self.zero else [[init_states(P, optimizer) for P in row] for row in self.params]
         self.t = 0
 
-
     @property
     def copies(self):
         """Every context's parameters, in rank order."""
@@ -85,13 +92,20 @@ class ContextParallel(Strategy):
 
     @property
     def min_batch(self):
-        return len(self.grid)
+        """A group a row (--deterministic: a piece of any size; each process picks its pieces)."""
+        return 1 if self.sums else len(self.grid)
+
+    def rows(self, n, rank, size):
+        """--deterministic: every row (each process picks its pieces, strategies/sums/fixed_sums.py)."""
+        return (0, n) if self.sums else super().rows(n, rank, size)
 
     def scores(self, row, P, X):
         return self.net.sequence_forward(copies(X, row), P, self.seq)
 
     def backward(self, X, y):
         """Every group runs its shard of the batch, each context on its block of tokens."""
+        if self.sums:
+            return self.fixed_backward(X, y)
         heads, metrics = [], []
         firsts = [r[0] for r in self.grid]
         with gathered(self.zero):
@@ -107,7 +121,9 @@ class ContextParallel(Strategy):
 
     def update(self, lr, n_examples):
         """Sum every parameter's gradient over all contexts, then one optimiser step on each (under
-        ZeRO: a chunk on each, then gathered)."""
+        ZeRO: a chunk on each, then gathered; --deterministic: the tree's total on each)."""
+        if self.sums:
+            return self.fixed_update(lr, n_examples)
         if self.zero:
             self.t += 1
             self.zero.step(lr, self.t, self.counted(n_examples))
@@ -122,14 +138,18 @@ class ContextParallel(Strategy):
 
     def reduced_grads(self):
         """The summed gradient, on the first context (under ZeRO summed here: the update
-        reduce-scatters it instead)."""
+        reduce-scatters it instead; --deterministic: the tree's, flat)."""
+        if self.sums:
+            return self.fixed_grads()
         if self.zero:
             home = self.ctx[0]
             return [self.zero.total(i, home) for i in range(len(self.copies[0]))]
         return [p.grad for p in self.params[0][0]]
 
     def correct(self, X, y):
-        """Correct predictions on (X, y), sharded over the groups."""
+        """Correct predictions on (X, y), sharded over the groups (--deterministic: in pieces)."""
+        if self.sums:
+            return self.fixed_correct(X, y)
         rows = self.grid[:min(len(self.grid), X.shape[0])]
         counts = []
         with gathered(self.zero):

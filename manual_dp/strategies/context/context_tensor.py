@@ -9,11 +9,14 @@ in attention (ring or Ulysses, over rank t's heads) and in the pooling over toke
 1/C of the loss, as in context parallelism; a parameter on rank t sees only block c's tokens, so its
 gradient is summed over the column and over the replicas (dp), not over the row: the rows of a
 tensor group are replicas of what is not split, as in tensor parallelism.
+
+With --deterministic's FixedSums (`sums`) the sequence is in K lanes and every split layer in Q
+pieces, each sum in a fixed tree: the bits of one context's step (grid_sums.py).
 """
 import numpy as np
 from mxnet import autograd, nd
 
-from ...config import FAST_STEP, RunConfig
+from ...config import FAST_STEP, SEQUENCE_PIECES, RunConfig
 from ...errors import CheckpointError
 from ...fast.collectives import make_allreduce
 from ...fast.prefetch import host
@@ -25,18 +28,25 @@ from ...optim import apply_update_and_clear, init_states
 from ...replicas import fingerprint
 from ..base import Strategy, placed
 from .context import Sequence
+from .grid_sums import FixedGrid
 from ..zero.dp_zero import DataShardedOptimizer, backward, gathered, peak
-from ..tensor.tensor import copies
-from ..tensor.tensor_layout import even_split, shard, unshard
+from ..tensor.tensor_layout import copies, grid_layout, shard, unshard
 
 
-class ContextTensorParallel(Strategy):
+class ContextTensorParallel(FixedGrid, Strategy):
     """len(ctx) // (C T) data-parallel grids; replica r's block c, tensor rank t on
     ctx[mesh.rank(dp=r, cp=c, tp=t)]. allreduce_fn sums over the replicas and the column;
-    group_allreduce is f's, g's and the pooling's, inside the grid."""
+    group_allreduce is f's, g's and the pooling's, inside the grid. sums: None, those sums; or
+    --deterministic's FixedSums: the sequence in `sequence_pieces` lanes, K/C a grid row, every split
+    layer in the policy's tensor_pieces, all in fixed trees (grid_sums.py)."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, context_parallel=2, tensor_parallel=2,
-                 attention="ring", allreduce_fn=None, group_allreduce=None, model=None, zero_stage=0):
+                 attention="ring", allreduce_fn=None, group_allreduce=None, model=None, zero_stage=0, sums=None,
+                 sequence_pieces=SEQUENCE_PIECES):
+        self.sums = sums
+        if sums:
+            self.hold_grid(params, ctx, optimizer, context_parallel, tensor_parallel, attention, sequence_pieces, model)
+            return
         net = self.net = stateless(model, "--mesh cp x tp")
         self.C, self.T = C, T = context_parallel, tensor_parallel
         n = len(ctx)
@@ -61,7 +71,6 @@ class ContextTensorParallel(Strategy):
         self.states = None if self.zero else [[[init_states(P, optimizer) for P in row] for row in grid]
                                               for grid in self.params]
 
-
     def copy_groups(self):
         """[((t, i), arrays)]: tensor shard t of parameter i on every replica and block: summed."""
         return [((t, i), [grid[c][t][i] for grid in self.params for c in range(self.C)])
@@ -75,12 +84,19 @@ class ContextTensorParallel(Strategy):
 
     @property
     def min_batch(self):
-        return self.mesh.dp
+        """A grid a row (--deterministic: a piece of any size; each process picks its pieces)."""
+        return 1 if self.sums else self.mesh.dp
+
+    def rows(self, n, rank, size):
+        """--deterministic: every row (each process picks its pieces, strategies/sums/fixed_sums.py)."""
+        return (0, n) if self.sums else super().rows(n, rank, size)
 
     def scores(self, grid, P, X):
         return self.net.grid_forward([copies(X, row) for row in grid], P, self.join, self.seq)
 
     def backward(self, X, y):
+        if self.sums:
+            return self.lane_backward(X, y)
         heads, metrics, firsts = [], [], [g[0][0] for g in self.grids]
         with gathered(self.zero):
             with autograd.record():
@@ -95,7 +111,10 @@ class ContextTensorParallel(Strategy):
         return metrics
 
     def update(self, lr, n_examples):
-        """Each shard's gradient summed over its column and the replicas; one step everywhere."""
+        """Each shard's gradient summed over its column and the replicas (--deterministic: the
+        tree's); one step everywhere."""
+        if self.sums:
+            return self.fixed_update(lr, n_examples)
         self.t += 1
         if self.zero:
             self.zero.step(lr, self.t, self.counted(n_examples))
@@ -113,12 +132,16 @@ class ContextTensorParallel(Strategy):
                 if a is not None and self.T > 1 else get(0, i) for i, a in enumerate(self.split)]
 
     def reduced_grads(self):
+        if self.sums:
+            return self.fixed_grads()
         if self.zero:
             total = {key: self.zero.total(g, self.ctx[0]) for g, (key, _) in enumerate(self.copy_groups())}
             return self.whole(lambda t, i: total[(t, i)])
         return self.whole(lambda t, i: self.params[0][0][t][i].grad)
 
     def correct(self, X, y):
+        if self.sums:
+            return self.lane_correct(X, y)
         grids = self.grids[:min(len(self.grids), X.shape[0])]
         counts = []
         with gathered(self.zero):
@@ -128,6 +151,8 @@ class ContextTensorParallel(Strategy):
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
+        if self.sums:
+            return self.fixed_fingerprints()
         names = self.net.names()
         with gathered(self.zero):
             return {f"tensor shard {t}": [fingerprint(c, P, names) for c, P, _ in self.every()
@@ -136,13 +161,11 @@ class ContextTensorParallel(Strategy):
     def layout(self, batch_size):
         """Each context: 1/(C T) of its grid's examples' activations (a floor, as tensor's and
         context's own layouts without what every context holds whole)."""
-        out, every = [], tuple(range(len(self.net.layers)))
-        for grid, n in zip(self.grids, even_split(batch_size, len(self.grids))):
-            cells = [c for row in grid for c in row]
-            out += [(c, every, k) for c, k in zip(cells, even_split(n, len(cells)))]
-        return out
+        return grid_layout(self.grids, len(self.net.layers), batch_size)
 
     def arrays(self):
+        if self.sums:
+            return self.fixed_arrays()
         params = [p for _, P, _ in self.every() for p in P] + (self.zero.param_arrays() if self.zero else [])
         state = self.zero.state_arrays() if self.zero else [s for _, _, S in self.every() for st in S for s in st]
         return {"param": params, "grad": self.zero.grad_arrays() if self.zero else [p.grad for p in params],
@@ -152,6 +175,8 @@ class ContextTensorParallel(Strategy):
         return peak(self.arrays(), self.zero)
 
     def state_dict(self):
+        if self.sums:
+            return self.fixed_state_dict()
         with gathered(self.zero):
             params = [a.asnumpy() for a in self.whole(lambda t, i: self.params[0][0][t][i])]
         if self.zero:
@@ -165,6 +190,8 @@ class ContextTensorParallel(Strategy):
         return {"params": params, "opt_state": opt, "t": self.t, "extra": {}}
 
     def load_state_dict(self, state):
+        if self.sums:
+            return self.fixed_load_state_dict(state)
         mine = self.state_dict()
         with gathered(self.zero, keep=True):
             self.load_wholes(state, mine)

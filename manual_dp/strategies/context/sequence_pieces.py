@@ -1,5 +1,5 @@
 """The sequence in a fixed number of pieces, every sum over them in one fixed order: the token
-arithmetic of --deterministic --mode context (strategies/context/context_deterministic.py), and of one
+arithmetic of --deterministic --mode context (strategies/context/context_sums.py), and of one
 context's --deterministic step under the same --sequence-pieces K.
 
 Where context parallelism's float sums depend on the placement, and what fixes each:
@@ -135,7 +135,7 @@ class Lanes:
     the sequence, K/C consecutive ones each: `bounds` (K + 1 token offsets), `where` (each lane's
     context), `attend` (FixedAttention: ring's fold, or Ulysses' head groups) and `sum` (LaneSum).
     attend and sum read the contexts off their arguments, so one Lanes serves every column of a
-    cp x tp grid (strategies/context/grid_deterministic.py), each column its own contexts."""
+    cp x tp grid (strategies/context/grid_sums.py), each column its own contexts."""
 
     def __init__(self, n_tokens, K, row, attention="ring"):
         self.tokens, self.bounds, self.row, self.k = n_tokens, chunk_bounds(n_tokens, K), list(row), K // len(row)

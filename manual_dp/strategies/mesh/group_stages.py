@@ -9,7 +9,7 @@ from ...lesson import cross_entropy, n_correct
 from ...models.contract import grid_layer
 from ..zero.dp_zero import backward
 from ..pipeline.stages import send
-from ..tensor.tensor import copies
+from ..tensor.tensor_layout import copies
 
 
 def sequence_stage(net, ids, seq):

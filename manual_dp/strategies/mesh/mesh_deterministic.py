@@ -4,7 +4,7 @@ groups), on any dp x pp x tp whose T divides Q, and any number of processes.
 
 It composes the two deterministic halves it is made of:
 
-    inside a group   a stage is its layers on a tensor group as strategies/tensor/tensor_deterministic.py
+    inside a group   a stage is its layers on a tensor group as strategies/tensor/tensor_sums.py
                      runs the whole model: every split layer in Q pieces, Q/T per context, the
                      model's split_forward over a PieceJoin (strategies/tensor/tensor_pieces.py), whose f
                      and g add the pieces' partials in the fixed tree; a stage's leaf of a batch
@@ -42,8 +42,8 @@ from .group_stages import GroupPass, tensor_stage
 from .mesh_parallel import MeshParallel
 from ..pipeline.pipeline_pass import piece_actions
 from ..pipeline.schedules import bubbles, check_micro, check_name, run_order, simulate
-from ..tensor.tensor import copies
-from ..tensor.tensor_deterministic import TensorDeterministic
+from ..tensor.tensor_layout import copies
+from ..tensor.tensor_sums import place
 from ..tensor.tensor_pieces import PieceJoin, cut, join, names, pieced
 
 
@@ -105,7 +105,7 @@ class MeshDeterministic(WholeBatch, Strategy):
         self.runs = [[self.stage(ids, group, s) for ids, group, s in zip(self.cuts, row, self.splits)]
                      for row in self.groups]
         values = [p.asnumpy() for p in params]
-        self.params = [[[TensorDeterministic.place(cut(values[sl], s, Q, T, j), c) for j, c in enumerate(group)]
+        self.params = [[[place(cut(values[sl], s, Q, T, j), c) for j, c in enumerate(group)]
                         for sl, s, group in zip(self.own, self.splits, row)] for row in self.groups]
         self.states = [[[init_states(P, optimizer) for P in stage] for stage in row] for row in self.params]
         self.t, self.held, self.bubbles = 0, None, []

@@ -11,7 +11,7 @@ order, the pooling added in the lanes' tree), sends each lane's activations to t
 the next stage, and each lane backpropagates 1/K of the (same) loss. A stage's leaf of a batch
 piece is the tree's sum over the lanes of the copies' gradients (tree_reduce: each context its
 whole subtrees, the first the rest), then lane 0's loss and count on the last stage: the slice of
-ContextDeterministic's leaf that the stage's parameters own.
+ContextParallel's --deterministic leaf that the stage's parameters own.
 
 Every lane keeps its own copy of its stage's parameters and optimiser state (K/C a context: each
 copy gets the same total and the same elementwise update), and the tree over the batch is taken
@@ -34,7 +34,7 @@ from .mesh_parallel import MeshParallel
 from ..pipeline.pipeline_pass import piece_actions
 from ..pipeline.schedules import check_micro, check_name, run_order
 from ..context.sequence_pieces import Lanes
-from ..tensor.tensor_deterministic import TensorDeterministic
+from ..tensor.tensor_sums import place
 from ..tensor.tensor_pieces import cut, join, names, pieced, tree_reduce
 
 
@@ -75,7 +75,7 @@ class MeshLanes(MeshDeterministic):
         self.runs = [[self.stage(ids, lanes, s) for ids, lanes, s in zip(self.cuts, row, self.splits)]
                      for row in self.lanes]
         values = [p.asnumpy() for p in params]
-        self.params = [[[TensorDeterministic.place(cut(values[sl], s, 1, 1, 0), c) for c in group]
+        self.params = [[[place(cut(values[sl], s, 1, 1, 0), c) for c in group]
                         for sl, s, group in zip(self.own, self.splits, row)] for row in self.groups]
         self.states = [[[init_states(P, optimizer) for P in stage] for stage in row] for row in self.params]
         self.t, self.held, self.bubbles = 0, None, []

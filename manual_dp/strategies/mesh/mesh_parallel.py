@@ -37,8 +37,7 @@ from ..zero.dp_zero import DataShardedOptimizer, gathered, peak
 from .group_stages import GroupPass, grid_stage, sequence_stage, tensor_stage
 from ..pipeline.pipeline_pass import cut
 from ..pipeline.schedules import bubbles, check_micro, check_name, held, plan, run_order, simulate
-from ..tensor.tensor import copies
-from ..tensor.tensor_layout import even_split, held_whole, shard, whole_layout
+from ..tensor.tensor_layout import copies, even_split, held_whole, shard, whole_layout
 
 
 def group_name(C, T):

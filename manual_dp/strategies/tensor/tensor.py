@@ -31,7 +31,7 @@ every context (after g everything is replicated): their gradients agree, so do t
 import numpy as np
 from mxnet import autograd, nd
 
-from ...config import FAST_STEP, RunConfig
+from ...config import FAST_STEP, SEQUENCE_PIECES, RunConfig
 from ...errors import CheckpointError
 from ...fast.collectives import make_allreduce
 from ...fast.prefetch import host
@@ -44,7 +44,9 @@ from ...models.batchnorm import Moments
 from ..base import Strategy, placed
 from ..running import RunningStats
 from ..zero.dp_zero import DataShardedOptimizer, backward, gathered, peak
-from .tensor_layout import even_split, group_layout, held_whole, shard, shard_of_whole, unshard, whole_layout
+from .sequence_sums import FixedSequence
+from .tensor_layout import (copies, even_split, grid_layout, group_layout, held_whole, shard, shard_of_whole,
+                            unshard, whole_layout)
 
 # The axis along which each of LeNet's 8 parameters is split; None: whole on every context.
 SPLIT = [p.split for p in as_model(None).param_table()]    # W1, b1 | W2, b2 | W3, b3 | W4, b4: 0, 0, 1, None, 1, 0, 0, None
@@ -60,15 +62,7 @@ def group_forward(Xs, P, allreduce, net=None, join=None, moments=None):
         net.split_forward(Xs, P, join or Join(allreduce))
 
 
-def copies(batch, row):
-    """`batch` (an NDArray) on row[0] (copied there if it is elsewhere: on CPU contexts MXNet would
-    run a grid row's first cell on the batch's context without a word) and a copy of it on every
-    other context of `row`."""
-    first = batch.as_in_context(row[0])
-    return [first] + [first.copyto(c) for c in row[1:]]
-
-
-class TensorParallel(RunningStats, Strategy):
+class TensorParallel(RunningStats, FixedSequence, Strategy):
     """len(ctx) // T data-parallel tensor groups; group r's shard j on ctx[r * T + j].
 
     A model with BatchNorm (a user's block: its BatchNorms sit outside the Dense pairs, on whole
@@ -90,10 +84,23 @@ class TensorParallel(RunningStats, Strategy):
     shard keeps the optimiser state of 1/D of it, in this process's contexts; 2: and 1/D of its
     summed gradient; 3: and 1/D of the shard itself between steps, gathered whole for a step's
     forward and backward, an evaluation or a checkpoint.
+
+    sums: None, the sums above; or --deterministic's FixedSums (strategies/sums/fixed_sums.py): every
+    split layer in its tensor_pieces Q (T dividing Q), each context its Q/T pieces, and every sum in a
+    fixed tree (tensor_sums.py); with sequence_parallel the sequence in `sequence_pieces` lanes, K/T at
+    home on each context (sequence_sums.py).
     """
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
-                 allreduce_fn=None, tp_allreduce=None, model=None, sequence_parallel=False, zero_stage=0):
+                 allreduce_fn=None, tp_allreduce=None, model=None, sequence_parallel=False, zero_stage=0,
+                 sums=None, sequence_pieces=SEQUENCE_PIECES):
+        self.sums, self.sequence_parallel = sums, sequence_parallel
+        if sums and sequence_parallel:              # Megatron-SP's lanes, each lane's token-wise work at home
+            self.hold_sequence(params, ctx, optimizer, tensor_parallel or len(ctx), sequence_pieces, model)
+            return
+        if sums:                                    # every split layer in the policy's pieces
+            self.hold_tensor(params, ctx, optimizer, tensor_parallel or len(ctx), model)
+            return
         self.ctx, self.optimizer = list(ctx), optimizer
         self.net = as_model(model, params)
         if sequence_parallel:
@@ -107,7 +114,6 @@ class TensorParallel(RunningStats, Strategy):
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.tp_allreduce = tp_allreduce or make_allreduce(FAST_STEP["allreduce"])
         self.keep_running(False, self.allreduce_fn)
-        self.sequence_parallel = sequence_parallel
         if sequence_parallel:
             why = self.net.sequence_refusal(T, "ring")
             if why:
@@ -133,13 +139,19 @@ class TensorParallel(RunningStats, Strategy):
                 out += [((j, i), [P[j][i] for P in self.shards]) for j in range(self.T)]
         return out
 
-
     @property
     def min_batch(self):
-        return len(self.grid)
+        """A group a row (--deterministic: a piece of any size; each process picks its pieces)."""
+        return 1 if self.sums else len(self.grid)
+
+    def rows(self, n, rank, size):
+        """--deterministic: every row (each process picks its pieces, strategies/sums/fixed_sums.py)."""
+        return (0, n) if self.sums else super().rows(n, rank, size)
 
     def backward(self, X, y):
         """Every group runs its shard of the batch through its T contexts; gradients add up."""
+        if self.sums:
+            return self.lane_backward(X, y) if self.sequence_parallel else self.piece_backward(X, y)
         heads, metrics, moments = [], [], []
         with gathered(self.zero):
             with autograd.record():
@@ -165,7 +177,9 @@ class TensorParallel(RunningStats, Strategy):
 
     def update(self, lr, n_examples):
         """Sum each shard's gradients over the groups, then one optimiser step on every context (under
-        ZeRO: each copy steps its chunk, then the chunks are gathered)."""
+        ZeRO: each copy steps its chunk, then the chunks are gathered; --deterministic: the tree's)."""
+        if self.sums:
+            return self.fixed_update(lr, n_examples)
         if self.zero:
             self.t += 1
             self.zero.step(lr, self.t, self.counted(n_examples))
@@ -185,7 +199,9 @@ class TensorParallel(RunningStats, Strategy):
     def reduced_grads(self):
         """The first group's gradients, a split parameter's shards joined on the first context, a
         replicated one's once: the whole model's gradient in its order (under ZeRO, summed here:
-        the update reduce-scatters them instead)."""
+        the update reduce-scatters them instead; --deterministic: the tree's)."""
+        if self.sums:
+            return self.fixed_grads()
         row, home = self.shards[0], self.grid[0][0]
         if self.zero:
             total = {key: self.zero.total(g, home) for g, (key, _) in enumerate(self.copy_groups())}
@@ -197,6 +213,8 @@ class TensorParallel(RunningStats, Strategy):
 
     def correct(self, X, y):
         """Correct predictions on (X, y), sharded over the groups (idle ones if X is tiny)."""
+        if self.sums:
+            return self.lane_correct(X, y) if self.sequence_parallel else self.piece_correct(X, y)
         rows = self.grid[:min(len(self.grid), X.shape[0])]
         counts = []
         with gathered(self.zero):
@@ -210,6 +228,8 @@ class TensorParallel(RunningStats, Strategy):
     def fingerprints(self):
         """Shard j of every group; and b2, b4, whole on every context (under ZeRO-3 gathered); and
         every context's running statistics."""
+        if self.sums:
+            return self.fixed_fingerprints()
         with gathered(self.zero):
             return {**self.fingerprints_of_wholes(), **self.running_fingerprints()}
 
@@ -227,7 +247,11 @@ class TensorParallel(RunningStats, Strategy):
         """Each context of a group holds activations for the group's examples, but only its own
         channels and units of the split layers: priced as 1/T of the group's examples each, and
         for the group's other examples what every context holds whole (held_whole: the images,
-        what f and g join, the layers outside the split)."""
+        what f and g join, the layers outside the split). --deterministic: 1/T of the group's examples
+        each, nothing whole (an upper bound: a group holds one batch piece's activations at a time)."""
+        if self.sums:
+            return grid_layout(self.grids, len(self.net.layers), batch_size) if self.sequence_parallel else \
+                group_layout(self.grid, self.T, batch_size)
         whole = held_whole(self.net, range(len(self.net.layers)), self.sequence_parallel)
         out = group_layout(self.grid, self.T, batch_size)
         for row, n in zip(self.grid, even_split(batch_size, len(self.grid))):
@@ -235,6 +259,8 @@ class TensorParallel(RunningStats, Strategy):
         return out
 
     def arrays(self):
+        if self.sums:
+            return self.fixed_arrays()
         params = [p for P_row in self.shards for P in P_row for p in P] + (self.zero.param_arrays() if self.zero else [])
         states = self.zero.state_arrays() if self.zero else [s for S_row in self.states for S in S_row for st in S for s in st]
         return {"param": params, "grad": self.zero.grad_arrays() if self.zero else [p.grad for p in params],
@@ -254,6 +280,8 @@ class TensorParallel(RunningStats, Strategy):
 
     def state_dict(self):
         """Group 0's shards joined: the whole parameters and optimiser state, in the model's order."""
+        if self.sums:
+            return self.fixed_state_dict()
         P_row, S_row = self.shards[0], self.first_states()
         with gathered(self.zero):
             params = [unshard([P[i].asnumpy() for P in P_row], a) for i, a in enumerate(self.split)]
@@ -262,6 +290,8 @@ class TensorParallel(RunningStats, Strategy):
         return {"params": params, "opt_state": opt_state, "t": self.t, "extra": self.running_state()}
 
     def load_state_dict(self, state):
+        if self.sums:
+            return self.fixed_load_state_dict(state)
         self.load_running(state)
         with gathered(self.zero, keep=True):
             self.load_wholes(state)

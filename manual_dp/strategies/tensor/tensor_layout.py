@@ -1,7 +1,15 @@
-"""How a tensor group cuts values and what its contexts hold: a parameter's shards (shard, unshard),
-and for the memory report (Strategy.layout) each context's share of the group's examples and what
-every rank holds whole (strategies/tensor/tensor.py, mesh_parallel.py)."""
+"""How a tensor group cuts values and what its contexts hold: a batch's copies, a parameter's shards
+(shard, unshard), and for the memory report (Strategy.layout) each context's share of the group's
+examples and what every rank holds whole (strategies/tensor/tensor.py, mesh_parallel.py)."""
 import numpy as np
+
+
+def copies(batch, row):
+    """`batch` (an NDArray) on row[0] (copied there if it is elsewhere: on CPU contexts MXNet would
+    run a grid row's first cell on the batch's context without a word) and a copy of it on every
+    other context of `row`."""
+    first = batch.as_in_context(row[0])
+    return [first] + [first.copyto(c) for c in row[1:]]
 
 
 def shard(value, axis, j, T):
@@ -27,6 +35,16 @@ def group_layout(grid, T, batch_size):
     out = []
     for row, n in zip(grid, even_split(batch_size, len(grid))):
         out += [(c, s, k) for c, k in zip(row, even_split(n, T)) for s in (0, 1)]
+    return out
+
+
+def grid_layout(grids, n_layers, batch_size):
+    """[(context, every layer, examples)]: each grid of contexts (grids[r][c][t]) its share of the
+    batch, 1/(C T) per context (a floor: nothing held whole is counted)."""
+    out, every = [], tuple(range(n_layers))
+    for grid, n in zip(grids, even_split(batch_size, len(grids))):
+        cells = [c for row in grid for c in row]
+        out += [(c, every, k) for c, k in zip(cells, even_split(n, len(cells)))]
     return out
 
 

@@ -1,5 +1,5 @@
 """Tensor parallelism over a fixed number of pieces, every sum in one fixed tree: the split-layer
-arithmetic of --deterministic (strategies/tensor/tensor_deterministic.py, and every other layout's leaves
+arithmetic of --deterministic (strategies/tensor/tensor_sums.py, and every other layout's leaves
 under --tensor-pieces Q).
 
 strategies/tensor/tensor.py splits a model's split layers into T shards, so a row-parallel layer's output

@@ -1,6 +1,6 @@
-"""--deterministic --mode tensor: tensor parallelism with the bits of --deterministic in every other
-layout given the same --tensor-pieces Q, on any number of contexts, any tensor degree T that
-divides Q, and any number of processes.
+"""--deterministic for tensor parallelism: TensorParallel(..., sums=FixedSums) with the bits of
+--deterministic in every other layout given the same --tensor-pieces Q, on any number of contexts,
+any tensor degree T that divides Q, and any number of processes.
 
 Where tensor parallelism's float sums depend on the placement, and what fixes each:
 
@@ -20,86 +20,83 @@ Where tensor parallelism's float sums depend on the placement, and what fixes ea
 
 The update is elementwise, per piece array, the same shapes for every T: the same bits everywhere.
 Each process must run its ops with the same thread count (the command line gives one thread per op
-with --deterministic).
+with --deterministic). The storage (FixedTensor's first half) is also the grids' of
+strategies/context/grid_sums.py, whose rows are its tensor groups.
 """
 import numpy as np
 from mxnet import autograd, nd
 
-from ...config import PIECE_ROWS, TENSOR_PIECES, RunConfig
 from ...errors import CheckpointError
 from ...fast.prefetch import host
 from ...lesson import cross_entropy, n_correct
 from ...models import as_model, stateless
 from ...optim import apply_update_and_clear, init_states
 from ...replicas import fingerprint
-from ..base import Strategy
-from ..sums.fixed_sums import WholeBatch, cover, into_grads, pieces, root_of, spans, tree_sum
-from .tensor_layout import group_layout
+from ..sums.fixed_sums import cover, into_grads, pieces, root_of, spans, tree_sum
+from .tensor_layout import copies
 from .tensor_pieces import PieceJoin, add_on, cut, join, names, pieced
 
 
-def copies(batch, row):
-    """`batch` (NDArray) on every context of `row`."""
-    return [batch.as_in_context(c) for c in row]
+def place(values, ctx):
+    """NDArrays of `values` on `ctx`, each backward writing its gradient afresh."""
+    arrays = [nd.array(v, ctx=ctx, dtype=v.dtype) for v in values]
+    for a in arrays:
+        a.attach_grad()
+    return arrays
 
 
-class TensorDeterministic(WholeBatch, Strategy):
-    """len(ctx) // T data-parallel tensor groups, group r's shard position j on ctx[r * T + j],
-    holding channel pieces j*Q/T .. (j+1)*Q/T - 1 of Q (see the module docstring).
+class FixedTensor:
+    """The --deterministic half of TensorParallel (strategies/tensor/tensor.py), whose attributes it
+    reads: len(ctx) // T tensor groups, group r's shard position j on ctx[r * T + j] holding channel
+    pieces j*Q/T .. (j+1)*Q/T - 1 of the policy's Q (see the module docstring)."""
 
-    piece: rows per batch piece; pieces: Q; rank, size: this process's place in the job;
-    exchange(array): afterwards `array` holds the sum of every process's (size > 1 only).
-    model: the network (manual_dp.models; None: the lesson's LeNet of the parameters' width).
-    """
-
-    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None,
-                 piece=PIECE_ROWS, pieces=TENSOR_PIECES, rank=0, size=1, exchange=None, model=None):
+    def hold_tensor(self, params, ctx, optimizer, T, model):
+        """Afterwards the model (stateless) is cut as the module docstring says, or ValueError."""
         self.ctx, self.optimizer = list(ctx), optimizer
         self.net = stateless(as_model(model, params), "--deterministic --mode tensor")
-        T = self.T = tensor_parallel or len(self.ctx)
-        why = self.net.tensor_refusal(pieces)
-        if len(self.ctx) % T or pieces % T or why:
-            raise ValueError(f"tensor degree {T} must divide {len(self.ctx)} contexts and the {pieces} pieces"
+        self.hold_pieces(params, optimizer, T)
+
+    def hold_pieces(self, params, optimizer, T):
+        """Afterwards grid[r][j] holds shards[r][j], context j's pieces (tensor_pieces.cut), its
+        optimiser state, and no gradient yet; ValueError where T does not divide the contexts and Q."""
+        Q, n = self.sums.tensor_pieces, len(self.ctx)
+        why = self.net.tensor_refusal(Q)
+        if n % T or Q % T or why:
+            raise ValueError(f"tensor degree {T} must divide {n} contexts and the {Q} pieces"
                              + (f", and {why}" if why else ""))
+        self.T, self.Q, self.k = T, Q, Q // T
         self.split, self.all_names = [p.split for p in self.net.param_table()], self.net.names()
-        self.Q, self.k, self.piece = pieces, pieces // T, piece
-        self.rank, self.size, self.exchange = rank, size, exchange
-        self.grid = [self.ctx[r:r + T] for r in range(0, len(self.ctx), T)]   # grid[group][shard]
+        self.grid = [self.ctx[r:r + T] for r in range(0, n, T)]   # grid[group][shard]
         values = [p.asnumpy() for p in params]
-        self.shards = [[self.place(cut(values, self.split, pieces, T, j), c) for j, c in enumerate(row)]
-                       for row in self.grid]
+        self.shards = [[place(cut(values, self.split, Q, T, j), c) for j, c in enumerate(row)] for row in self.grid]
         self.states = [[init_states(P, optimizer) for P in row] for row in self.shards]
         self.n = sum(p.size for p in self.shards[0][0])   # a leaf: [gradients, loss, correct]
-        self.held, self.t = None, 0
+        self.held, self.t, self.zero = None, 0, None
 
-    @staticmethod
-    def place(values, ctx):
-        """NDArrays of `values` on `ctx`, each backward writing its gradient afresh."""
-        arrays = [nd.array(v, ctx=ctx, dtype=v.dtype) for v in values]
-        for a in arrays:
-            a.attach_grad()
-        return arrays
-
-    def backward(self, X, y):
-        bounds = pieces(len(X), self.piece)
-        m, G = len(bounds), len(self.grid)
-        runs = spans(m, self.size * G)
-        leaves = self.leaves(X, y, bounds, runs[self.rank * G:(self.rank + 1) * G])
+    def piece_backward(self, X, y):
+        """Every group's run of the batch's pieces in the policy's Q pieces; per shard position, the
+        leaves added in the tree (across processes, one table swapped)."""
+        bounds, runs, mine = self.sums.cut(len(X), len(self.grid))
+        m = len(bounds)
+        leaves = self.piece_leaves(X, y, bounds, mine)
         have = [{} for _ in range(self.T)]               # per shard position: {node: value}
-        for row, (lo, hi), L_row in zip(self.grid, runs[self.rank * G:], leaves):
-            for j, (c, mine) in enumerate(zip(row, L_row)):
-                have[j].update({node: tree_sum(node, m, mine, add_on(c)) for node in cover(lo, hi, m)})
-        if self.size > 1:
-            have = self.swap(have, runs, m)
-        totals = [tree_sum(root_of(m), m, have[j], add_on(c)) for j, c in enumerate(self.grid[0])]
+        for row, (lo, hi), L_row in zip(self.grid, mine, leaves):
+            for j, (c, own) in enumerate(zip(row, L_row)):
+                have[j].update({node: tree_sum(node, m, own, add_on(c)) for node in cover(lo, hi, m)})
+        if self.sums.size > 1:
+            have = self.swap_positions(have, runs, m)
+        return self.keep_totals([tree_sum(root_of(m), m, have[j], add_on(c)) for j, c in enumerate(self.grid[0])])
+
+    def keep_totals(self, totals):
+        """Afterwards every group's context j adds totals[j] (a tree total) to what it holds; returns
+        the loss sum and correct count (on rank 0; zeros elsewhere: the job's come from rank 0)."""
         held = [[total.copyto(c) for c, total in zip(row, totals)] for row in self.grid]
-        self.held = held if self.held is None else \
-            [[a + b for a, b in zip(A, B)] for A, B in zip(self.held, held)]
-        if self.rank:                                    # the job's metrics come from rank 0 alone
+        self.held = held if self.held is None else [[a + b for a, b in zip(A, B)] for A, B in zip(self.held, held)]
+        if self.sums.rank:
             return [(nd.zeros((1,), ctx=self.ctx[0]), nd.zeros((1,), ctx=self.ctx[0]))]
         return [(totals[0][self.n:self.n + 1], totals[0][self.n + 1:self.n + 2])]
 
-    def leaves(self, X, y, bounds, runs):
+    def piece_leaves(self, X, y, bounds, runs):
         """[[{(0, piece): [gradients, loss sum, correct] (n + 2,)} per context] per group]: each
         group's batch pieces, one after another, every group's pushed in turn."""
         out = [[{} for _ in row] for row in self.grid]
@@ -110,7 +107,7 @@ class TensorDeterministic(WholeBatch, Strategy):
                     if lo + step < hi:
                         a, b = bounds[lo + step]
                         Xs, ys = copies(host(X[a:b]), row), copies(host(y[a:b]), row)
-                        scores = self.scores(Xs, P, row)
+                        scores = self.piece_scores(Xs, P, row)
                         losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
                         heads += losses
                         done.append((r, lo + step, losses, [n_correct(s, yj) for s, yj in zip(scores, ys)]))
@@ -123,14 +120,14 @@ class TensorDeterministic(WholeBatch, Strategy):
                                                 right.reshape((1,)).astype(loss.dtype), dim=0) + 0
         return out
 
-    def scores(self, Xs, P, row):
+    def piece_scores(self, Xs, P, row):
         """Class scores on every context of the group `row` from its copies of the images and its
         arrays P[j] (context j's pieces, then the unsplit parameters): the model's split_forward
         over the group's Q pieces."""
         return self.net.split_forward(Xs, [w for Pj in P for w in pieced(Pj, self.split, self.k)],
                                       PieceJoin(row, self.k))
 
-    def swap(self, have, runs, m):
+    def swap_positions(self, have, runs, m):
         """Every process's subtrees, on every process: each fills its own rows of one zero table
         (every process knows every run, so every slot), and the job sums the tables."""
         slots = [node for lo, hi in runs for node in cover(lo, hi, m)]
@@ -140,10 +137,20 @@ class TensorDeterministic(WholeBatch, Strategy):
             for i, node in enumerate(slots):
                 if node in have[j]:
                     table[j * S + i] = have[j][node].as_in_context(home)
-        self.exchange(table)
+        self.sums.exchange(table, "tensortree")
         return [{node: table[j * S + i] for i, node in enumerate(slots)} for j in range(self.T)]
 
-    def update(self, lr, n_examples):
+    def piece_correct(self, X, y):
+        """Correct predictions on (X, y): pieces of the policy's rows spread over the groups."""
+        bounds, G = pieces(len(X), self.sums.piece), len(self.grid)
+        counts = []
+        for (lo, hi), row, P in zip(spans(len(bounds), G), self.grid, self.shards):
+            for a, b in bounds[lo:hi]:
+                scores = self.piece_scores(copies(host(X[a:b]), row), P, row)
+                counts.append(n_correct(scores[0], host(y[a:b]).as_in_context(row[0])).as_in_context(self.ctx[0]))
+        return nd.add_n(*counts) if len(counts) > 1 else counts[0]
+
+    def fixed_update(self, lr, n_examples):
         """The tree's gradients into every context's arrays, then the same elementwise update."""
         self.t += 1
         n_examples = self.counted(n_examples)
@@ -153,31 +160,21 @@ class TensorDeterministic(WholeBatch, Strategy):
                 apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
         self.held = None
 
-    def reduced_grads(self):
+    def fixed_grads(self):
         """The tree's gradient of every parameter, whole, in the model's order (group 0's pieces
         joined on its first context, an unsplit one from it): the elements every layout sums."""
-        home, n = self.ctx[0], sum(a is not None for a in self.split) * self.k
+        home = self.ctx[0]
         per_context = [[] for _ in self.grid[0]]
         for j, (total, P) in enumerate(zip(self.held[0], self.shards[0])):
             at = 0
             for p in P:
                 per_context[j].append(total[at:at + p.size].reshape(p.shape).as_in_context(home))
                 at += p.size
-        pieces = [w for P in per_context for w in pieced(P, self.split, self.k)]
-        return [pieces[0][i] if a is None else nd.concat(*[w[i] for w in pieces], dim=a)
+        every = [w for P in per_context for w in pieced(P, self.split, self.k)]
+        return [every[0][i] if a is None else nd.concat(*[w[i] for w in every], dim=a)
                 for i, a in enumerate(self.split)]
 
-    def correct(self, X, y):
-        """Correct predictions on (X, y): pieces of `piece` rows spread over the groups."""
-        bounds, G = pieces(len(X), self.piece), len(self.grid)
-        counts = []
-        for (lo, hi), row, P in zip(spans(len(bounds), G), self.grid, self.shards):
-            for a, b in bounds[lo:hi]:
-                scores = self.scores(copies(host(X[a:b]), row), P, row)
-                counts.append(n_correct(scores[0], host(y[a:b]).as_in_context(row[0])).as_in_context(self.ctx[0]))
-        return nd.add_n(*counts) if len(counts) > 1 else counts[0]
-
-    def fingerprints(self):
+    def fixed_fingerprints(self):
         """Shard position j of every group; and the unsplit parameters, whole on every context."""
         n = sum(a is not None for a in self.split) * self.k
         groups = {f"tensor shard {j}": [fingerprint(row[j], P_row[j][:n], names(self.all_names, self.split, self.Q,
@@ -188,18 +185,14 @@ class TensorDeterministic(WholeBatch, Strategy):
                                         for row, P_row in zip(self.grid, self.shards) for c, P in zip(row, P_row)]
         return groups
 
-    def layout(self, batch_size):
-        """As TensorParallel prices it: the group's examples, 1/T of them per context (an upper
-        bound here: a group holds one batch piece's activations at a time)."""
-        return group_layout(self.grid, self.T, batch_size)
-
-    def arrays(self):
+    def fixed_arrays(self):
+        """Every context's pieces, their gradients and optimiser state (see Strategy.arrays)."""
         params = [p for P_row in self.shards for P in P_row for p in P]
         states = [s for S_row in self.states for S in S_row for st in S for s in st]
         return {"param": params, "grad": [p.grad for p in params], "state": states}
 
-    def state_dict(self):
-        """Group 0's pieces joined: the whole parameters and optimiser state, in lenet's order."""
+    def fixed_state_dict(self):
+        """Group 0's pieces joined: the whole parameters and optimiser state, in the model's order."""
         P_row, S_row = self.shards[0], self.states[0]
         params = join([[p.asnumpy() for p in P] for P in P_row], self.split, self.k)
         slots = len(S_row[0][0])
@@ -207,8 +200,9 @@ class TensorDeterministic(WholeBatch, Strategy):
         opt_state = [[per_slot[s][i] for s in range(slots)] for i in range(len(params))]
         return {"params": params, "opt_state": opt_state, "t": self.t, "extra": {}}
 
-    def load_state_dict(self, state):
-        want = [v.shape for v in self.state_dict()["params"]]
+    def fixed_load_state_dict(self, state):
+        """Afterwards every context holds its pieces of `state`; CheckpointError if it does not fit."""
+        want = [v.shape for v in self.fixed_state_dict()["params"]]
         got = [tuple(np.shape(v)) for v in state["params"]]
         if got != want or any(len(s) != len(self.states[0][0][0]) for s in state["opt_state"]):
             raise CheckpointError(f"the checkpoint's parameters {got} or optimiser state do not fit "

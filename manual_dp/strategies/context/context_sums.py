@@ -1,5 +1,6 @@
-"""--deterministic --mode context: context parallelism with the bits of one context's --deterministic
-step given the same --sequence-pieces K, for any context degree C dividing K, ring or Ulysses.
+"""--deterministic for context parallelism: ContextParallel(..., sums=FixedSums) with the bits of one
+context's --deterministic step given the same --sequence-pieces K, for any context degree C
+dividing K, ring or Ulysses.
 
 Where its float sums depend on the placement, and what fixes each:
 
@@ -16,60 +17,57 @@ Where its float sums depend on the placement, and what fixes each:
                      --deterministic --mode sync adds its contexts')
 
 Each lane computes the loss of the (same) class scores and backpropagates 1/K of it; the loss and
-the correct count are lane 0's. The update is elementwise, the same on every context. --mode sync
---deterministic --sequence-pieces K is this strategy with C = 1 (each context a group). Each
-process must run its ops with the same thread count (the command line gives one per op).
+the correct count are lane 0's. The update is elementwise, the same on every context; parameters,
+optimiser state, checkpoints, fingerprints and the memory layout are kept as ContextParallel keeps
+them. --mode sync --deterministic --sequence-pieces K is this with C = 1 (each context a group).
+Each process must run its ops with the same thread count (the command line gives one per op).
 """
 from mxnet import autograd, nd
 
-from ...config import RunConfig, SEQUENCE_PIECES
-from ...fast.attention import ATTENTION
 from ...fast.prefetch import host
 from ...lesson import cross_entropy, n_correct
-from ...models import stateless
 from ...optim import apply_update_and_clear, init_states
-from ...replicas import fingerprint
-from ..base import Strategy
-from .context import ContextParallel
-from ..data.data_parallel import host_state, load_into
-from ..sums.fixed_sums import FixedSums, WholeBatch, into_grads, leaf, whole_leaves_backward
+from ..sums.fixed_sums import FixedSums, into_grads, leaf, whole_leaves_backward
 from .sequence_pieces import Lanes
-from ..tensor.tensor_deterministic import TensorDeterministic
 from ..tensor.tensor_pieces import tree_reduce
+from ..tensor.tensor_sums import place
 
 
-class ContextDeterministic(WholeBatch, Strategy):
-    """len(ctx) // C data-parallel groups of C contexts, group r's contexts ctx[r*C:(r+1)*C] holding
-    lanes j*K/C .. (j+1)*K/C - 1 of the sequence's K (see the module docstring). sums: the
-    FixedSums of this process (default: one process); model: a transformer (a sequence_forward)."""
+class FixedContext:
+    """The --deterministic half of ContextParallel (strategies/context/context.py), whose attributes
+    it reads: len(ctx) // C data-parallel groups of C contexts, group r's contexts ctx[r*C:(r+1)*C]
+    holding lanes j*K/C .. (j+1)*K/C - 1 of the sequence's K (see the module docstring)."""
 
-    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, context_parallel=None, attention="ring",
-                 pieces=SEQUENCE_PIECES, sums=None, model=None):
-        self.ctx, self.optimizer = list(ctx), optimizer
-        self.net = stateless(model, "--deterministic --mode context") if model is not None else None
-        C = self.C = context_parallel or len(self.ctx)
-        if attention not in ATTENTION:
-            raise ValueError(f"unknown attention {attention!r}: choose from {', '.join(ATTENTION)}")
+    def hold_lanes(self, params, K):
+        """Afterwards every context holds the parameters (each backward writing its gradients) and
+        its optimiser state, and lanes[r] group r's K lanes; ValueError where C does not divide K."""
+        C = self.C
         why = "LeNet has no sequence of tokens to cut" if self.net is None else \
-            self.net.sequence_refusal(C, attention) or (f"{pieces} sequence pieces exceed the {self.net.tokens} "
-                                                        f"tokens" if pieces > self.net.tokens else None)
-        if len(self.ctx) % C or pieces % C or why:
-            raise ValueError(why or f"context degree {C} must divide {len(self.ctx)} contexts and the {pieces} "
+            self.net.sequence_refusal(C, self.attention) or (f"{K} sequence pieces exceed the {self.net.tokens} "
+                                                             f"tokens" if K > self.net.tokens else None)
+        if len(self.ctx) % C or K % C or why:
+            raise ValueError(why or f"context degree {C} must divide {len(self.ctx)} contexts and the {K} "
                                     f"sequence pieces")
-        self.attention, self.K, self.sums = attention, pieces, sums or FixedSums()
+        self.K = K
         self.grid = [self.ctx[r:r + C] for r in range(0, len(self.ctx), C)]      # grid[group][block]
-        self.lanes = [Lanes(self.net.tokens, pieces, row, attention) for row in self.grid]
+        self.lanes = [Lanes(self.net.tokens, K, row, self.attention) for row in self.grid]
         values = [p.asnumpy() for p in params]
-        self.params = [TensorDeterministic.place(values, c) for c in self.ctx]
-        self.states = [init_states(P, optimizer) for P in self.params]
-        self.n = sum(p.size for p in self.params[0])     # a leaf: [gradients, loss, correct]
-        self.held, self.t = None, 0
+        self.params = [[place(values, c) for c in row] for row in self.grid]
+        self.states = [[init_states(P, self.optimizer) for P in row] for row in self.params]
+        self.n = sum(p.size for p in self.params[0][0])     # a leaf: [gradients, loss, correct]
+        self.held, self.t, self.zero = None, 0, None
 
     def own(self, c):
         """The parameters on context `c`."""
-        return self.params[self.ctx.index(c)]
+        return self.copies[self.ctx.index(c)]
 
-    def backward(self, X, y):
+    def stats_width(self):
+        """No batch statistics in a leaf: the model keeps no running statistics (a transformer)."""
+        return 0
+
+    def fixed_backward(self, X, y):
+        """Every group's run of the batch's pieces through its lanes; afterwards `held` adds the tree's
+        total [gradient, loss sum, correct] on the first context (fixed_sums.whole_leaves_backward)."""
         return whole_leaves_backward(self, X, y, len(self.grid), "sequence-tree")
 
     def leaves(self, X, y, bounds, runs):
@@ -98,20 +96,20 @@ class ContextDeterministic(WholeBatch, Strategy):
         right = n_correct(scores[0], ys[0]).reshape((1,)).astype(losses[0].dtype)
         return leaf([tree_reduce(grads, lanes.row, lanes.k), losses[0].reshape((1,)), right])
 
-    def update(self, lr, n_examples):
+    def fixed_update(self, lr, n_examples):
         """The tree's gradient into every context's parameters, then the same elementwise update."""
         self.t += 1
         n_examples = self.counted(n_examples)
-        for P, S in zip(self.params, self.states):
+        for P, S in zip(self.copies, [S for row in self.states for S in row]):
             into_grads(self.held.as_in_context(P[0].context), P)
             apply_update_and_clear(P, S, self.optimizer, lr, self.t, n_examples)
         self.held = None
 
-    def reduced_grads(self):
+    def fixed_grads(self):
         """The tree's total gradient (the same bits on any layout)."""
         return [self.held[:self.n]]
 
-    def correct(self, X, y):
+    def fixed_correct(self, X, y):
         """Correct predictions on (X, y): batch pieces spread over the groups, each through its lanes."""
         bounds, runs, _ = FixedSums(self.sums.piece).cut(len(X), len(self.grid))
         counts = []
@@ -122,23 +120,3 @@ class ContextDeterministic(WholeBatch, Strategy):
                 right = n_correct(scores[0], host(y[a:b]).as_in_context(lanes.where[0]))
                 counts.append(right.as_in_context(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
-
-    def fingerprints(self):
-        """Every context's copy of the parameters: all equal."""
-        names = self.net.names()
-        return {"replicas": [fingerprint(c, P, names) for c, P in zip(self.ctx, self.params)]}
-
-    layout = ContextParallel.layout      # as ContextParallel prices it (an upper bound: one piece at a time)
-
-    def arrays(self):
-        params = [p for P in self.params for p in P]
-        return {"param": params, "grad": [p.grad for p in params],
-                "state": [s for S in self.states for st in S for s in st]}
-
-    def state_dict(self):
-        return host_state(self.params[0], self.states[0], self.t)
-
-    def load_state_dict(self, state):
-        for P, S in zip(self.params, self.states):
-            load_into(P, S, state)
-        self.t = state["t"]

@@ -1,5 +1,6 @@
-"""--deterministic --mode tensor --sequence-parallel: Megatron-SP with the bits of one context's
---deterministic step given the same --sequence-pieces K and --tensor-pieces Q (T dividing both).
+"""--deterministic Megatron-SP: TensorParallel(..., sequence_parallel=True, sums=FixedSums) with the
+bits of one context's --deterministic step given the same --sequence-pieces K and --tensor-pieces Q
+(T dividing both).
 
 Megatron-SP keeps, between the split layers, only a block of the tokens on each context of a tensor
 group: the layer norms, residual adds, biases and dropout run on 1/T of the sequence, f gathers the
@@ -19,15 +20,15 @@ blocks of tokens (one kernel on one context). Made the leaves of the fixed trees
                 tree sum over the lanes on its context; attention folds the lanes of each piece in one
                 order (FixedAttention) and the pooling adds them in the tree (LaneSum)
 
-Every lane runs the same kernels on the same shapes as in GridDeterministic (one context: all K
+It is strategies/context/grid_sums.py's grid with C = 1 (each tensor group one row) whose lanes are
+placed at home. Every lane runs the same kernels on the same shapes as there (one context: all K
 lanes, all Q pieces), the same trees add the same values, so the bits are --mode sync --cpus 1
 --deterministic --sequence-pieces K --tensor-pieces Q's, and --mode context cp x tp's.
 """
 from mxnet import autograd, nd
 
-from ...config import SEQUENCE_PIECES, TENSOR_PIECES, RunConfig
 from ..sums.fixed_sums import leaf
-from ..context.grid_deterministic import GridDeterministic
+from ..context.grid_sums import FixedGrid
 from ..context.sequence_pieces import Lanes
 from .tensor_pieces import PieceJoin, as_list, tree_reduce
 
@@ -85,34 +86,38 @@ class HomeJoin(PieceJoin):
         return [per_piece[0]]                          # piece 0's view: its unsplit arrays are the home's
 
 
-class SequenceParallelDeterministic(GridDeterministic):
-    """len(ctx) // T tensor groups of T contexts (data parallel), each lane's token-wise work on its
-    home (see the module docstring). pieces: K (T must divide it); tensor_pieces: Q; sums: this
-    process's FixedSums (default one process); model: a transformer."""
+class FixedSequence(FixedGrid):
+    """The --deterministic Megatron-SP half of TensorParallel (strategies/tensor/tensor.py): len(ctx) // T
+    tensor groups of T contexts (data parallel), each lane's token-wise work on its home (see the
+    module docstring); FixedGrid's lane methods with the lanes placed at home."""
 
-    def __init__(self, params, ctx, optimizer=RunConfig.optimizer, tensor_parallel=None, pieces=SEQUENCE_PIECES,
-                 tensor_pieces=TENSOR_PIECES, sums=None, model=None):
-        T = tensor_parallel or len(ctx)
-        if pieces % T:
-            raise ValueError(f"tensor degree {T} must divide the {pieces} sequence pieces (each context the home "
+    def hold_sequence(self, params, ctx, optimizer, T, K, model):
+        """Afterwards FixedGrid's storage with C = 1, lanes K/T at home on each context; ValueError
+        where T does not divide K."""
+        if K % T:
+            raise ValueError(f"tensor degree {T} must divide the {K} sequence pieces (each context the home "
                              f"of as many)")
-        super().__init__(params, ctx, optimizer, 1, T, "ring", pieces, tensor_pieces, sums, model)
-        self.kh = pieces // T                                      # lanes a context is home to
-        self.lanes = [Lanes(self.net.tokens, pieces, row) for row in self.grid]
+        self.kh = K // T                                           # lanes a context is home to
+        self.hold_grid(params, ctx, optimizer, 1, T, "ring", K, model)
         self.cut_at = sum(a is not None for a in self.split) * self.k     # a context's piece arrays, then unsplit
 
+    def group_lanes(self, grid):
+        """The Lanes of a group (one row): K/T at home on each of its contexts."""
+        return Lanes(self.net.tokens, self.K, grid[0])
+
     def homes(self, r):
+        """Group r's home context of each lane: K/T lanes on each of its contexts, in order."""
         return [self.grid[r][b // self.kh] for b in range(self.K)]
 
-    def views(self, weights):
+    def lane_views(self, weights):
         """Each lane's pieces: the split arrays of every context's copy, the unsplit of its home's."""
         n = self.cut_at
-        return super().views([[Wt[:n] + W[b // self.kh][n:] for Wt in W] for b, W in enumerate(weights)])
+        return super().lane_views([[Wt[:n] + W[b // self.kh][n:] for Wt in W] for b, W in enumerate(weights)])
 
-    def forward(self, r, X, weights):
+    def lane_forward(self, r, X, weights):
         """Class scores [[on its home] per lane]: each lane's tokens on its home only."""
         homes = self.homes(r)
-        return self.net.grid_forward([[X.as_in_context(h)] for h in homes], self.views(weights),
+        return self.net.grid_forward([[X.as_in_context(h)] for h in homes], self.lane_views(weights),
                                      HomeJoin(self.grid[r], self.k, homes), self.lanes[r])
 
     def lane_sums(self, r, weights):
