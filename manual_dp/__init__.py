@@ -13,7 +13,7 @@ Read it in this order (each folder's docstring lists its own files in reading or
     fast/             the same step, faster: collectives, flat buffers, the cached graph, thread settings
     errors.py         the errors a run can end with, for the library and the command line alike
     config.py         every default of a training run, in one place: RunConfig
-    modes.py          the one table of modes: each mode's flags, build, refusals and header line
+    modes/            the one table of modes: each mode's flags, build, refusals, header line and mesh
     checks.py         the checks of a run's settings that need no device, file or MXNet
     optim.py          optimisers written by hand: state per parameter, living where the parameter lives
     schedule.py       learning-rate schedules, per update: linear scaling and linear warm-up

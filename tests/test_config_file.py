@@ -159,7 +159,8 @@ def test_the_written_settings_read_back_to_the_same_run(tmp_path, argv):
 def test_the_written_file_holds_every_set_field_in_its_section():
     cfg = parse(["--model", "transformer", "--mode", "tensor", "--cpus", "2", "--log-json", "x.jsonl"])
     document = tomllib.loads(config_file.dumps(cfg))
-    assert list(document) == [g for g in GROUPS if g != "data"]          # data: nothing set
+    assert list(document) == list(GROUPS)                                # data: --data's default
+    assert document["data"] == {"data": "fashion-mnist"}
     written = {key: (section, value) for section, table in document.items() for key, value in table.items()}
     assert written == {f.name: (f.metadata["group"], getattr(cfg, f.name)) for f in fields()
                        if getattr(cfg, f.name) is not None}
