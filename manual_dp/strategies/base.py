@@ -49,11 +49,20 @@ class Strategy:
     net = None
     per_process_extra = ()     # names of state_dict()["extra"] entries that differ between processes
     norm_log = None            # NormLog: the global gradient norms, and clipping (strategies/clipping.py)
+    sums = None                # how sums over the batch are taken: None, the layout's own fast sums; or
+                               # --deterministic's FixedSums, passed in (strategies/sums/)
+
+    @property
+    def batch_places(self):
+        """The places a batch is split over, a row each at least: the contexts (a layout of groups
+        or pipelines: one place per group)."""
+        return len(self.ctx)
 
     @property
     def min_batch(self):
-        """The smallest batch `backward` can take (the loop drops a shorter last batch)."""
-        return len(self.ctx)
+        """The smallest batch `backward` can take (the loop drops a shorter last batch): a row per
+        place; under a FixedSums a piece of any size (the tree leaves no place idle)."""
+        return 1 if self.sums else self.batch_places
 
     def backward(self, X, y):
         """Forward and backward on the batch (X, y) (numpy arrays or NDArrays); add its gradients to
@@ -75,8 +84,9 @@ class Strategy:
     def rows(self, n, rank, size):
         """Rows [start, stop) of a global batch of n that this strategy takes in `backward` as
         process `rank` of `size` (manual_dp.multiprocess): by default the rows its contexts would
-        take if one process split the batch over every process's contexts (rank_rows)."""
-        return rank_rows(n, rank, size, self.min_batch)
+        take if one process split the batch over every process's contexts (rank_rows); under a
+        FixedSums every row: each process picks its own pieces of the global batch."""
+        return (0, n) if self.sums else rank_rows(n, rank, size, self.min_batch)
 
     def correct(self, X, y):
         """Number of correct predictions on (X, y) with the current parameters, a 1-element NDArray."""

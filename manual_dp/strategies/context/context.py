@@ -91,13 +91,9 @@ class ContextParallel(FixedContext, Strategy):
         return [P for row in self.params for P in row]
 
     @property
-    def min_batch(self):
-        """A group a row (--deterministic: a piece of any size; each process picks its pieces)."""
-        return 1 if self.sums else len(self.grid)
-
-    def rows(self, n, rank, size):
-        """--deterministic: every row (each process picks its pieces, strategies/sums/fixed_sums.py)."""
-        return (0, n) if self.sums else super().rows(n, rank, size)
+    def batch_places(self):
+        """A context-parallel group a place (strategies/base.py)."""
+        return len(self.grid)
 
     def scores(self, row, P, X):
         return self.net.sequence_forward(copies(X, row), P, self.seq)

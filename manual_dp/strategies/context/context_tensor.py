@@ -83,13 +83,9 @@ class ContextTensorParallel(FixedGrid, Strategy):
                 for row, prow, srow in zip(grid, pgrid, sgrid) for c, P, S in zip(row, prow, srow)]
 
     @property
-    def min_batch(self):
-        """A grid a row (--deterministic: a piece of any size; each process picks its pieces)."""
-        return 1 if self.sums else self.mesh.dp
-
-    def rows(self, n, rank, size):
-        """--deterministic: every row (each process picks its pieces, strategies/sums/fixed_sums.py)."""
-        return (0, n) if self.sums else super().rows(n, rank, size)
+    def batch_places(self):
+        """A grid of cp x tp a place (strategies/base.py)."""
+        return self.mesh.dp
 
     def scores(self, grid, P, X):
         return self.net.grid_forward([copies(X, row) for row in grid], P, self.join, self.seq)

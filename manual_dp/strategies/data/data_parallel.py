@@ -133,15 +133,6 @@ class DataParallel(RunningStats, FixedData, Strategy):
             self.n_counted = self.counted(n)
         apply_update_and_clear(W, self.states_of[id(W)], self.optimizer, lr, self.t, self.n_counted)
 
-    @property
-    def min_batch(self):
-        """A row per context (with sums: a piece of any size; the tree leaves no context idle)."""
-        return 1 if self.sums else len(self.ctx)
-
-    def rows(self, n, rank, size):
-        """With sums every row: each process picks its pieces (strategies/sums/fixed_sums.py)."""
-        return (0, n) if self.sums else super().rows(n, rank, size)
-
     def backward(self, X, y):
         if self.sums:
             return self.fixed_backward(X, y)

@@ -242,13 +242,9 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
         return {"param": params, "grad": [p.grad for p in params], "state": state}
 
     @property
-    def min_batch(self):
-        """A replica a row (--deterministic: a piece of any size; the tree leaves no place idle)."""
-        return 1 if self.sums else len(self.grid)
-
-    def rows(self, n, rank, size):
-        """--deterministic: every row (each process picks its pieces, strategies/sums/fixed_sums.py)."""
-        return (0, n) if self.sums else super().rows(n, rank, size)
+    def batch_places(self):
+        """A pipeline replica a place (strategies/base.py)."""
+        return len(self.grid)
 
     def state_dict(self):
         """Replica 0's parameters and optimiser state, in the model's order."""

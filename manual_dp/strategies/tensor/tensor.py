@@ -140,13 +140,9 @@ class TensorParallel(RunningStats, FixedSequence, Strategy):
         return out
 
     @property
-    def min_batch(self):
-        """A group a row (--deterministic: a piece of any size; each process picks its pieces)."""
-        return 1 if self.sums else len(self.grid)
-
-    def rows(self, n, rank, size):
-        """--deterministic: every row (each process picks its pieces, strategies/sums/fixed_sums.py)."""
-        return (0, n) if self.sums else super().rows(n, rank, size)
+    def batch_places(self):
+        """A tensor group a place (strategies/base.py)."""
+        return len(self.grid)
 
     def backward(self, X, y):
         """Every group runs its shard of the batch through its T contexts; gradients add up."""

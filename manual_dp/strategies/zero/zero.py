@@ -149,15 +149,6 @@ class ZeroRedundancy(RunningStats, FixedZero, Strategy):
         """What the step holds besides arrays(): gathered parameters (stage 3) and gradients."""
         self.peak.note([p for Wb in params for p in Wb] if self.stage == 3 else [], grads)
 
-    @property
-    def min_batch(self):
-        """A row per context (with sums: a piece of any size; the tree leaves no context idle)."""
-        return 1 if self.sums else len(self.ctx)
-
-    def rows(self, n, rank, size):
-        """With sums every row: each process picks its pieces (strategies/sums/fixed_sums.py)."""
-        return (0, n) if self.sums else super().rows(n, rank, size)
-
     def backward(self, X, y):
         if self.sums:
             return self.fixed_backward(X, y)
