@@ -1,6 +1,6 @@
 """--deterministic on grids: the sequence in K pieces and every split layer in Q pieces at once
 (cp x tp, strategies/context/grid_sums.py; Megatron-SP, strategies/tensor/sequence_sums.py), and
-the sequence's pieces in pipelines (pp x cp, strategies/mesh/mesh_lanes.py), with the bits of one
+the sequence's pieces in pipelines (pp x cp, strategies/mesh/lane_sums.py), with the bits of one
 context's --deterministic step given the same --sequence-pieces K (and --tensor-pieces Q).
 
 Bit-identity holds when every process runs its ops with the same thread count: the in-process tests
@@ -14,7 +14,6 @@ from mxnet import nd
 from conftest import batch, cpus, run_main
 from jobs import assert_same_run, train_cmd
 from manual_dp.strategies.context.context_tensor import ContextTensorParallel
-from manual_dp.strategies.mesh.mesh_lanes import MeshLanes
 from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
 from manual_dp.strategies.sums.fixed_sums import FixedSums
 from manual_dp.strategies.tensor.tensor import TensorParallel
@@ -172,8 +171,8 @@ PIPES = {"pp2 gpipe": (2, 1, 2, "gpipe", "ring"), "pp2 x cp2 1f1b": (4, 2, 2, "1
 
 
 def pipe(net, n, C, micro, schedule, attention, seed=0):
-    return MeshLanes(net.init_params(seed), cpus(n), "adam", 2, C, micro, schedule, attention=attention, pieces=4,
-                     model=net)
+    return MeshParallel(net.init_params(seed), cpus(n), "adam", 2, 1, micro, schedule, context_parallel=C,
+                        attention=attention, model=net, sums=FixedSums(), sequence_pieces=4)
 
 
 @pytest.mark.parametrize("layout", list(PIPES))

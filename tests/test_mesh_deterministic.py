@@ -15,7 +15,6 @@ from jobs import assert_same_run, launch_cmd, train_cmd
 from manual_dp import models
 from manual_dp.strategies.data.data_parallel import DataParallel
 from manual_dp.strategies.sums.fixed_sums import FixedSums
-from manual_dp.strategies.mesh.mesh_deterministic import MeshDeterministic
 from manual_dp.strategies.mesh.mesh_parallel import MeshParallel
 from manual_dp.strategies.pipeline.pipeline import PipelineParallel
 from manual_dp.strategies.tensor.tensor import TensorParallel
@@ -23,8 +22,8 @@ from test_deterministic import data, run  # noqa: F401 (the data fixture; a logg
 
 
 def mesh(n, S, T, micro, schedule="gpipe", V=1):
-    return lambda P, net, opt: MeshDeterministic(P, cpus(n), opt, S, T, micro, schedule, V,
-                                                 sums=FixedSums(tensor_pieces=4), model=net)
+    return lambda P, net, opt: MeshParallel(P, cpus(n), opt, S, T, micro, schedule, V,
+                                            sums=FixedSums(tensor_pieces=4), model=net)
 
 
 LAYOUTS = {     # name: a function (params, net, optimiser) -> the strategy

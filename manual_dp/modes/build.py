@@ -94,16 +94,10 @@ def build_context(cfg, p):
 
 
 def build_mesh(cfg, p):
-    S, M, schedule, V = stages_of(cfg), cfg.micro_batches or 1, cfg.schedule or "gpipe", virtual_stages(cfg)
-    if p.sums and (cfg.context_parallel or 1) > 1:  # lanes in each stage
-        return strategy("mesh.mesh_lanes", "MeshLanes")(
-            p.params, p.ctx, cfg.optimizer, S, cfg.context_parallel, M, schedule, V, cfg.attention or "ring",
-            cfg.sequence_pieces, p.sums, p.net)
-    if p.sums:                                      # tensor groups in Q pieces; every stage's leaves in the tree
-        return strategy("mesh.mesh_deterministic", "MeshDeterministic")(
-            p.params, p.ctx, cfg.optimizer, S, mesh_tp(cfg), M, schedule, V, sums=p.sums, model=p.net)
-    # tensor groups inside pipelines inside data parallelism
+    # tensor (or context) groups inside pipelines inside data parallelism (sums: tensor groups in Q pieces,
+    # or each stage's sequence in K lanes; every stage's leaves in the tree)
     return strategy("mesh.mesh_parallel", "MeshParallel")(
-        p.params, p.ctx, cfg.optimizer, S, mesh_tp(cfg), M, schedule, V, p.grad_reduce, p.local, model=p.net,
-        sequence_parallel=cfg.sequence_parallel, context_parallel=cfg.context_parallel or 1,
-        attention=cfg.attention or "ring", zero_stage=cfg.zero_stage or 0)
+        p.params, p.ctx, cfg.optimizer, stages_of(cfg), mesh_tp(cfg), cfg.micro_batches or 1, cfg.schedule or "gpipe",
+        virtual_stages(cfg), p.grad_reduce, p.local, model=p.net, sequence_parallel=cfg.sequence_parallel,
+        context_parallel=cfg.context_parallel or 1, attention=cfg.attention or "ring", zero_stage=cfg.zero_stage or 0,
+        sums=p.sums, sequence_pieces=cfg.sequence_pieces)

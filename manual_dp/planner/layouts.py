@@ -16,7 +16,7 @@ Model.tensor_refusal accepts, context groups of C that Model.sequence_refusal ac
 attention (and sequence parallelism the same for T), C x T grids that Model.grid_refusal accepts,
 pipelines of at most as many stages as it has layers (interleaved: V times as many), dp x pp x tp
 both of those and layers that split on their own (Layer.split_forward: not LeNet's whole-model
-split), dp x pp x cp and dp x pp x cp x tp a pipeline's and a stage group's (MeshParallel.refusal:
+split), dp x pp x cp and dp x pp x cp x tp a pipeline's and a stage group's (mesh.group_stages.group_refusal:
 no +sp with cp, as MeshParallel refuses it), and for a model with running statistics (BatchNorm)
 data parallelism, ZeRO, pipelines and tensor groups without +sp, the strategies that carry them.
 """
@@ -153,7 +153,7 @@ def meshes(devices, batch_size, net, stats):
 
 def group_refusal(net, C, T, attention):
     """Why `net` cannot run on a group of C blocks of tokens x T tensor ranks (C > 1), as
-    ContextTensorParallel and MeshParallel.refusal refuse it, or None."""
+    ContextTensorParallel and mesh.group_stages.group_refusal refuse it, or None."""
     return net.grid_refusal(C, T, attention) if T > 1 else net.sequence_refusal(C, attention)
 
 

@@ -19,6 +19,10 @@ changes nothing: every rank receives the gradient the uncut graph gives it.
 The schedule is any of manual_dp.strategies.pipeline.schedules with an unsplit backward (gpipe, 1f1b,
 interleaved: stage k on pipeline rank k % S). Gradients: each shard's summed over the replicas (and,
 under sequence parallelism, a replicated parameter's over its tensor group too, as TensorParallel).
+
+With --deterministic's FixedSums (`sums`) the batch is cut in pieces and every sum is the policy's
+fixed tree, for the bits of one context's --deterministic step: dp x pp x tp with every split layer
+in Q pieces (mesh_sums.py), or dp x pp x cp with the sequence in K lanes (lane_sums.py).
 """
 from mxnet import nd
 
@@ -34,18 +38,14 @@ from ...replicas import fingerprint
 from ..base import Strategy, placed
 from ..context.context import Sequence
 from ..zero.dp_zero import DataShardedOptimizer, gathered, peak
-from .group_stages import GroupPass, grid_stage, sequence_stage, tensor_stage
+from .group_stages import GroupPass, check_groups, check_schedule, group_runs
+from .lane_sums import FixedLanes
 from ..pipeline.pipeline_pass import cut
-from ..pipeline.schedules import bubbles, check_micro, check_name, held, plan, run_order, simulate
+from ..pipeline.schedules import bubbles, held, plan, run_order, simulate
 from ..tensor.tensor_layout import copies, even_split, held_whole, shard, whole_layout
 
 
-def group_name(C, T):
-    """A stage's group as the mesh names it: "tp=T", "cp=C" or "cp=C x tp=T"."""
-    return " x ".join(f"{d}={k}" for d, k in (("cp", C), ("tp", T)) if k > 1) or "tp=1"
-
-
-class MeshParallel(Strategy):
+class MeshParallel(FixedLanes, Strategy):
     """dp x pp x tp on len(ctx) = D * P * T contexts, context ctx[mesh.rank(dp=r, pp=s, tp=j)];
     with context_parallel C > 1, dp x pp x cp x tp (ctx[mesh.rank(dp=r, pp=s, cp=c, tp=t)], rank
     j = c T + t of its stage's group; T may be 1).
@@ -55,28 +55,25 @@ class MeshParallel(Strategy):
     a context-parallel group's blocks. model: a network whose layers split on their own
     (Layer.split_forward) or cut the sequence (Layer.sequence_forward): the transformer;
     allreduce_fn sums over the replicas (and the groups, where every context holds a whole copy).
-    self.G is the size of a stage's group, C T."""
+    self.G is the size of a stage's group, C T. sums: None, those sums; or --deterministic's FixedSums:
+    every split layer in the policy's tensor_pieces (mesh_sums.py) or, with C > 1 or sequence_pieces
+    given (T = 1), each stage's sequence in sequence_pieces lanes (default 4; lane_sums.py), all in
+    fixed trees."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stages=2, tensor_parallel=2, micro_batches=1,
                  schedule="1f1b", virtual_stages=1, allreduce_fn=None, tp_allreduce=None, model=None,
-                 sequence_parallel=False, context_parallel=1, attention="ring", zero_stage=0):
+                 sequence_parallel=False, context_parallel=1, attention="ring", zero_stage=0, sums=None,
+                 sequence_pieces=None):
+        self.sums = sums
+        if sums:                     # the policy's pieces and trees (lane_sums.py, mesh_sums.py)
+            self.hold_sums(params, ctx, optimizer, stages, tensor_parallel, context_parallel, micro_batches, schedule,
+                           virtual_stages, attention, sequence_pieces, model, sequence_parallel, zero_stage)
+            return
         net = self.net = stateless(model, "--mesh with pp and tp or cp")
         C, T = self.C, self.T = context_parallel, tensor_parallel
         S, V, n, G = stages, virtual_stages, len(ctx), C * T
-        if C > 1 and sequence_parallel:
-            raise ValueError("cp with --sequence-parallel inside a pipeline: not yet")
-        if n % (S * G):
-            raise ValueError(f"pp={S} x {group_name(C, T)} does not divide the {n} contexts")
-        if C == 1 and not net.splits_by_layer():
-            raise ValueError(f"{net.name} splits as a whole model; tp x pp needs layers that split on their own")
-        refusal = self.refusal(net, C, T, sequence_parallel, attention)
-        if refusal:
-            raise ValueError(f"tensor degree {refusal}" if C == 1 else f"{group_name(C, T)}: {refusal}")
-        check_name(schedule, S, max(micro_batches, 1), V)
-        check_micro(schedule, S, micro_batches)
-        if schedule == "zb-h1" or S * V > len(net.layers):
-            raise ValueError("zb-h1 with tp: not yet" if schedule == "zb-h1" else
-                             f"{S} stages x {V} virtual stages need {S * V} layers; {net.name} has {len(net.layers)}")
+        check_groups(net, n, S, C, T, sequence_parallel, attention)
+        check_schedule(net, schedule, S, micro_batches, V, "tp" if C == 1 else "cp")
         self.mesh = Mesh(dp=n // (S * G), pp=S, cp=C, tp=T)
         self.summed_in_group = sequence_parallel or C > 1     # whole parameters that see a block of tokens
         self.ctx, self.optimizer, self.S, self.G, self.V = list(ctx), optimizer, S, G, V
@@ -84,15 +81,9 @@ class MeshParallel(Strategy):
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         tp_allreduce = tp_allreduce or make_allreduce(FAST_STEP["allreduce"])
         self.cuts = net.cuts(S * V)
-        if C > 1 and T > 1:
-            join, seq = Join(tp_allreduce), Sequence(net.tokens, C, attention, tp_allreduce)
-            self.stages = [grid_stage(net, ids, join, seq, T) for ids in self.cuts]
-        elif C > 1:
-            self.join = Sequence(net.tokens, C, attention, tp_allreduce)
-            self.stages = [sequence_stage(net, ids, self.join) for ids in self.cuts]
-        else:
-            self.join = SequenceJoin(tp_allreduce, net.tokens, T) if sequence_parallel else Join(tp_allreduce)
-            self.stages = [tensor_stage(net, ids, self.join) for ids in self.cuts]
+        join = SequenceJoin(tp_allreduce, net.tokens, T) if sequence_parallel else Join(tp_allreduce)   # f and g
+        seq = Sequence(net.tokens, C, attention, tp_allreduce) if C > 1 else None     # between a group's blocks
+        self.stages = group_runs(net, self.cuts, T, join, seq)
         slices = net.slices()
         self.own = [slice(slices[ids[0]].start, slices[ids[-1]].stop) for ids in self.cuts]   # params per stage
         self.split = [p.split if T > 1 else None for p in net.param_table()]
@@ -106,13 +97,6 @@ class MeshParallel(Strategy):
         self.states = None if self.zero else \
             [[[init_states(P, optimizer) for P in stage] for stage in row] for row in self.params]
         self.t, self.bubbles = 0, []
-
-    @staticmethod
-    def refusal(net, C, T, sequence_parallel, attention):
-        """Why the model cannot run on a stage's group, or None."""
-        if C == 1:
-            return net.tensor_refusal(T) or (net.sequence_refusal(T, "ring") if sequence_parallel else None)
-        return net.grid_refusal(C, T, attention) if T > 1 else net.sequence_refusal(C, attention)
 
     def copy_groups(self):
         """[((k, t, i), arrays)]: the copies whose gradients are summed: tensor shard t of stage k's
@@ -130,10 +114,14 @@ class MeshParallel(Strategy):
                 out.append(((k, j, i), [row[k][c * self.T + j][i] for row in self.params for c in range(self.C)]))
         return out
 
-
     @property
     def min_batch(self):
-        return self.mesh.dp
+        """A replica (--deterministic: a piece of any size; each process picks its pieces)."""
+        return 1 if self.sums else self.mesh.dp
+
+    def rows(self, n, rank, size):
+        """--deterministic: every row (each process picks its pieces, strategies/sums/fixed_sums.py)."""
+        return (0, n) if self.sums else super().rows(n, rank, size)
 
     def plan(self, n_examples):
         m = min(self.micro_batches, n_examples)
@@ -143,6 +131,8 @@ class MeshParallel(Strategy):
 
     def backward(self, X, y):
         """Every replica pipelines its shard of the batch over its stages' tensor groups."""
+        if self.sums:
+            return self.fixed_backward(X, y)
         metrics = []
         scale = 1 / (self.C if self.C > 1 else self.T) if self.summed_in_group else 1
         with gathered(self.zero):     # ZeRO-3: every stage whole on its contexts for the step's pass
@@ -166,7 +156,10 @@ class MeshParallel(Strategy):
     def update(self, lr, n_examples):
         """Each shard's gradient summed over the replicas (a replicated one's, under sequence or
         context parallelism, over its group too); one optimiser step on every context (under ZeRO,
-        over the data dimension: each copy steps its chunk, then the chunks are gathered)."""
+        over the data dimension: each copy steps its chunk, then the chunks are gathered; under
+        --deterministic the tree's totals)."""
+        if self.sums:
+            return self.fixed_update(lr, n_examples)
         if self.zero:
             self.t += 1
             self.zero.step(lr, self.t, self.counted(n_examples))
@@ -195,7 +188,9 @@ class MeshParallel(Strategy):
 
     def reduced_grads(self):
         """The whole summed gradient in the model's order (under ZeRO summed here: the update
-        reduce-scatters it instead)."""
+        reduce-scatters it instead; --deterministic: the tree's)."""
+        if self.sums:
+            return self.fixed_grads()
         if not self.zero:
             return self.whole(lambda k, j, i: self.params[0][k][j][i].grad)
         total = {key: self.zero.total(n, self.ctx[0]) for n, (key, _) in enumerate(self.copy_groups())}
@@ -207,6 +202,8 @@ class MeshParallel(Strategy):
         return stats
 
     def correct(self, X, y):
+        if self.sums:
+            return self.fixed_correct(X, y)
         rows = self.groups[:min(len(self.groups), X.shape[0])]
         counts = []
         with gathered(self.zero):
@@ -219,6 +216,8 @@ class MeshParallel(Strategy):
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):
+        if self.sums:
+            return self.fixed_fingerprints()
         names = self.net.names()
         with gathered(self.zero):
             return {f"stage {k} shard {j}": [fingerprint(row[k][j], P[k][j], names[sl])
@@ -230,9 +229,11 @@ class MeshParallel(Strategy):
         (schedules.held), priced as TensorParallel prices a group's: 1/T of them each, and for
         the others what every rank of the stage's group holds whole (tensor.held_whole of the
         stage's layers); a context-parallel group or grid, 1/(C T) of them each and the images
-        whole on the first stage (a floor, as ContextTensorParallel's)."""
-        out = []
-        for row, n in zip(self.groups, shard_sizes(batch_size, len(self.groups))):
+        whole on the first stage (a floor, as ContextTensorParallel's). --deterministic: the same (an
+        upper bound: a stage holds one piece's activations per micro-batch in flight), a stage of
+        lanes priced on its C contexts, not its K lanes."""
+        out, groups = [], [[lanes.row for lanes in row] for row in self.lanes] if self.lanes else self.groups
+        for row, n in zip(groups, shard_sizes(batch_size, len(groups))):
             p = self.plan(n)
             kept = held(p, shard_sizes(n, p.n_micro), per="stage")
             for group, pieces, h in zip(row, self.cuts, kept):
@@ -269,6 +270,8 @@ class MeshParallel(Strategy):
 
     def state_dict(self):
         """Replica 0's shards joined: the whole parameters and optimiser state, in the model's order."""
+        if self.sums:
+            return self.fixed_state_dict()
         with gathered(self.zero):
             params = [a.asnumpy() for a in self.whole(lambda k, j, i: self.params[0][k][j][i])]
         get, slots = self.first_state()
@@ -277,6 +280,8 @@ class MeshParallel(Strategy):
                 "t": self.t, "extra": {}}
 
     def load_state_dict(self, state):
+        if self.sums:
+            return self.fixed_load_state_dict(state)
         with gathered(self.zero, keep=True):
             self.load_wholes(state)
 
