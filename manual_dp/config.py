@@ -7,7 +7,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .errors import UsageError
 from .fast.runtime import visible_gpus
 
 MESH_TP = 2                   # --mode mesh: contexts per tensor group unless --tensor-parallel says

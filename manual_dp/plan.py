@@ -15,7 +15,7 @@ parallelism, cp x tp), pipelines.py (schedules, dp x pp x tp, and with cp) (docs
 import os
 from pathlib import Path
 
-from . import config, modes
+from . import modes
 from .checks import check_model, parse_bytes
 from .cli.options import OneLineParser
 from .cli.output import ends_on_signals, parsed_or_exit

@@ -1,4 +1,4 @@
-"""--deterministic on a model with BatchNorm (strategies/sums/fixed_sums.py, WholeBatch.stats_width): every
+"""--deterministic on a model with BatchNorm (strategies/sums/fixed_sums.py, stats_width): every
 piece normalises with its own statistics, carried in its leaf, summed in the fixed tree and folded
 into the running statistics, so the parameters, optimiser state and running statistics are the
 same bits on any context count, ZeRO stage, pipeline (strategies/pipeline/pipeline_sums.py) and process count.

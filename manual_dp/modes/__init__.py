@@ -203,3 +203,8 @@ def fixed_sums(cfg, world):
 def grid_of(cfg, n):
     """The mesh (manual_dp.mesh.Mesh) cfg's mode lays its n contexts out as."""
     return Mesh(**of(cfg).grid(cfg, n))
+
+
+__all__ = ["Mode", "TABLE", "MODES", "FLAGS", "Parts", "of", "applies", "resolve", "mode_of", "grid_of", "fixed_sums",
+           "stages_of", "virtual_stages", "mesh_tp", "mesh_group", "context_degree", "tensor_split_sizes",
+           "check_tensor_layout", "SCHEDULE_NAMES", "SHARDED"]

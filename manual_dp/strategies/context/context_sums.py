@@ -61,9 +61,6 @@ class FixedContext:
         """The parameters on context `c`."""
         return self.copies[self.ctx.index(c)]
 
-    def stats_width(self):
-        """No batch statistics in a leaf: the model keeps no running statistics (a transformer)."""
-        return 0
 
     def fixed_backward(self, X, y):
         """Every group's run of the batch's pieces through its lanes; afterwards `held` adds the tree's

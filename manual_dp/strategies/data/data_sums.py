@@ -7,7 +7,7 @@ without LeNet's channel padding, which would change the kernels, or the same lay
 the same bits, as a pipeline stage computes them); the leaves are added in the fixed tree
 (FixedSums), and every replica takes the same elementwise update. A model with BatchNorm normalises
 each piece with the piece's own statistics, carried in its leaf and folded after the tree
-(FixedData.stats_width), and runs imperatively: MXNet's cached graph of a BatchNorm gives other
+(fixed_sums.stats_width), and runs imperatively: MXNet's cached graph of a BatchNorm gives other
 bits than its imperative pass (most of ResNet's arrays differ in their last bits after one step),
 and the imperative pass is the one a pipeline stage runs.
 """
@@ -18,7 +18,7 @@ from ...fast.prefetch import host
 from ...lesson import forward_backward
 from ...models.batchnorm import Batch, Moments
 from ...optim import apply_update_and_clear
-from ..sums.fixed_sums import refuse_running_pieces, stat_elements, whole_leaves_backward
+from ..sums.fixed_sums import refuse_running_pieces, whole_leaves_backward
 from ..tensor.tensor_pieces import piece_forward
 
 
@@ -104,8 +104,3 @@ class FixedData:
             apply_update_and_clear([f.flat], [s], self.optimizer, lr, self.t, n_examples)
         self.held = None
 
-    def stats_width(self):
-        """Elements a leaf carries after [gradient, loss, correct]: its piece's batch statistics
-        (each BatchNorm's mean and variance per channel, whose tree sum fixed_sums.fold_pieces
-        folds), or 0 without BatchNorm."""
-        return stat_elements(self.net.stats()) if self.running else 0

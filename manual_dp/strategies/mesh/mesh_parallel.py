@@ -115,13 +115,9 @@ class MeshParallel(FixedLanes, Strategy):
         return out
 
     @property
-    def min_batch(self):
-        """A replica (--deterministic: a piece of any size; each process picks its pieces)."""
-        return 1 if self.sums else self.mesh.dp
-
-    def rows(self, n, rank, size):
-        """--deterministic: every row (each process picks its pieces, strategies/sums/fixed_sums.py)."""
-        return (0, n) if self.sums else super().rows(n, rank, size)
+    def batch_places(self):
+        """A pipeline of stage groups a place (strategies/base.py)."""
+        return self.mesh.dp
 
     def plan(self, n_examples):
         m = min(self.micro_batches, n_examples)

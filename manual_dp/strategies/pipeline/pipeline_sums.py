@@ -11,7 +11,7 @@ of the stage takes the total: the bits of --deterministic --mode sync, on any cu
 micro-batch count, recompute, replica and process count.
 
 A model with BatchNorm normalises each piece with its own statistics, as --deterministic --mode sync
-does (fixed_sums.WholeBatch.stats_width): stage s's leaf of a piece ends with the statistics of
+does (fixed_sums.stats_width): stage s's leaf of a piece ends with the statistics of
 the stage's BatchNorms on it, and after the tree the stages' sums, in stage order, are the whole
 model's, folded as sync folds them: the running statistics take sync's bits too.
 """

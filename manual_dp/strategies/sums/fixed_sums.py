@@ -158,28 +158,16 @@ class FixedSums:
         return {node: table[i] for i, node in enumerate(slots)}
 
 
-class WholeBatch:
-    """What every --deterministic strategy tells the loop and the world: each process takes the
-    whole global batch and picks its own pieces (the tree needs every piece's number), and a
-    place without a piece waits."""
+def stats_width(strategy):
+    """Elements a leaf of `strategy` carries after [gradient, loss, correct]: its piece's batch
+    statistics (each BatchNorm's mean and variance per channel, models.batchnorm), or 0 without
+    BatchNorm.
 
-    @property
-    def min_batch(self):
-        return 1
-
-    def rows(self, n, rank, size):
-        """Every row: each process picks its pieces of the global batch itself."""
-        return 0, n
-
-    def stats_width(self):
-        """Elements a leaf carries after [gradient, loss, correct]: its piece's batch statistics
-        (each BatchNorm's mean and variance per channel, models.batchnorm), or 0 without BatchNorm.
-
-        Under --deterministic every piece normalises with its own statistics ("ghost" batch
-        normalisation over `piece` rows): a piece's statistics are a function of its rows alone,
-        as its gradient is, so every layout computes the same ones; their tree sum over the m pieces,
-        divided by m, is folded into the running statistics (fold_pieces)."""
-        return stat_elements(self.net.stats()) if getattr(self, "running", None) else 0
+    Under --deterministic every piece normalises with its own statistics ("ghost" batch
+    normalisation over `piece` rows): a piece's statistics are a function of its rows alone, as its
+    gradient is, so every layout computes the same ones; their tree sum over the m pieces, divided
+    by m, is folded into the running statistics (fold_pieces)."""
+    return stat_elements(strategy.net.stats()) if getattr(strategy, "running", None) else 0
 
 
 def refuse_running_pieces(running, tensor_pieces):
@@ -222,7 +210,7 @@ def whole_leaves_backward(strategy, X, y, places, key):
     bounds, runs, mine = sums.cut(len(X), places)
     m = len(bounds)
     have = sums.subtrees(strategy.leaves(X, y, bounds, mine), mine, m, home)
-    width = strategy.stats_width()
+    width = stats_width(strategy)
     total = sums.total(have, runs, m, strategy.n + 2 + width, home, key)
     if width:
         fold_pieces(strategy.running, total[strategy.n + 2:], m)

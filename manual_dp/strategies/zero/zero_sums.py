@@ -33,7 +33,7 @@ from ...fast.graph import ModelGraph
 from ...fast.sharded import empty_shards
 from ...optim import apply_update_and_clear
 from ..data.data_sums import leaf_graph, piece_leaves, refuse_sync_batchnorm
-from ..sums.fixed_sums import Fold, cover, fold_pieces, refuse_running_pieces, root_of, stat_elements, tree_sum
+from ..sums.fixed_sums import Fold, cover, fold_pieces, refuse_running_pieces, root_of, stats_width, tree_sum
 from ..tensor.tensor_pieces import piece_forward
 
 
@@ -49,7 +49,7 @@ class FixedZero:
         self.leaf_forward = piece_forward(self.net, self.sums.tensor_pieces)
         self.n = int(self.offsets[-1])
         # shard i of a leaf; the last adds the loss, correct count and (BatchNorm) the piece's statistics
-        self.ends = self.bounds[:-1] + [self.n + 2 + self.stats_width()]
+        self.ends = self.bounds[:-1] + [self.n + 2 + stats_width(self)]
         if self.stage == 1:
             for r in self.replicas:
                 r.mark("write")                              # each piece's backward overwrites
@@ -65,7 +65,7 @@ class FixedZero:
         totals = [self.shard_sum(i, have, runs, m) for i in range(k)]
         for g, total in zip(self.grad_shards, totals):
             nd.elemwise_add(g, total[:g.size], out=g)        # 0 + x is x: no sum in the tree is -0
-        if self.stats_width():
+        if stats_width(self):
             fold_pieces(self.running, totals[-1][self.grad_shards[-1].size + 2:], m)
         if self.sums.rank:                                   # the job's metrics come from rank 0 alone
             return [(nd.zeros((1,), ctx=self.ctx[0]), nd.zeros((1,), ctx=self.ctx[0]))]
@@ -129,7 +129,3 @@ class FixedZero:
         if self.flats:
             self.all_gather(self.flats)                      # in place: shard i from context i
 
-    def stats_width(self):
-        """Elements a leaf carries after [gradient, loss, correct]: its piece's batch statistics,
-        or 0 without BatchNorm (as data_sums.FixedData.stats_width)."""
-        return stat_elements(self.net.stats()) if self.running else 0
