@@ -390,3 +390,47 @@ def test_ctrl_c_while_training_is_one_line_and_exit_130(tmp_path, data_dir):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and err.strip().splitlines() == ["manual_dp.train: error: interrupted"], err
+
+
+# The table of modes (manual_dp/modes/): every mode the command line accepts is one entry, and every
+# refusal an entry states is what the command line says, in one line, before any training.
+
+BAD_LAYOUT = {     # a mode whose layout can refuse: flags on --cpus 3 that its `fits` refuses, and the words
+    "model": (["--stages", "2"], "--mode model needs exactly 2 contexts"),
+    "pipeline": (["--stages", "2"], "--mode pipeline needs exactly 2 contexts"),
+    "hybrid": (["--stages", "2"], "--mode hybrid needs a multiple of 2 contexts"),
+    "tensor": (["--tensor-parallel", "2"], "--tensor-parallel 2 does not divide the 3 contexts"),
+    "context": (["--context-parallel", "2", "--model", "transformer"], "--context-parallel 2 does not divide the 3"),
+    "mesh": (["--model", "transformer"], "--mode mesh needs a multiple of --stages 2 x --tensor-parallel 2"),
+}
+
+
+def test_the_command_line_accepts_exactly_the_tables_modes():
+    from manual_dp.cli.options import build_parser
+    from manual_dp.modes import MODES, TABLE
+    mode = next(a for a in build_parser()._actions if a.dest == "mode")
+    assert tuple(mode.choices) == MODES == tuple(TABLE)
+    laid_out = {name for name, entry in TABLE.items() if entry.fits.__name__ != "fits_anywhere"}
+    assert laid_out == set(BAD_LAYOUT)
+
+
+def refusing_modes():
+    """The table's modes that refuse something: --deterministic, BatchNorm's statistics or a layout."""
+    from manual_dp.modes import TABLE
+    return [name for name, entry in TABLE.items() if entry.deterministic or entry.running or name in BAD_LAYOUT]
+
+
+@pytest.mark.parametrize("name", refusing_modes())
+def test_every_entrys_refusals_are_the_command_lines(capsys, data_dir, name):
+    from manual_dp.modes import TABLE
+    entry, base = TABLE[name], ["--data-dir", str(data_dir), *TINY, "--mode", name, "--dry-run"]
+    if entry.deterministic:
+        code, lines = run(capsys, [*base, "--cpus", "2", "--deterministic"])
+        assert code == 2 and lines == [f"manual_dp.train: error: --deterministic --mode {name}: {entry.deterministic}"]
+    if entry.running:
+        code, lines = run(capsys, [*base, "--cpus", "4", "--model", "resnet"])
+        assert code == 2 and len(lines) == 1 and lines[0].endswith(entry.running), lines
+    if name in BAD_LAYOUT:
+        flags, words = BAD_LAYOUT[name]
+        code, lines = run(capsys, [*base, "--cpus", "3", *flags])
+        assert code == 2 and len(lines) == 1 and words in lines[0], lines
