@@ -21,7 +21,7 @@ def check(cfg):
         value = getattr(cfg, name)
         if value is not None and value < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    if cfg.precision == "fp16" and cfg.mode in ("async", "local"):
+    if cfg.precision == "fp16" and "loss_scale" not in modes.of(cfg).flags:
         raise UsageError(f"--precision fp16 needs one reduced gradient per update to unscale and check for "
                          f"overflow: not --mode {cfg.mode} (use bf16, which needs no loss scale)")
     if cfg.precision != "fp32" and cfg.compress != "none":
@@ -53,9 +53,6 @@ def check(cfg):
         raise UsageError(f"--seed must be in 0..2**32-1, got {cfg.seed}")
     if cfg.resume and not cfg.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
-    if cfg.backend in ("horovod", "dist_sync") and cfg.mode == "async":
-        raise UsageError(f"--backend {cfg.backend} runs every mode but async (for asynchronous "
-                         f"training across processes use --backend dist_async)")
     if cfg.deterministic and (cfg.allreduce is not None or cfg.fuse_grads is not None or
                               cfg.bucket_mb is not None or cfg.trace or cfg.compress != "none"):
         raise UsageError("--deterministic adds the gradients in its own fixed order: without "
@@ -87,23 +84,15 @@ def check_model(cfg):
         raise UsageError(f"--patch must be 0 (rows) or divide 28, got {cfg.patch}")
     if cfg.heads and cfg.d_model and cfg.d_model % cfg.heads:
         raise UsageError(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model}")
-    if cfg.model == "resnet" and cfg.mode == "tensor":
-        raise UsageError("--mode tensor splits layers in column/row pairs (the transformer's, a user's Dense "
-                         "pairs): --model resnet has none")
+    refusal = modes.of(cfg).refuses(cfg)             # what the mode itself cannot take
+    if refusal:
+        raise UsageError(refusal)
     if cfg.model == "resnet":
         check_running(cfg, True)
     elif cfg.model in MODELS:                          # a user's block is checked once it is built
         check_running(cfg, False)
     if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and "virtual_stages" in modes.of(cfg).flags:
         raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
-    if cfg.sequence_parallel and cfg.deterministic and cfg.mode == "mesh":
-        raise UsageError("--sequence-parallel --deterministic: --mode tensor only, not --mode mesh (a pipeline's "
-                         "stages do not run the sequence's fixed pieces yet)")
-    cp_tp = (cfg.context_parallel or 1) > 1 and ((cfg.tensor_parallel or 1) > 1 or (cfg.tensor_pieces or 1) > 1)
-    if cfg.deterministic and cfg.mode == "mesh" and (cp_tp or (cfg.zero_stage or 0)):
-        raise UsageError("--deterministic --mode mesh: dp x pp x tp or dp x pp x cp only: " + (
-            "not cp with tp or --tensor-pieces in a pipeline (a lane's split layers are not cut in the fixed pieces "
-            "in pipeline stages yet)" if cp_tp else "not --zero-stage (its shards are not cut in the fixed pieces yet)"))
     check_sequence_pieces(cfg)
     if modes.of(cfg).sequence and cfg.model != "transformer":
         raise UsageError(f"--mode mesh (tp x pp) needs layers that split on their own: --model transformer, not "
@@ -142,18 +131,11 @@ def check_running(cfg, running):
 
 def check_sequence_pieces(cfg):
     """UsageError where --deterministic's fixed pieces of the sequence (strategies/context/sequence_pieces.py)
-    do not reach: other models, ZeRO."""
+    do not reach: models without a sequence (each mode's own limits: its `refuses` in manual_dp/modes/)."""
     K = cfg.sequence_pieces or 1
     if K > 1 and cfg.model != "transformer":
         raise UsageError(f"--sequence-pieces cuts a sequence of tokens: --model transformer has one, --model "
                          f"{cfg.model} does not")
-    if K > 1 and cfg.mode == "mesh" and (cfg.context_parallel or 1) == 1:
-        raise UsageError("--sequence-pieces in --mode mesh cuts the sequence of cp > 1: give --context-parallel too")
-    if K > 1 and cfg.mode == "tensor" and not cfg.sequence_parallel:
-        raise UsageError("--sequence-pieces in --mode tensor cuts the sequence of --sequence-parallel: give it too")
-    if cfg.deterministic and cfg.mode == "context" and cfg.zero_stage:
-        raise UsageError("--deterministic --mode context: dp x cp x tp only, not --zero-stage (its shards are not "
-                         "cut in the fixed pieces yet)")
 
 
 def check_local(cfg):
@@ -164,8 +146,6 @@ def check_local(cfg):
         raise UsageError(f"--outer-lr must be positive and finite, got {cfg.outer_lr}")
     if cfg.outer_momentum is not None and not 0 <= cfg.outer_momentum < 1:
         raise UsageError(f"--outer-momentum must be in [0, 1), got {cfg.outer_momentum}")
-    if cfg.mode == "local" and cfg.outer_momentum is not None and cfg.outer_optimizer != "nesterov":
-        raise UsageError("--outer-momentum applies only to --outer-optimizer nesterov")
 
 
 def check_layout(cfg, n_contexts, n_processes=1):

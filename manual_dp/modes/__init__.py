@@ -12,6 +12,7 @@ once for every layout (None: each layout's fast sums).
     build.py     how each mode is built: Parts, one build function per mode
     lines.py     how each mode's header line reads
     layout.py    how each mode lays out its contexts (grid, replicas) and what it refuses (fits)
+    refusals.py  what each mode refuses of a run's settings (refuses)
 """
 import dataclasses
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from .layout import (check_tensor_layout, context_degree, context_grid, data_gri
                      fits_anywhere, fits_context, fits_hybrid, fits_mesh, fits_pipeline, fits_tensor, hybrid_grid,
                      mesh_grid, mesh_group, mesh_replicas, mesh_tp, one_replica_per_pipeline, pipeline_grid,
                      stages_of, tensor_grid, tensor_split_sizes, virtual_stages)
+from .refusals import refuse_async, refuse_context, refuse_local, refuse_mesh, refuse_nothing, refuse_tensor
 from .lines import (SCHEDULE_NAMES, SHARDED, describe_context, describe_hybrid, describe_local, describe_mesh,
                     describe_model, describe_pipeline, describe_sync, describe_tensor, describe_zero)
 
@@ -42,7 +44,8 @@ class Mode:
     n contexts cannot be laid out so (before any device is touched); `stages` whether
     it cuts the model in pipeline stages; `sequence` whether it needs a model with a sequence of
     tokens; `splits` whether it splits layers or the sequence itself (its line names the pieces); `deterministic` and `running` why --deterministic, or a model with BatchNorm's running
-    statistics, is refused ("" where they are not); `refused(cfg)` what a one-line refusal of a layout
+    statistics, is refused ("" where they are not); `refuses(cfg)` the one line a refusal of cfg's settings says (None: it takes them), checked before
+    any device is touched; `refused(cfg)` what a one-line refusal of a layout
     the build cannot make (a ValueError) starts with (None: the error is no user's)."""
     name: str
     summary: str
@@ -60,6 +63,7 @@ class Mode:
     running: str = ""
     splits: bool = False
     refused: Callable = lambda cfg: None
+    refuses: Callable = refuse_nothing
 
 
 PP, CP, TP = frozenset({"pp"}), frozenset({"cp"}), frozenset({"tp"})     # --mesh shapes besides dp
@@ -75,7 +79,8 @@ TABLE = {m.name: m for m in (
     Mode("async", "a master copy on the first context, replicas refreshed every S+1 updates", "AsyncDataParallel",
          ("precision", "deterministic", "staleness"), build_async, lambda cfg: (
              f"async: master on the first context, replicas up to {cfg.staleness} updates stale"),
-         deterministic="stale replicas compute other gradients than one context by design; use --mode sync"),
+         deterministic="stale replicas compute other gradients than one context by design; use --mode sync",
+         refuses=refuse_async),
     Mode("model", "the model's stages on consecutive contexts, the activation copied by hand", "PipelineParallel",
          DATA_FLAGS + SUMMED + ("stages", "recompute"), build_pipeline, describe_model,
          one_replica_per_pipeline, pipeline_grid, (PP,), fits_pipeline, stages=True,
@@ -94,13 +99,14 @@ TABLE = {m.name: m for m in (
          ("precision", "check_replicas", "deterministic", "allreduce", "sync_every", "outer_optimizer", "outer_lr",
           "outer_momentum"), build_local, describe_local,
          deterministic="local SGD averages the replicas' parameters, not their gradients, so its rounding differs "
-                       "from one context's even at --sync-every 1; use --mode sync"),
+                       "from one context's even at --sync-every 1; use --mode sync",
+         refuses=refuse_local),
     Mode("tensor", "Megatron's split layers (--sequence-parallel: Megatron-SP), groups data parallel",
          "TensorParallel", DATA_FLAGS + SUMMED + ("allreduce", "zero_stage", "tensor_parallel", "sequence_parallel",
                                                  "sequence_pieces"),
          build_tensor, describe_tensor, grid=tensor_grid, shapes=(TP,), fits=fits_tensor, splits=True,
          refused=lambda cfg: "--deterministic --sequence-parallel: " if cfg.deterministic and cfg.sequence_parallel
-         else None),
+         else None, refuses=refuse_tensor),
     Mode("context", "the sequence cut over a group: ring or Ulysses attention", "ContextParallel",
          DATA_FLAGS + SUMMED + ("allreduce", "zero_stage", "tensor_parallel", "context_parallel", "attention",
                                 "sequence_pieces"),
@@ -108,14 +114,15 @@ TABLE = {m.name: m for m in (
          splits=True,
          running="it cuts a sequence of tokens, which only the transformer (no BatchNorm) has",
          refused=lambda cfg: f"--deterministic --sequence-pieces {cfg.sequence_pieces}: " if cfg.deterministic
-         else "" if (cfg.tensor_parallel or 1) > 1 else None),
+         else "" if (cfg.tensor_parallel or 1) > 1 else None, refuses=refuse_context),
     Mode("mesh", "data x pipeline x tensor (or context) at once", "MeshParallel",
          DATA_FLAGS + SUMMED + PIPELINE_FLAGS + ("allreduce", "zero_stage", "tensor_parallel", "sequence_parallel",
                                                  "context_parallel", "attention", "sequence_pieces"),
          build_mesh, describe_mesh, mesh_replicas, mesh_grid, (PP | TP, PP | CP, PP | CP | TP), fits_mesh,
          stages=True, sequence=True, splits=True,
          running="it lays out the transformer, whose blocks have no BatchNorm",
-         refused=lambda cfg: "--deterministic --mode mesh: " if cfg.deterministic else "--mode mesh: "),
+         refused=lambda cfg: "--deterministic --mode mesh: " if cfg.deterministic else "--mode mesh: ",
+         refuses=refuse_mesh),
 )}
 MODES = tuple(TABLE)
 
