@@ -9,6 +9,7 @@ from .. import checks, config, datasets, modes
 from ..errors import UsageError
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
+from ..fast.compress import make_reducer
 from ..models import build as build_network
 from ..models.dropout import Noise
 from ..models.precise import Precise
@@ -107,7 +108,8 @@ def build_model(cfg, params, ctx, world, policy=None):
     grad_reduce = world.reducer(policy.reducer(make_allreduce(name), name))   # gradients: in the precision
     grad_reduce = policy.rounding(grad_reduce) if world.size > 1 else grad_reduce
     parts = modes.Parts(params, ctx, net, reduce, grad_reduce, make_allreduce(name), name, policy, world,
-                        modes.fixed_sums(cfg, world), padding(cfg, world))
+                        modes.fixed_sums(cfg, world), padding(cfg, world),
+                        make_reducer(cfg.compress, reduce, [w.shape for w in params], world))
     mode = modes.of(cfg)
     try:
         model = mode.build(cfg, parts)

@@ -11,7 +11,7 @@ class Parts(NamedTuple):
     (in the run's precision), the all-reduces (`reduce` for exact sums, `grad_reduce` for the
     gradients in the precision, `local` the in-process algorithm `algorithm` alone), the precision
     policy, the world, the sums policy (None, or --deterministic's FixedSums) and the padding of
-    LeNet's cached graph (1: none)."""
+    LeNet's cached graph (1: none), and --compress's reducer (None: none)."""
     params: list
     ctx: list
     net: object
@@ -23,6 +23,7 @@ class Parts(NamedTuple):
     world: object
     sums: object
     pad: int = 1
+    compressed: object = None
 
 
 def strategy(module, name):
@@ -33,8 +34,7 @@ def strategy(module, name):
 def build_sync(cfg, p):
     if p.sums and (cfg.sequence_pieces or 1) > 1:  # the sequence in pieces: context parallelism's lanes, C = 1
         return build_context(cfg, p)
-    from ..fast.compress import make_reducer
-    compressed = make_reducer(cfg.compress, p.reduce, [w.shape for w in p.params], p.world)
+    compressed = p.compressed
     bucket_mb = float("inf") if cfg.trace and cfg.bucket_mb is None else cfg.bucket_mb   # inf: one buffer
     model = strategy("data.data_parallel", "DataParallel")(
         p.params, p.ctx, cfg.optimizer, compressed or p.grad_reduce, cfg.fuse_grads, cfg.graph, conv_pad=p.pad,
