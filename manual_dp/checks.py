@@ -146,6 +146,8 @@ def check_local(cfg):
         raise UsageError(f"--outer-lr must be positive and finite, got {cfg.outer_lr}")
     if cfg.outer_momentum is not None and not 0 <= cfg.outer_momentum < 1:
         raise UsageError(f"--outer-momentum must be in [0, 1), got {cfg.outer_momentum}")
+    if cfg.mode == "local" and cfg.outer_momentum is not None and cfg.outer_optimizer != "nesterov":
+        raise UsageError("--outer-momentum applies only to --outer-optimizer nesterov")   # as given, before resolve
 
 
 def check_layout(cfg, n_contexts, n_processes=1):

@@ -28,7 +28,7 @@ from .layout import (check_tensor_layout, context_degree, context_grid, data_gri
                      fits_anywhere, fits_context, fits_hybrid, fits_mesh, fits_pipeline, fits_tensor, hybrid_grid,
                      mesh_grid, mesh_group, mesh_replicas, mesh_tp, one_replica_per_pipeline, pipeline_grid,
                      stages_of, tensor_grid, tensor_split_sizes, virtual_stages)
-from .refusals import refuse_async, refuse_context, refuse_local, refuse_mesh, refuse_nothing, refuse_tensor
+from .refusals import refuse_async, refuse_context, refuse_mesh, refuse_nothing, refuse_tensor
 from .lines import (SCHEDULE_NAMES, SHARDED, describe_context, describe_hybrid, describe_local, describe_mesh,
                     describe_model, describe_pipeline, describe_sync, describe_tensor, describe_zero)
 
@@ -99,8 +99,7 @@ TABLE = {m.name: m for m in (
          ("precision", "check_replicas", "deterministic", "allreduce", "sync_every", "outer_optimizer", "outer_lr",
           "outer_momentum"), build_local, describe_local,
          deterministic="local SGD averages the replicas' parameters, not their gradients, so its rounding differs "
-                       "from one context's even at --sync-every 1; use --mode sync",
-         refuses=refuse_local),
+                       "from one context's even at --sync-every 1; use --mode sync"),
     Mode("tensor", "Megatron's split layers (--sequence-parallel: Megatron-SP), groups data parallel",
          "TensorParallel", DATA_FLAGS + SUMMED + ("allreduce", "zero_stage", "tensor_parallel", "sequence_parallel",
                                                  "sequence_pieces"),

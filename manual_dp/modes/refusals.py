@@ -13,11 +13,6 @@ def refuse_async(cfg):
                 f"processes use --backend dist_async)")
 
 
-def refuse_local(cfg):
-    if cfg.outer_momentum is not None and cfg.outer_optimizer != "nesterov":
-        return "--outer-momentum applies only to --outer-optimizer nesterov"
-
-
 def refuse_tensor(cfg):
     """Tensor parallelism splits column/row pairs, and cuts the sequence only under --sequence-parallel."""
     if cfg.model == "resnet":
