@@ -12,11 +12,17 @@ from .fast.runtime import visible_gpus
 MESH_TP = 2                   # --mode mesh: contexts per tensor group unless --tensor-parallel says
 ATTENTIONS = ("ring", "ulysses")                              # --attention (manual_dp/fast/attention.py)
 OPTIMIZERS = ("sgd", "momentum", "adam")
-MODELS = ("lenet", "mlp", "transformer", "resnet", "lstm")     # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
+MODELS = ("lenet", "mlp", "transformer", "resnet", "lstm", "gpt")   # or PATH.py:FUNCTION, the user's Gluon block (manual_dp/models/)
 TRANSFORMER = dict(layers=2, d_model=64, heads=4, patch=0)   # --model transformer's default sizes
 LSTM = dict(layers=1, d_model=128)                          # --model lstm's: LSTM layers, hidden units (= embedding)
-MODEL_SIZES = {"transformer": TRANSFORMER, "lstm": LSTM}    # each sized model's defaults
+GPT = dict(layers=2, d_model=128, heads=4)                  # --model gpt's: blocks, width of a token, heads
+MODEL_SIZES = {"transformer": TRANSFORMER, "lstm": LSTM, "gpt": GPT}    # each sized model's defaults
+NEXT_TOKEN_MODELS = ("gpt",)  # models that predict the next token at every position (datasets.task_of)
+# Training flags a model sets unless they are given (on the command line or in --config's file):
+MODEL_RUN_DEFAULTS = {"gpt": dict(optimizer="adam", lr=0.003, batch_size=64, epochs=1, seq_len=64)}
 SEQ_LEN = 128                 # --seq-len: tokens per example of a text data set
+VOCABS = ("bytes", "chars")   # --vocab of a text corpus (datasets/corpus.py): the first is the default
+TEXT_TRAIN = 0.9              # --data text:PATH: the share of the file, from its start, that trains
 FORTUNES = dict(directory="/usr/share/games/fortunes", categories=10, test_every=10)   # --data fortunes (datasets/)
 LOSS_SCALE = dict(loss_scale=2.0 ** 16, scale_window=200)     # --precision fp16's dynamic loss scale
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")          # --schedule (manual_dp/strategies/pipeline/schedules.py)
@@ -96,8 +102,12 @@ class RunConfig:
                                       "bytes, the largest categories, for --model lstm or mlp); npz:PATH (your arrays "
                                       "X, y and optionally X_test, y_test; integer X are token ids) "
                                       "(manual_dp/datasets/)", "data")
-    seq_len: Optional[int] = flag(None, f"fortunes: bytes of each fortune read, left-padded (default {SEQ_LEN})",
-                                  "data")
+    seq_len: Optional[int] = flag(None, f"fortunes and text: tokens of each example: a fortune's first bytes, "
+                                        f"left-padded, or a corpus's window (default {SEQ_LEN}; --model gpt "
+                                        f"{MODEL_RUN_DEFAULTS['gpt']['seq_len']})", "data")
+    vocab: Optional[str] = flag(None, "--model gpt on fortunes or text:PATH: the tokens, bytes (256) or chars "
+                                      "(the text's distinct characters; it must be UTF-8) (default bytes)",
+                                "data", choices=VOCABS)
     data_dir: Optional[str] = flag(None, "directory with the four Fashion-MNIST IDX .gz files "
                                          "(default: $MANUAL_DP_DATA, then Debian's package, then "
                                          "MXNet's cache)", "data")
@@ -267,20 +277,21 @@ MODE_DEFAULTS = {"staleness": 0, "micro_batches": 4, "stages": STAGES, "schedule
 # Flags whose default holds only in some of the modes they apply to (elsewhere: off unless given).
 DEFAULT_ONLY_IN = {"zero_stage": ("zero",), "tensor_pieces": ("tensor", "mesh"), "sequence_pieces": ("context",)}      # tensor, context and mesh: ZeRO over the data dimension if asked
 # The model each size flag applies to (given for another: refused), and its default there.
-MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer", "lstm"),
-                 "d_model": ("transformer", "lstm"), "heads": ("transformer",), "patch": ("transformer",)}
+MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer", "lstm", "gpt"),
+                 "d_model": ("transformer", "lstm", "gpt"), "heads": ("transformer", "gpt"), "patch": ("transformer",)}
 # Settings that must match for --resume to continue the same run.
 RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "dropout", "sync_batchnorm", "clip_norm", "precision",
             "scale_window", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
             "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
-            "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress", "data", "seq_len")
+            "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress", "data", "seq_len", "vocab")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
 DEFAULTS_OF_NEWER_KEYS = {"model": "lenet", "layers": None, "d_model": None, "heads": None, "patch": None,
                           "dropout": 0.0,
                           "sync_batchnorm": False, "clip_norm": None, "precision": "fp32", "scale_window": None,
                           "width": 1, "sync_every": None, "outer_optimizer": None, "outer_lr": None,
-                          "outer_momentum": None, "compress": "none", "data": "fashion-mnist", "seq_len": None}
+                          "outer_momentum": None, "compress": "none", "data": "fashion-mnist", "seq_len": None,
+                          "vocab": None}
 
 
 def fields():

@@ -128,16 +128,17 @@ def split_and_load(data, ctx):
 
 
 # 4. Forward and backward on every device -----------------------------------------------------------
-def forward_backward(X_shards, y_shards, device_params, net=lenet):
+def forward_backward(X_shards, y_shards, device_params, net=lenet, loss=cross_entropy, correct=n_correct):
     """Record every device's forward pass, then run each backward: the gradients are of the loss
     summed over the shard. Returns per-device (loss sum, number correct), left on the devices.
-    (`net`: the network, lenet here; past the lesson any model's forward, manual_dp.models.)"""
+    (`net`: the network, lenet here; past the lesson any model's forward, manual_dp.models, and
+    its loss and count of correct predictions per example, models.contract.)"""
     with autograd.record():
         scores = [net(X, W) for X, W in zip(X_shards, device_params)]
-        losses = [cross_entropy(s, y) for s, y in zip(scores, y_shards)]
+        losses = [loss(s, y) for s, y in zip(scores, y_shards)]
     for l in losses:
         l.backward()
-    return [(l.sum(), n_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)]
+    return [(l.sum(), correct(s, y)) for l, s, y in zip(losses, scores, y_shards)]
 
 
 # 5. Sum the gradients --------------------------------------------------------------------------------
@@ -156,16 +157,17 @@ def sgd(params, lr, batch_size):
         p[:] = p - lr * p.grad / batch_size
 
 
-def train_batch(X, y, device_params, ctx, lr, allreduce_fn=allreduce, update=sgd, net=lenet):
+def train_batch(X, y, device_params, ctx, lr, allreduce_fn=allreduce, update=sgd, net=lenet, **loss):
     """One synchronous step on the batch (X, y): afterwards every replica in `device_params`
     equals one step of `update` on the whole batch, taken on one device.
 
     `update(params, lr, batch_size)` is called once per replica (the lesson's sgd by default; a
-    strategy passes its own optimiser, whose state it keeps; and `net`, its model). Returns per-device (loss sum,
-    number correct) NDArrays, left on their devices.
+    strategy passes its own optimiser, whose state it keeps; and `net`, its model, and `loss`,
+    forward_backward's loss and correct). Returns per-device (loss sum, number correct) NDArrays,
+    left on their devices.
     """
     X_shards, y_shards = split_and_load(X, ctx), split_and_load(y, ctx)   # 3.
-    metrics = forward_backward(X_shards, y_shards, device_params, net)    # 4.
+    metrics = forward_backward(X_shards, y_shards, device_params, net, **loss)   # 4.
     for i in range(len(device_params[0])):                                 # 5.
         allreduce_fn([W[i].grad for W in device_params])
     for W in device_params:                                                # 6.

@@ -15,6 +15,7 @@ from .datasets.contract import batches
 from .errors import DivergedError
 from . import replicas
 from .fast.prefetch import prefetch
+from .models.contract import example_loss
 from .models.dropout import training_batch
 from .schedule import lr_at
 
@@ -31,6 +32,17 @@ def evaluate(model, X, y, batch_size):
     with autograd.train_mode():
         total = sum(model.correct(nd.array(Xb), nd.array(yb))
                     for Xb, yb in batches(X, y, batch_size))
+    return float(total.asscalar()) / len(X)
+
+
+def validation_loss(model, X, y, batch_size):
+    """The mean per-example loss (for a language model: per token, in nats) on (X, y) of the
+    parameters `model` holds, gathered whole (Strategy.state_dict: any layout) and run on its first
+    context, outside any training batch (no dropout)."""
+    net, home = model.net, model.ctx[0]
+    params = [nd.array(p, ctx=home) for p in model.state_dict()["params"]]
+    total = sum(example_loss(net.forward(nd.array(Xb, ctx=home), params), nd.array(yb, ctx=home)).sum()
+                for Xb, yb in batches(X, y, batch_size))
     return float(total.asscalar()) / len(X)
 
 
@@ -117,6 +129,9 @@ def fit(model, train_data, test_data, epochs, batch_size, lr, rng,
         except DivergedError as e:
             raise DivergedError(f"epoch {epoch}: {e}") from None
         test_acc = evaluate(model, Xte, yte, batch_size)
+        if model.net is not None and model.net.spec.task == "next-token":    # a language model's
+            extras.update(val_loss=validation_loss(model, Xte, yte, batch_size),
+                          tokens_per_sec=ytr[0].size * len(Xtr) / epoch_sec)
         yield {"epoch": epoch, "train_loss": train_loss, "train_acc": train_acc,
                "test_acc": test_acc, "epoch_sec": epoch_sec,
                "images_per_sec": len(Xtr) / epoch_sec, "devices": [str(c) for c in model.ctx],

@@ -112,12 +112,13 @@ def per_context(model, batch_size, shapes=None):
 
 def random_batch(batch_size, seed=0, spec=None):
     """Examples of `spec` (a datasets.Spec; default Fashion-MNIST's images (batch_size, 1, 28, 28))
-    and labels (batch_size,) as the loop feeds them: values in [0, 1), or token ids below the vocabulary."""
+    and labels (batch_size,) (next-token: (batch_size, T)) as the loop feeds them: values in [0, 1), or
+    token ids below the vocabulary."""
     from .datasets import IMAGES
     spec, rng = spec or IMAGES, np.random.default_rng(seed)
     shape = (batch_size,) + tuple(spec.shape)
     X = rng.integers(0, spec.vocab, shape).astype(np.float32) if spec.tokens else rng.random(shape, dtype=np.float32)
-    return X, rng.integers(0, spec.classes, batch_size).astype(np.float32)
+    return X, rng.integers(0, spec.classes, (batch_size,) + spec.targets).astype(np.float32)
 
 
 def steps_to_update(model, X, y, lr, updates=1):

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from ..checks import check, check_layout, check_model
-from ..config import EXCLUSIVE, GROUPS, RunConfig, device_request, fields
+from ..config import EXCLUSIVE, GROUPS, MODEL_RUN_DEFAULTS, RunConfig, device_request, fields
 from ..modes import MODES, mode_of, resolve
 from ..errors import UsageError
 from ..mesh import Mesh
@@ -74,17 +74,16 @@ def build_parser(prog="python -m manual_dp.train", defaults=True):
 def settings(argv=None):
     """{field: value} of the command line `argv` (default sys.argv[1:]): the flags given, over the
     values of the --config file it names (a device flag given replaces the file's), over the
-    defaults; UsageError if bad."""
+    model's own training defaults (config.MODEL_RUN_DEFAULTS), over the defaults; UsageError if bad."""
     args = vars(build_parser().parse_args(argv))     # --help ends here; so do bad flags
     path = args.pop("config")
-    if path is None:
-        return args
     given = vars(build_parser(defaults=False).parse_args(argv))
-    given.pop("config")
-    from_file = read_config(path)
+    given.pop("config", None)
+    from_file = read_config(path) if path is not None else {}
     if given.keys() & set(EXCLUSIVE):
         from_file = {k: v for k, v in from_file.items() if k not in EXCLUSIVE}
-    return {**args, **from_file, **given}
+    model = {**args, **from_file, **given}["model"]
+    return {**args, **MODEL_RUN_DEFAULTS.get(model, {}), **from_file, **given}
 
 
 def parse(argv=None):

@@ -1,6 +1,7 @@
 """What the command line shows and writes: progress bar, one line per epoch, the JSON log."""
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -94,6 +95,9 @@ def format_record(r, epochs):
     """The epoch's line: losses, accuracies, time, and what the mode measured."""
     line = (f"epoch {r['epoch']}/{epochs}  loss {r['train_loss']:.4f}  train acc {r['train_acc']:.3f}  "
             f"test acc {r['test_acc']:.3f}  {r['epoch_sec']:.1f} s  {r['images_per_sec']:.0f} img/s")
+    if "val_loss" in r:                          # a language model's (--model gpt)
+        line += f"  val loss {r['val_loss']:.4f} ({r['val_loss'] / math.log(2):.3f} bits/token)  " \
+                f"{r['tokens_per_sec']:,.0f} tokens/s" + (f"  MFU {r['mfu']:.1%}" if "mfu" in r else "")
     if "grad_norm_mean" in r:
         line += f"  grad norm {r['grad_norm_mean']:.3g} (max {r['grad_norm_max']:.3g})"
     if "loss_scale" in r:

@@ -19,7 +19,7 @@ from ..multiprocess.agree import agree
 from ..multiprocess.connect import connect
 from ..schedule import updates_per_epoch
 from ..strategies.wrappers.digested import Digested
-from . import config_file, memcheck
+from . import config_file, memcheck, text
 from .build import build_model, contexts, dry_run, graph_pad, learning_rate, network, policy_of
 from .output import Progress, describe, fail, format_record, interrupted, write_atomic, write_log
 
@@ -175,12 +175,14 @@ def train_in(cfg, world, ctx):
     print(f"memory per context: {memory.format_report(mem)}")
     if policy.precision != "fp32":
         print(f"precision {policy.describe()}")
+    peak = text.gemm_peak() if text.is_language_model(net) else None     # MFU's denominator, measured once
     show = sys.stderr.isatty() and not cfg.no_progress and world.is_root
     for epoch in range(start_epoch + 1, cfg.epochs + 1):
         bar = Progress(epoch, cfg.epochs, show)
         record, = fit(model, train_data, test_data, epoch, cfg.batch_size, lr, rng,
                       start_epoch=epoch - 1, on_batch=bar, check_replicas=cfg.check_replicas or 0)
         bar.close()
+        record = text.with_mfu(record, net, peak) if peak else record
         history.append(dict(record, mode=cfg.mode, memory=mem, model=net.describe()))
         state = model.state_dict() if cfg.checkpoint_dir else None   # every rank: it may gather
         if cfg.checkpoint_dir and world.is_root:
@@ -195,6 +197,11 @@ def train_in(cfg, world, ctx):
         print(f"done: test acc {history[-1]['test_acc']:.4f} after {len(history)} epochs, "
               f"{total:.0f} s training, {np.mean([r['images_per_sec'] for r in history]):.0f} img/s; peak memory "
               + ", ".join(f"{c} {memory.format_bytes(r['peak_bytes'])}" for c, r in mem.items()))
+    if peak:
+        sample = text.sample_text(net, model.state_dict()["params"], ctx[0])
+        if sample is not None and world.is_root:
+            print(f"sample ({text.SAMPLE['tokens']} tokens, temperature {text.SAMPLE['temperature']}, top-k "
+                  f"{text.SAMPLE['top_k']}; python -m manual_dp.sample DIR for more):\n{text.PROMPT.strip()}{sample}")
     return history
 
 

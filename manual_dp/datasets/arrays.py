@@ -2,8 +2,9 @@
 X_test and y_test (without them every tenth row is held out for the test, in order).
 
 X is (N, ...) of numbers: floats are values (images, vectors), integers token ids (the vocabulary
-their largest + 1); y is (N,) of whole class numbers from 0. Nothing is pickled: a file that needs
-pickle to load is refused.
+their largest + 1); y is (N,) of whole class numbers from 0. For a language model (--model gpt)
+X is (N, T) token ids and y (N, T) the token after each (the vocabulary the largest of both + 1).
+Nothing is pickled: a file that needs pickle to load is refused.
 """
 import zipfile
 
@@ -26,9 +27,10 @@ def read(path):
         raise DataError(f"--data npz:{path}: not a readable .npz file without pickles ({e})") from None
 
 
-def labels(y, where):
-    """y as int32, or DataError unless it is one whole class number from 0 per row."""
-    if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+def labels(y, where, ndim=1):
+    """y as int32, or DataError unless it is one whole class number from 0 per row (ndim 2: per
+    position of a row)."""
+    if y.ndim != ndim or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
         raise DataError(f"{where}: y must be one class number per row, got {y.dtype} {y.shape}")
     if len(y) and (not np.isfinite(y).all() or (y != np.round(y)).any() or y.min() < 0):
         raise DataError(f"{where}: y must hold whole class numbers from 0")
@@ -42,18 +44,20 @@ def inputs(X, where):
     return X.astype(np.float32), np.issubdtype(X.dtype, np.integer)
 
 
-def load(path):
-    """The arrays of `path` as a Dataset (see the module docstring)."""
+def load(path, task="classify"):
+    """The arrays of `path` as a Dataset for the task "classify" or "next-token" (see the module
+    docstring)."""
     arrays, where = read(path), f"--data npz:{path}"
+    ndim = 2 if task == "next-token" else 1
     missing = [k for k in ("X", "y") if k not in arrays]
     if missing or ("X_test" in arrays) != ("y_test" in arrays):
         raise DataError(f"{where}: needs arrays X and y (and X_test with y_test, or neither); it holds "
                         f"{', '.join(sorted(arrays)) or 'none'}")
-    (X, tokens), y = inputs(arrays["X"], where), labels(arrays["y"], where)
+    (X, tokens), y = inputs(arrays["X"], where), labels(arrays["y"], where, ndim)
     if len(X) != len(y) or len(X) == 0:
         raise DataError(f"{where}: {len(X)} inputs and {len(y)} labels: one label per input, at least one example")
     if "X_test" in arrays:
-        (Xt, test_tokens), yt = inputs(arrays["X_test"], where + " X_test"), labels(arrays["y_test"], where + " y_test")
+        (Xt, test_tokens), yt = inputs(arrays["X_test"], where + " X_test"), labels(arrays["y_test"], where + " y_test", ndim)
         if test_tokens != tokens:
             raise DataError(f"{where}: X holds {'integers' if tokens else 'floats'} but X_test does not")
     else:
@@ -62,6 +66,11 @@ def load(path):
     if len(Xt) != len(yt):
         raise DataError(f"{where}: {len(Xt)} test inputs and {len(yt)} labels: one label per input")
     vocab = int(max(X.max(), Xt.max() if Xt.size else 0)) + 1 if tokens else 0
-    classes = int(max(y.max(), yt.max() if len(yt) else 0)) + 1
-    return Dataset(Spec(tuple(X.shape[1:]), classes, vocab), (X, y), (Xt, yt),
+    classes = int(max(y.max(), yt.max() if yt.size else 0)) + 1
+    if ndim == 2:
+        if not tokens or y.shape != X.shape or yt.shape != Xt.shape:
+            raise DataError(f"{where}: a language model reads X (N, T) integer token ids and y of X's shape, the "
+                            f"next token at each position; got X {X.dtype} {X.shape}, y {y.shape}")
+        vocab = classes = max(vocab, classes)
+    return Dataset(Spec(tuple(X.shape[1:]), classes, vocab, task), (X, y), (Xt, yt),
                    f"{where} ({len(X)} + {len(Xt)} examples of {tuple(X.shape[1:])})")

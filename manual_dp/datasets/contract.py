@@ -6,9 +6,11 @@ A data set is two splits of arrays and a Spec:
            below spec.vocab held as whole floats (MXNet's Embedding reads float indices, and every
            strategy moves X as it moves images: split in rows over the contexts and processes,
            as the lesson's split_and_load does)
-    y      int32 (N,): the class of each example, below spec.classes
+    y      int32 (N,): the class of each example, below spec.classes; or, for the task
+           "next-token", int32 (N, T): the token after each of the example's T tokens
     spec   shape, classes, vocab (0: values, not tokens), the task ("classify": one class per
-           example) and the classes' names
+           example; "next-token": one per position, classes = vocab) and the classes' names
+           (a corpus's: the text of each token, `text` saying whether they are bytes or chars)
 
 A model reads a Spec (models.build(..., spec=)), refusing in one line one it cannot read; the
 trainer, the strategies and the loop read only X and y. `check` holds a data set to its Spec before
@@ -29,6 +31,12 @@ class Spec:
     vocab: int = 0
     task: str = "classify"
     names: tuple = ()
+    text: str = ""              # a corpus's tokens: "bytes" (ids are byte values) or "chars" (names[i] is a character)
+
+    @property
+    def targets(self):
+        """The shape of one example's target: () a class, (T,) the next token at each position."""
+        return tuple(self.shape) if self.task == "next-token" else ()
 
     @property
     def tokens(self):
@@ -38,7 +46,7 @@ class Spec:
     def describe(self):
         """A few words on what an example is: "(1, 28, 28) values, 10 classes"."""
         what = f"{self.shape[0]} tokens of {self.vocab}" if self.tokens else f"{self.shape} values"
-        return f"{what}, {self.classes} classes"
+        return f"{what}, the next token at each" if self.task == "next-token" else f"{what}, {self.classes} classes"
 
 
 @dataclass
@@ -64,9 +72,9 @@ def check(dataset):
         where = f"{dataset.label} ({split})"
         if X.dtype != np.float32 or y.dtype != np.int32:
             raise DataError(f"{where}: inputs must be float32 and labels int32, got {X.dtype} and {y.dtype}")
-        if X.shape[1:] != tuple(spec.shape) or y.shape != (len(X),):
+        if X.shape[1:] != tuple(spec.shape) or y.shape != (len(X),) + spec.targets:
             raise DataError(f"{where}: inputs {X.shape} and labels {y.shape} do not hold one example of "
-                            f"{tuple(spec.shape)} and one label per row")
+                            f"{tuple(spec.shape)} and one label {spec.targets or ''} per row")
         if len(X) and (y.min() < 0 or y.max() >= spec.classes):
             raise DataError(f"{where}: a label outside 0..{spec.classes - 1}")
         if not np.isfinite(X).all():

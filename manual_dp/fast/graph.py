@@ -32,7 +32,7 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, nd
 
-from ..lesson import cross_entropy
+from ..models.contract import example_loss
 from ..models import as_model
 from ..models.batchnorm import Batch, Moments, moments_of
 from ..models.dropout import Sites, row_keys
@@ -51,9 +51,10 @@ def loss_symbol(model, conv_pad=1, shapes=None, F=mx.sym):
     X, y = mx.sym.var("X"), mx.sym.var("y")
     params = [mx.sym.var(name) for name in model.names()]
     params, shapes = model.graph_params(params, shapes or [shape for _, shape in model.shapes()], conv_pad)
-    scores = model.forward(X, params, F=F, shapes=shapes)                  # (B, 10)
-    loss_sum = mx.sym.sum(cross_entropy(scores, y, F=mx.sym))             # (1,)
-    correct = mx.sym.sum(mx.sym.argmax(scores, axis=1) == mx.sym.cast(y, "float32"))
+    scores = model.forward(X, params, F=F, shapes=shapes)                  # (B, 10) or (B, T, vocab)
+    T = model.spec.targets[0] if model.spec.targets else None              # next-token: T positions an example
+    loss_sum = mx.sym.sum(example_loss(scores, y, F=mx.sym, tokens=T))     # (1,)
+    correct = mx.sym.sum(mx.sym.argmax(scores, axis=-1) == mx.sym.cast(y, "float32")) * (1 / (T or 1))
     stats = [s for per_norm in (moments_of(F).batch if moments_of(F) else []) for s in per_norm[0]]
     return mx.sym.Group([mx.sym.make_loss(loss_sum), mx.sym.BlockGrad(correct)] + stats)
 

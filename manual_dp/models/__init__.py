@@ -7,15 +7,15 @@ model they were handed (or, when none was, the lesson's LeNet of the parameters'
     mlp.py          a multilayer perceptron: the image flattened, dense layers with ReLU
     transformer.py  a small vision transformer for Fashion-MNIST, written with MXNet operators
     lstm.py         seed 000's text classifier: an embedding, an LSTM read to its last step, the classes
+    gpt.py          a causal language model in nanoGPT's shape: the next token at every position
     batchnorm.py    batch normalisation by hand: the statistics a forward uses, the running ones it leaves
     resnet.py       d2l's ResNet-18 with BatchNorm, channels scaled to train on CPU contexts
     dropout.py      dropout whose masks no layout changes: drawn per (batch, example), never per context
     gluon_block.py  the user's own Gluon block under the contract (--model PATH.py:FUNCTION)
     precise.py      a model in a precision: the same layers, their products in bf16 or fp16
 """
+from ..config import MODELS          # or PATH.py:FUNCTION, the user's own Gluon block
 from .contract import Model
-
-MODELS = ("lenet", "mlp", "transformer", "resnet", "lstm")   # or PATH.py:FUNCTION, the user's own Gluon block
 
 
 def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=None, seed=0, spec=None):
@@ -30,6 +30,12 @@ def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=No
     if name == "lstm":
         from .lstm import LSTM
         return LSTM(layers, d_model, spec)
+    if name == "gpt" or spec.task == "next-token":
+        if name != "gpt":
+            raise ValueError("predicts one class an example; the data holds the next token at every position "
+                             "(--model gpt)")
+        from .gpt import GPT
+        return GPT(layers, d_model, heads, spec)
     if spec != IMAGES and (spec.shape, spec.classes, spec.tokens) != (IMAGES.shape, IMAGES.classes, False):
         raise ValueError(f"reads 28x28 images of 10 classes, (1, 28, 28) values; the data holds {spec.describe()}"
                          f" (--model mlp reads any values, --model lstm token sequences)")

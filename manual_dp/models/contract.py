@@ -47,6 +47,7 @@ from mxnet import nd
 
 from .dropout import noisy
 from ..datasets import IMAGES
+from ..lesson import cross_entropy, n_correct
 from ..precision import float32_ops
 
 IMAGE = (1, 28, 28)        # Fashion-MNIST, as every model here reads it
@@ -373,6 +374,30 @@ def split_pairs(hs, shards, join, layers, slices, roles, column, row, F=nd):
         else:
             hs = [layer.forward(h, q, Fj, [p.shape for p in q]) for h, q, Fj in zip(hs, join.leads(own), each(len(hs)))]
     return hs
+
+
+def example_loss(scores, y, F=nd, tokens=None):
+    """Each example's loss (B,): the lesson's cross-entropy of class scores (B, classes) and labels
+    (B,); of next-token scores (B, T, vocab) and tokens y (B, T) (the data contract's two tasks),
+    the mean of the T positions' cross-entropies, a product with ones / T (MXNet 1.9's mean over
+    an axis differentiates through a slow reduce). `tokens`: T, for symbols, whose shape F cannot
+    read."""
+    T = tokens or (scores.shape[1] if isinstance(scores, nd.NDArray) and scores.ndim == 3 else None)
+    per = cross_entropy(scores, y, F)                                     # (B,) or (B, T)
+    if not T:
+        return per
+    where = {"ctx": scores.context} if isinstance(scores, nd.NDArray) else {}
+    mean = F.FullyConnected(per, F.ones(shape=(1, T), **where) / T, no_bias=True, num_hidden=1)   # (B, 1)
+    return F.reshape(mean, shape=(-1,))
+
+
+def count_correct(scores, y):
+    """Correct predictions, a 1-element NDArray: examples whose class scores' argmax is y; for
+    next-token scores (B, T, vocab), the tokens predicted right over T (per-token accuracy, counted
+    in examples)."""
+    if scores.ndim != 3:
+        return n_correct(scores, y)
+    return (scores.argmax(axis=-1) == y.astype(scores.dtype)).sum() * (1 / scores.shape[1])
 
 
 def fc(h, W, b, F=nd, shape=None, flatten=False):

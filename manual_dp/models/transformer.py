@@ -83,9 +83,9 @@ def tokens(X, patch, F=nd):
     return F.reshape(h, shape=(-1, n * n, patch * patch))                        # (B, T, P*P)
 
 
-def attention(a, p, F, shapes, head_dim):
+def attention(a, p, F, shapes, head_dim, causal=False):
     """Multi-head self-attention of a (B, T, d) with q, k, v, o = p[0:8] (weights and biases)."""
-    return fc(attend(a, p[:6], F, shapes, head_dim), p[6], p[7], F, shapes[6])             # (B, T, d)
+    return fc(attend(a, p[:6], F, shapes, head_dim, causal), p[6], p[7], F, shapes[6])     # (B, T, d)
 
 
 def qkv(a, p, F, shapes, head_dim):
@@ -101,15 +101,26 @@ def qkv(a, p, F, shapes, head_dim):
             heads(fc(a, wk, bk, F, shapes[2])), heads(fc(a, wv, bv, F, shapes[4])))
 
 
-def attend(a, p, F, shapes, head_dim):
+def causal(scores, F):
+    """scores (N, T, T) with every entry above the diagonal (a query's later keys) replaced by
+    -1e4, whose exp underflows to 0 in any precision: query t attends to keys 0..t. The pattern
+    is built from the scores' own shape (F.contrib.arange_like), so a cached graph holds it too."""
+    pos = F.contrib.arange_like(scores, axis=-1)                                     # (T,) 0..T-1
+    later = F.broadcast_greater(F.reshape(pos, shape=(1, 1, -1)), F.reshape(pos, shape=(1, -1, 1)))
+    later = F.BlockGrad(F.broadcast_like(later, scores))                               # (N, T, T) 1: a later key
+    return F.where(later, F.ones_like(scores) * -1e4, scores)
+
+
+def attend(a, p, F, shapes, head_dim, is_causal=False):
     """The heads' outputs (B, T, nh * dh), before the output projection, of a (B, T, d) with q, k, v
-    = p[0:6] (weights and biases)."""
+    = p[0:6] (weights and biases); is_causal: each query attends to its own and earlier tokens."""
     n_heads = shapes[0][0] // head_dim
 
     def split_heads(x):                                   # (B, T, nh, dh) -> (B * nh, T, dh)
         return F.reshape(F.transpose(x, axes=(0, 2, 1, 3)), shape=(-3, -2))
     q, k, v = (split_heads(x) for x in qkv(a, p, F, shapes, head_dim))
-    weights = F.softmax(F.batch_dot(q, k, transpose_b=True), axis=-1)            # (B*nh, T, T)
+    scores = F.batch_dot(q, k, transpose_b=True)                                     # (B*nh, T, T)
+    weights = F.softmax(causal(scores, F) if is_causal else scores, axis=-1)
     o = F.batch_dot(weights, v)                                                  # (B*nh, T, dh)
     return F.reshape(F.transpose(F.reshape(o, shape=(-4, -1, n_heads, -2)), axes=(0, 2, 1, 3)),
                      shape=(0, 0, -3))                                           # (B, T, nh*dh)
@@ -122,12 +133,12 @@ def mlp(h, p, F, shapes, site, start=0):
     return h + dropout(fc(m, p[4], p[5], F, shapes[4]), site, F, start)
 
 
-def make_block(head_dim, site):
+def make_block(head_dim, site, causal=False):
     def block(h, p, F=nd, shapes=None):
         """h + attention(LN(h)), then h + MLP(LN(h)), dropout sites `site` and `site` + 1 on the
         two outputs; p: ln1 g, b, q, k, v, o (w, b each), ln2 g, b, MLP w1, b1, w2, b2."""
         shapes = shapes or [x.shape for x in p]
-        a = attention(layer_norm(h, p[0], p[1], F, shapes[0][0]), p[2:10], F, shapes[2:10], head_dim)
+        a = attention(layer_norm(h, p[0], p[1], F, shapes[0][0]), p[2:10], F, shapes[2:10], head_dim, causal)
         return mlp(h + dropout(a, site, F), p[10:], F, shapes[10:], site + 1)
     return block
 
@@ -152,14 +163,14 @@ def row_parallel(hs, ws, join, F=nd):
                    for h, w in zip(hs, ws)])
 
 
-def make_split_block(head_dim, site):
+def make_split_block(head_dim, site, causal=False):
     def split_block(hs, shards, join, F=nd):
         """The block on a tensor group (Megatron): LN whole, f, this context's heads (q, k, v rows),
         its slice of the output projection's columns, g, + bo; LN, f, its MLP hidden units, its
         columns of w2, g, + b2. shards[j]: context j's pieces, in the block's parameter order."""
         shapes = [[x.shape for x in p] for p in shards]
         a = join.f([layer_norm(h, p[0], p[1], F) for h, p in zip(hs, join.leads(shards))])   # a piece each
-        heads = [attend(aj, p[2:8], F, s[2:8], head_dim) for aj, p, s in zip(a, shards, shapes)]
+        heads = [attend(aj, p[2:8], F, s[2:8], head_dim, causal) for aj, p, s in zip(a, shards, shapes)]
         starts = join.starts(len(hs))
         return split_mlp(split_output(hs, heads, shards, join, F, site, starts), shards, join, F, site + 1, starts)
     return split_block
@@ -274,7 +285,9 @@ class Transformer(Model):
                      sequence_forward=sequence_embed)
 
     @staticmethod
-    def block_layer(l, T, d, hidden, dh):
+    def block_layer(l, T, d, hidden, dh, causal=False):
+        """Block l; causal: each token attends to itself and the tokens before it (the GPT's), and
+        the layer has no context-parallel form yet."""
         def P(name, shape, init="zeros", fan=0, split=None):
             return Param(f"block{l}_{name}", shape, init, fan, split=split)
         params = (P("ln1_g", (d,), "ones"), P("ln1_b", (d,)),
@@ -292,6 +305,9 @@ class Transformer(Model):
                    (f"f: block{l} MLP's input gradient", T * d, "backward"),
                    (f"g: block{l} MLP's partial output", T * d, "forward")]
         site = 2 * l + 1                                  # dropout sites: attention's and the MLP's outputs
+        if causal:
+            return Layer(f"block{l}", params, make_block(dh, site, True), flops, T * d, acts, "block",
+                         {"head_dim": dh, "traffic": traffic}, make_split_block(dh, site, True))
         return Layer(f"block{l}", params, make_block(dh, site), flops, T * d, acts, "block",
                      {"head_dim": dh, "traffic": traffic}, make_split_block(dh, site),
                      sequence_forward=make_sequence_block(dh, site), grid_forward=make_grid_block(dh, site))

@@ -13,7 +13,7 @@ from mxnet import autograd, nd
 
 from ..errors import CheckpointError
 from ..fast.tensor_ops import sum_everywhere
-from ..lesson import cross_entropy, n_correct
+from ..models.contract import example_loss, count_correct
 from ..models.batchnorm import Moments
 from ..replicas import fingerprint
 
@@ -70,9 +70,9 @@ class RunningStats:
         moments = self.moments(True)
         with autograd.record():
             scores = self.net.forward_group(X_shards, replicas, moments)
-            losses = [cross_entropy(s, y) for s, y in zip(scores, y_shards)]
+            losses = [example_loss(s, y) for s, y in zip(scores, y_shards)]
         autograd.backward(losses)
-        return [(l.sum(), n_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)], moments
+        return [(l.sum(), count_correct(s, y)) for l, s, y in zip(losses, scores, y_shards)], moments
 
     def running_fingerprints(self):
         """{"running statistics": per context fingerprints}, or {} for a model without them."""

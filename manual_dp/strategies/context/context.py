@@ -23,7 +23,8 @@ from ...fast.attention import ATTENTION
 from ...fast.collectives import chunk_bounds, make_allreduce
 from ...fast.prefetch import host
 from ...fast.tensor_ops import sum_everywhere
-from ...lesson import cross_entropy, n_correct, split_and_load
+from ...lesson import split_and_load
+from ...models.contract import example_loss, count_correct
 from ...models import stateless
 from ...optim import apply_update_and_clear, init_states
 from ...replicas import fingerprint
@@ -109,9 +110,9 @@ class ContextParallel(FixedContext, Strategy):
                 for row, P, Xg, yg in zip(self.grid, self.params, split_and_load(host(X), firsts),
                                           split_and_load(host(y), firsts)):
                     ys, scores = copies(yg, row), self.scores(row, P, Xg)
-                    losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
+                    losses = [example_loss(s, yj).sum() for s, yj in zip(scores, ys)]
                     heads += [l * (1 / self.C) for l in losses]
-                    metrics.append((losses[0], n_correct(scores[0], ys[0])))
+                    metrics.append((losses[0], count_correct(scores[0], ys[0])))
             backward(heads, [p for P in self.copies for p in P], self.zero)
         return metrics
 
@@ -151,7 +152,7 @@ class ContextParallel(FixedContext, Strategy):
         with gathered(self.zero):
             for row, P, Xg, yg in zip(rows, self.params, split_and_load(X, [r[0] for r in rows]),
                                       split_and_load(y, [r[0] for r in rows])):
-                counts.append(n_correct(self.scores(row, P, Xg)[0], yg).copyto(self.ctx[0]))
+                counts.append(count_correct(self.scores(row, P, Xg)[0], yg).copyto(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):

@@ -25,7 +25,7 @@ Each process must run its ops with the same thread count (the command line gives
 from mxnet import autograd, nd
 
 from ...fast.prefetch import host
-from ...lesson import cross_entropy, n_correct
+from ...models.contract import example_loss, count_correct
 from ...optim import apply_update_and_clear, init_states
 from ..sums.fixed_sums import FixedSums, into_grads, leaf, whole_leaves_backward
 from .sequence_pieces import Lanes
@@ -86,11 +86,11 @@ class FixedContext:
         ys = [y.as_in_context(c) for c in lanes.where]
         with autograd.record():
             scores = self.net.sequence_forward([X.as_in_context(c) for c in lanes.where], weights, lanes)
-            losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
+            losses = [example_loss(s, yj).sum() for s, yj in zip(scores, ys)]
             heads = [loss * (1 / self.K) for loss in losses]
         autograd.backward(heads)
         grads = [leaf([w.grad for w in W]) for W in weights]                    # (n,) on each lane's context
-        right = n_correct(scores[0], ys[0]).reshape((1,)).astype(losses[0].dtype)
+        right = count_correct(scores[0], ys[0]).reshape((1,)).astype(losses[0].dtype)
         return leaf([tree_reduce(grads, lanes.row, lanes.k), losses[0].reshape((1,)), right])
 
     def fixed_update(self, lr, n_examples):
@@ -114,6 +114,6 @@ class FixedContext:
             for a, b in bounds[lo:hi]:
                 Xs = [host(X[a:b]).as_in_context(c) for c in lanes.where]
                 scores = self.net.sequence_forward(Xs, [self.own(c) for c in lanes.where], lanes)
-                right = n_correct(scores[0], host(y[a:b]).as_in_context(lanes.where[0]))
+                right = count_correct(scores[0], host(y[a:b]).as_in_context(lanes.where[0]))
                 counts.append(right.as_in_context(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]

@@ -21,7 +21,8 @@ from ...errors import CheckpointError
 from ...fast.collectives import make_allreduce
 from ...fast.prefetch import host
 from ...fast.tensor_ops import Join
-from ...lesson import cross_entropy, n_correct, split_and_load
+from ...lesson import split_and_load
+from ...models.contract import example_loss, count_correct
 from ...mesh import Mesh
 from ...models import stateless
 from ...optim import apply_update_and_clear, init_states
@@ -99,10 +100,10 @@ class ContextTensorParallel(FixedGrid, Strategy):
                 for grid, P, Xg, yg in zip(self.grids, self.params, split_and_load(host(X), firsts),
                                            split_and_load(host(y), firsts)):
                     scores, ys = self.scores(grid, P, Xg), [copies(yg, row) for row in grid]
-                    losses = [[cross_entropy(s, yj).sum() for s, yj in zip(srow, yrow)]
+                    losses = [[example_loss(s, yj).sum() for s, yj in zip(srow, yrow)]
                               for srow, yrow in zip(scores, ys)]
                     heads += [l * (1 / self.C) for row in losses for l in row]
-                    metrics.append((losses[0][0], n_correct(scores[0][0], ys[0][0])))
+                    metrics.append((losses[0][0], count_correct(scores[0][0], ys[0][0])))
             backward(heads, [p for _, P, _ in self.every() for p in P], self.zero)
         return metrics
 
@@ -143,7 +144,7 @@ class ContextTensorParallel(FixedGrid, Strategy):
         with gathered(self.zero):
             for grid, P, Xg, yg in zip(grids, self.params, split_and_load(X, [g[0][0] for g in grids]),
                                        split_and_load(y, [g[0][0] for g in grids])):
-                counts.append(n_correct(self.scores(grid, P, Xg)[0][0], yg).copyto(self.ctx[0]))
+                counts.append(count_correct(self.scores(grid, P, Xg)[0][0], yg).copyto(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):

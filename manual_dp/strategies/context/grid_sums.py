@@ -22,7 +22,7 @@ from mxnet import autograd, nd
 
 from ...fast.attention import ATTENTION
 from ...fast.prefetch import host
-from ...lesson import cross_entropy, n_correct
+from ...models.contract import example_loss, count_correct
 from ...models import as_model, stateless
 from ..sums.fixed_sums import FixedSums, leaf
 from .sequence_pieces import Lanes
@@ -108,10 +108,10 @@ class FixedGrid(FixedTensor):
         tree, the loss sum and correct count (lane 0's), one leaf."""
         with autograd.record():
             scores = self.lane_forward(r, X, weights)
-            losses = [[cross_entropy(s, y.as_in_context(s.context)).sum() for s in row] for row in scores]
+            losses = [[example_loss(s, y.as_in_context(s.context)).sum() for s in row] for row in scores]
             heads = [loss * (1 / self.K) for row in losses for loss in row]
         autograd.backward(heads)
-        loss, right = losses[0][0].reshape((1,)), n_correct(scores[0][0], y.as_in_context(scores[0][0].context))
+        loss, right = losses[0][0].reshape((1,)), count_correct(scores[0][0], y.as_in_context(scores[0][0].context))
         right = right.reshape((1,)).astype(loss.dtype)
         return [leaf([total, loss.as_in_context(total.context), right.as_in_context(total.context)])
                 for total in self.lane_sums(r, weights)]
@@ -141,6 +141,6 @@ class FixedGrid(FixedTensor):
             weights = [P[b // self.kc] for b in range(self.K)]
             for a, b in bounds[lo:hi]:
                 scores = self.lane_forward(r, host(X[a:b]), weights)
-                right = n_correct(scores[0][0], host(y[a:b]).as_in_context(scores[0][0].context))
+                right = count_correct(scores[0][0], host(y[a:b]).as_in_context(scores[0][0].context))
                 counts.append(right.as_in_context(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]

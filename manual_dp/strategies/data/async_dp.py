@@ -22,7 +22,8 @@ from mxnet import autograd, nd
 
 from ...config import RunConfig
 from ...errors import CheckpointError
-from ...lesson import forward_backward, get_params, n_correct, shard_sizes, split_and_load
+from ...lesson import forward_backward, get_params, shard_sizes, split_and_load
+from ...models.contract import count_correct
 from ...models import as_model
 from ...optim import apply_update_and_clear, init_states
 from ...replicas import fingerprint
@@ -115,9 +116,9 @@ class AsyncDataParallel(RunningStats, Strategy):
         home = self.ctx[0]
         X, y = X.as_in_context(home), y.as_in_context(home)
         if not self.running:
-            return n_correct(self.net.forward(X, self.master), y)
+            return count_correct(self.net.forward(X, self.master), y)
         with autograd.train_mode():        # as DataParallel.correct (loop.evaluate)
-            return n_correct(self.net.forward_group([X], [self.master], self.moments(False, 1))[0], y)
+            return count_correct(self.net.forward_group([X], [self.master], self.moments(False, 1))[0], y)
 
     def fingerprints(self):
         """Only the master: the replicas differ from it by design (they are stale); and every

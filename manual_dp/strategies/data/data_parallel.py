@@ -19,7 +19,8 @@ from ...fast.flat import FlatReplica
 from ...fast.graph import ModelGraph, graph_forward_backward
 from ...fast.prefetch import host
 from ...fast.trace import Tracer
-from ...lesson import forward_backward, get_params, n_correct, shard_sizes, split_and_load, train_batch
+from ...lesson import forward_backward, get_params, shard_sizes, split_and_load, train_batch
+from ...models.contract import count_correct, example_loss
 from ...models import as_model
 from ...optim import apply_update_and_clear, init_states
 from ...replicas import fingerprint
@@ -124,7 +125,7 @@ class DataParallel(RunningStats, FixedData, Strategy):
             return super().step(X, y, lr)
         self.t += 1
         return train_batch(X, y, self.replicas, self.ctx, lr, self.allreduce_fn, update=self.lesson_update,
-                           net=self.net.forward)
+                           net=self.net.forward, loss=example_loss, correct=count_correct)
 
     def lesson_update(self, W, lr, n):
         """train_batch's update of replica W (every gradient already all-reduced): the first
@@ -147,7 +148,7 @@ class DataParallel(RunningStats, FixedData, Strategy):
             return [m[:2] for m in metrics]
         if self.running:
             return self.grouped_forward_backward(X_shards, y_shards, self.replicas)
-        return forward_backward(X_shards, y_shards, self.replicas, self.net.forward)
+        return forward_backward(X_shards, y_shards, self.replicas, self.net.forward, example_loss, count_correct)
 
     def update(self, lr, n_examples):
         self.t += 1
@@ -198,7 +199,7 @@ class DataParallel(RunningStats, FixedData, Strategy):
         with autograd.train_mode():        # oneDNN's inference mode reorders weight views in place (loop.evaluate)
             scores = self.net.forward_group(Xs, self.replicas[:len(ctx)], self.moments(False, len(ctx))) \
                 if self.running else [self.net.forward(Xc, W) for Xc, W in zip(Xs, self.replicas)]
-        counts = [n_correct(s, yc).copyto(ctx[0]) for s, yc in zip(scores, ys)]
+        counts = [count_correct(s, yc).copyto(ctx[0]) for s, yc in zip(scores, ys)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):

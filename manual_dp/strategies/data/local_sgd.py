@@ -30,7 +30,8 @@ from ...errors import CheckpointError
 from ...fast.collectives import make_allreduce
 from ...fast.flat import FlatReplica, views
 from ...fast.prefetch import host
-from ...lesson import forward_backward, n_correct, shard_sizes, split_and_load
+from ...lesson import forward_backward, shard_sizes, split_and_load
+from ...models.contract import count_correct, example_loss
 from ...models import as_model
 from ...models.batchnorm import Moments
 from ...optim import apply_update_and_clear, init_states
@@ -79,7 +80,7 @@ class LocalSGD(RunningStats, Strategy):
         X_shards, y_shards = split_and_load(host(X), self.ctx), split_and_load(host(y), self.ctx)
         if self.running:                                      # each shard its own statistics
             return self.grouped_forward_backward(X_shards, y_shards, [f.params for f in self.flat], each=True)
-        return forward_backward(X_shards, y_shards, [f.params for f in self.flat], self.net.forward)
+        return forward_backward(X_shards, y_shards, [f.params for f in self.flat], self.net.forward, example_loss, count_correct)
 
     def update(self, lr, n_examples):
         """Every replica steps on its own gradient / its own examples; every H steps, a sync."""
@@ -142,7 +143,7 @@ class LocalSGD(RunningStats, Strategy):
         with autograd.train_mode():        # oneDNN's inference mode reorders weight views in place (loop.evaluate)
             scores = self.net.forward_group(Xs, self.outer_views[:len(ctx)], Moments(False, self.global_running)) \
                 if self.running else [self.net.forward(X_, W) for X_, W in zip(Xs, self.outer_views)]
-        counts = [n_correct(s, y_).copyto(ctx[0]) for s, y_ in zip(scores, ys)]
+        counts = [count_correct(s, y_).copyto(ctx[0]) for s, y_ in zip(scores, ys)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):

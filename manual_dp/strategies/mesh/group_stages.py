@@ -7,7 +7,7 @@ activations and gradients sent rank by rank between the groups. What a mesh refu
 do not divide the contexts or run the model (check_groups), schedules it does not run (check_schedule)."""
 from mxnet import autograd, nd
 
-from ...lesson import cross_entropy, n_correct
+from ...models.contract import example_loss, count_correct
 from ...models.contract import grid_layer
 from ..zero.dp_zero import backward
 from ..pipeline.schedules import check_micro, check_name
@@ -143,8 +143,8 @@ class GroupPass:
             out = self.stages[k](self.received[k][m], self.params[k], self.Fs[m])
             if k == self.last:
                 ys = copies(self.ys[m], group)
-                losses = [cross_entropy(o, y).sum() for o, y in zip(out, ys)]
-                self.metrics.append((losses[0], n_correct(out[0], ys[0])))
+                losses = [example_loss(o, y).sum() for o, y in zip(out, ys)]
+                self.metrics.append((losses[0], count_correct(out[0], ys[0])))
                 out = [l * self.scale for l in losses] if self.scale != 1 else losses
         self.produced[k][m] = out
 

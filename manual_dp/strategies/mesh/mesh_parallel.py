@@ -30,7 +30,8 @@ from ...config import FAST_STEP, RunConfig
 from ...errors import CheckpointError
 from ...fast.collectives import make_allreduce
 from ...fast.tensor_ops import Join, SequenceJoin
-from ...lesson import n_correct, shard_sizes, split_and_load
+from ...lesson import shard_sizes, split_and_load
+from ...models.contract import count_correct
 from ...mesh import Mesh
 from ...models import stateless
 from ...optim import apply_update_and_clear, init_states
@@ -208,7 +209,7 @@ class MeshParallel(FixedLanes, Strategy):
                 hs = copies(Xr, row[0])
                 for k, (stage, group) in enumerate(zip(self.stages, row)):
                     hs = stage(hs if k == 0 else [h.copyto(c) for h, c in zip(hs, group)], P[k])
-                counts.append(n_correct(hs[0], yr).copyto(self.ctx[0]))
+                counts.append(count_correct(hs[0], yr).copyto(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):

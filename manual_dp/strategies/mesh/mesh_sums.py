@@ -30,7 +30,8 @@ from mxnet import nd
 
 from ...errors import CheckpointError
 from ...fast.prefetch import host
-from ...lesson import n_correct, shard_sizes
+from ...lesson import shard_sizes
+from ...models.contract import count_correct
 from ...mesh import Mesh
 from ...models import stateless
 from ...optim import apply_update_and_clear, init_states
@@ -188,7 +189,7 @@ class FixedMesh:
         for r, (lo, hi) in enumerate(spans(len(bounds), len(self.groups))):
             for a, b in bounds[lo:hi]:
                 scores = self.piece_scores(host(X[a:b]), r)
-                counts.append(n_correct(scores, host(y[a:b]).as_in_context(scores.context)).as_in_context(self.ctx[0]))
+                counts.append(count_correct(scores, host(y[a:b]).as_in_context(scores.context)).as_in_context(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fixed_fingerprints(self):

@@ -6,7 +6,8 @@ from mxnet import nd
 
 from ...config import FAST_STEP, RunConfig
 from ...fast.collectives import make_allreduce
-from ...lesson import n_correct, shard_sizes, split_and_load
+from ...lesson import shard_sizes, split_and_load
+from ...models.contract import count_correct
 from ...models import as_model
 from ...models.batchnorm import Batch, Moments, first_norm, fold_mean, moments_of
 from ...optim import apply_update_and_clear, init_states
@@ -197,7 +198,7 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
             h = Xr
             for s, (stage, c) in enumerate(zip(self.stages, places)):
                 h = stage(h if s == 0 else h.copyto(c), P[s], self.evaluating(s, c))
-            counts.append(n_correct(h, yr).copyto(self.ctx[0]))
+            counts.append(count_correct(h, yr).copyto(self.ctx[0]))
         return nd.add_n(*counts)
 
     def evaluating(self, s, c):

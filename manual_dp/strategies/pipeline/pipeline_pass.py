@@ -6,7 +6,8 @@ from time import perf_counter
 import numpy as np
 from mxnet import autograd, nd
 
-from ...lesson import cross_entropy, n_correct, shard_sizes
+from ...lesson import shard_sizes
+from ...models.contract import example_loss, count_correct
 from ...memory import FLOAT_BYTES
 from .stages import send
 
@@ -61,8 +62,8 @@ class ReplicaPass:
         out = self.stages[s](self.received[s][m], self.params[s], self.Fs[m])
         if s < self.last:
             return out
-        losses = cross_entropy(out, self.ys[m])
-        self.metrics[m] = (losses.sum(), n_correct(out, self.ys[m]))
+        losses = example_loss(out, self.ys[m])
+        self.metrics[m] = (losses.sum(), count_correct(out, self.ys[m]))
         return losses
 
     def forward(self, s, m):
@@ -88,7 +89,7 @@ class ReplicaPass:
         self.hold(s, self.full_bytes(s, m))
         with autograd.record():
             out = self.stages[s](self.received[s][m], self.params[s], self.Fs[m])
-            self.produced[s][m] = cross_entropy(out, self.ys[m]) if s == self.last else out
+            self.produced[s][m] = example_loss(out, self.ys[m]) if s == self.last else out
 
     def backward(self, s, m):
         """Stage s's backward on micro-batch m; then it holds nothing of m."""

@@ -36,7 +36,8 @@ from ...errors import CheckpointError
 from ...fast.collectives import make_allreduce
 from ...fast.prefetch import host
 from ...fast.tensor_ops import Join, SequenceJoin
-from ...lesson import cross_entropy, n_correct, split_and_load
+from ...lesson import split_and_load
+from ...models.contract import example_loss, count_correct
 from ...models import as_model, stateless
 from ...optim import apply_update_and_clear, init_states
 from ...replicas import fingerprint
@@ -157,9 +158,9 @@ class TensorParallel(RunningStats, FixedSequence, Strategy):
                     mine = [self.moments(True) for _ in row] if self.running else None
                     moments += mine or []
                     scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join, mine)
-                    losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
+                    losses = [example_loss(s, yj).sum() for s, yj in zip(scores, ys)]
                     heads += [l * (1 / self.T) for l in losses] if self.sequence_parallel else losses
-                    metrics.append((losses[0], n_correct(scores[0], ys[0])))
+                    metrics.append((losses[0], count_correct(scores[0], ys[0])))
             backward(heads, [p for P_row in self.shards for P in P_row for p in P], self.zero)
         if self.running:
             self.fold_each_context(moments)
@@ -218,7 +219,7 @@ class TensorParallel(RunningStats, FixedSequence, Strategy):
                                       split_and_load(y, [r[0] for r in rows])):
                 mine = [Moments(False, [self.running[self.ctx.index(c)]]) for c in row] if self.running else None
                 scores = group_forward(copies(Xg, row), P, self.tp_allreduce, self.net, self.join, mine)
-                counts.append(n_correct(scores[0], yg).copyto(self.ctx[0]))
+                counts.append(count_correct(scores[0], yg).copyto(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):

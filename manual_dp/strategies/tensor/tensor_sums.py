@@ -28,7 +28,7 @@ from mxnet import autograd, nd
 
 from ...errors import CheckpointError
 from ...fast.prefetch import host
-from ...lesson import cross_entropy, n_correct
+from ...models.contract import example_loss, count_correct
 from ...models import as_model, stateless
 from ...optim import apply_update_and_clear, init_states
 from ...replicas import fingerprint
@@ -108,9 +108,9 @@ class FixedTensor:
                         a, b = bounds[lo + step]
                         Xs, ys = copies(host(X[a:b]), row), copies(host(y[a:b]), row)
                         scores = self.piece_scores(Xs, P, row)
-                        losses = [cross_entropy(s, yj).sum() for s, yj in zip(scores, ys)]
+                        losses = [example_loss(s, yj).sum() for s, yj in zip(scores, ys)]
                         heads += losses
-                        done.append((r, lo + step, losses, [n_correct(s, yj) for s, yj in zip(scores, ys)]))
+                        done.append((r, lo + step, losses, [count_correct(s, yj) for s, yj in zip(scores, ys)]))
             autograd.backward(heads)
             for r, j_piece, losses, correct in done:
                 for L, P, loss, right in zip(out[r], self.shards[r], losses, correct):
@@ -147,7 +147,7 @@ class FixedTensor:
         for (lo, hi), row, P in zip(spans(len(bounds), G), self.grid, self.shards):
             for a, b in bounds[lo:hi]:
                 scores = self.piece_scores(copies(host(X[a:b]), row), P, row)
-                counts.append(n_correct(scores[0], host(y[a:b]).as_in_context(row[0])).as_in_context(self.ctx[0]))
+                counts.append(count_correct(scores[0], host(y[a:b]).as_in_context(row[0])).as_in_context(self.ctx[0]))
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fixed_update(self, lr, n_examples):

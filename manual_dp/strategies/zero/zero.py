@@ -33,7 +33,8 @@ from ...fast.collectives import chunk_bounds, make_allreduce
 from ...fast.flat import FlatReplica, offsets, views
 from ...fast.prefetch import host
 from ...fast.sharded import ALL_GATHER, REDUCE_SCATTER, empty_shards
-from ...lesson import forward_backward, n_correct, shard_sizes, split_and_load
+from ...lesson import forward_backward, shard_sizes, split_and_load
+from ...models.contract import count_correct, example_loss
 from ...models import as_model
 from ...optim import OPTIMIZERS, init_states
 from ...replicas import fingerprint
@@ -156,7 +157,7 @@ class ZeroRedundancy(RunningStats, FixedZero, Strategy):
         if self.stage == 1 and self.running:
             return self.grouped_forward_backward(X_shards, y_shards, [r.params for r in self.replicas])
         if self.stage == 1:
-            return forward_backward(X_shards, y_shards, [r.params for r in self.replicas], self.net.forward)
+            return forward_backward(X_shards, y_shards, [r.params for r in self.replicas], self.net.forward, example_loss, count_correct)
         return zero_layers.forward_backward(X_shards, y_shards, self)
 
     def grads(self):
@@ -220,7 +221,7 @@ class ZeroRedundancy(RunningStats, FixedZero, Strategy):
             else:
                 group = moments and (lambda l, hs, P, Fs: self.net.layer_group(l, hs, P, moments, Fs))
                 scores = zero_layers.scores(X_shards, self.fetch, self.net.layers, group)
-        counts = [n_correct(s, ys).copyto(ctx[0]) for s, ys in zip(scores, y_shards)]
+        counts = [count_correct(s, ys).copyto(ctx[0]) for s, ys in zip(scores, y_shards)]
         return nd.add_n(*counts) if len(counts) > 1 else counts[0]
 
     def fingerprints(self):

@@ -30,7 +30,8 @@ step's.
 from mxnet import autograd, nd
 
 from ...fast.flat import views
-from ...lesson import cross_entropy, dense, n_correct, relu
+from ...lesson import dense, relu
+from ...models.contract import example_loss, count_correct
 from ...models.batchnorm import first_norm
 
 
@@ -91,8 +92,8 @@ def autograd_backward(l, layers, acts, params, heads, y_shards, last, Fs, group=
             h[l].attach_grad()
         for h, out, y in zip(acts, run_layer(l, layers, [h[l] for h in acts], params, Fs, group), y_shards):
             if last:
-                loss = cross_entropy(out, y)
-                metrics.append((loss.sum(), n_correct(out, y)))
+                loss = example_loss(out, y)
+                metrics.append((loss.sum(), count_correct(out, y)))
                 out = loss
             outs.append(out)
     if group is not None:          # the contexts' outputs may share a statistic: one backward for all
@@ -115,12 +116,12 @@ def dense_input_grads(l, acts, params, heads, y_shards, last):
     for leaf in leaves:
         leaf.attach_grad()
     with autograd.record():
-        tails = [cross_entropy(x, y) if last else relu(x) for x, y in zip(leaves, y_shards)]
+        tails = [example_loss(x, y) if last else relu(x) for x, y in zip(leaves, y_shards)]
     for tail, head in zip(tails, heads):
         tail.backward(head)
     for pre, leaf in zip(pres, leaves):
         pre.backward(leaf.grad)
-    metrics = [(t.sum(), n_correct(x, y)) for t, x, y in zip(tails, leaves, y_shards)] if last else None
+    metrics = [(t.sum(), count_correct(x, y)) for t, x, y in zip(tails, leaves, y_shards)] if last else None
     return [leaf.grad for leaf in leaves], metrics
 
 

@@ -1,0 +1,33 @@
+"""What a run of a language model (--model gpt) prints besides every run's lines: the share of the
+machine's peak its step reaches (MFU) and a few lines of text sampled at the end."""
+from .. import flops
+from ..sample import decode, encode, generate, PROMPT
+
+SAMPLE = dict(tokens=200, temperature=0.8, top_k=20, seed=0)    # the text printed at the end of a run
+PEAK = dict(n=1024, repeats=3)                                   # the GEMM that measures the peak
+
+
+def is_language_model(net):
+    return net.spec.task == "next-token"
+
+
+def gemm_peak():
+    """The best float32 GEMM GFLOP/s of MXNet's two kernels on this machine (flops.gemm_peak)."""
+    return max(flops.gemm_peak(**PEAK).values())
+
+
+def with_mfu(record, net, peak_gflops):
+    """record with "mfu": the model's forward and backward FLOPs per example times the examples
+    a second, over the GEMM peak (every context shares this machine's cores)."""
+    return dict(record, mfu=record["images_per_sec"] * net.flops_per_example()[1] / (peak_gflops * 1e9))
+
+
+def sample_text(net, params, ctx):
+    """SAMPLE's tokens after PROMPT from the trained parameters (numpy arrays, copied to ctx), as
+    text; None for a model whose tokens have no text (npz:PATH)."""
+    from mxnet import nd
+    if not net.spec.text:
+        return None
+    ids = generate(net, [nd.array(p, ctx=ctx) for p in params], encode(PROMPT, net.spec), SAMPLE["tokens"], SAMPLE["temperature"],
+                   SAMPLE["top_k"], SAMPLE["seed"])
+    return decode(ids, net.spec)
