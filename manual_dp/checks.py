@@ -94,11 +94,14 @@ def check_model(cfg):
     if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and "virtual_stages" in modes.of(cfg).flags:
         raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
     check_sequence_pieces(cfg)
-    if modes.of(cfg).sequence and cfg.model != "transformer":
-        raise UsageError(f"--mode mesh (tp x pp) needs layers that split on their own: --model transformer, not "
-                         f"--model {cfg.model}" if modes.of(cfg).stages else
+    if modes.of(cfg).sequence and cfg.model not in ("transformer", "gpt"):
+        raise UsageError(f"--mode mesh (tp x pp) needs layers that split on their own: --model transformer or gpt, "
+                         f"not --model {cfg.model}" if modes.of(cfg).stages else
                          f"--mode {cfg.mode} cuts a sequence of tokens over the contexts: --model transformer has "
                          f"one, --model {cfg.model} does not")
+    if cfg.model == "gpt" and (cfg.context_parallel or 1) > 1 or cfg.model == "gpt" and cfg.mode == "context":
+        raise UsageError("--model gpt: context parallelism needs causal ring and Ulysses attention, which the package "
+                         "does not have yet: train the GPT with --mode sync, zero, pipeline, tensor or mesh dp x pp x tp")
     if cfg.deterministic and modes.of(cfg).deterministic:
         raise UsageError(f"--deterministic --mode {cfg.mode}: {modes.of(cfg).deterministic}")
 

@@ -19,8 +19,9 @@ GPT = dict(layers=2, d_model=128, heads=4)                  # --model gpt's: blo
 MODEL_SIZES = {"transformer": TRANSFORMER, "lstm": LSTM, "gpt": GPT}    # each sized model's defaults
 NEXT_TOKEN_MODELS = ("gpt",)  # models that predict the next token at every position (datasets.task_of)
 # Training flags a model sets unless they are given (on the command line or in --config's file):
-MODEL_RUN_DEFAULTS = {"gpt": dict(optimizer="adam", lr=0.003, batch_size=64, epochs=1, seq_len=64)}
-SEQ_LEN = 128                 # --seq-len: tokens per example of a text data set
+MODEL_RUN_DEFAULTS = {"gpt": dict(optimizer="adam", lr=0.003, batch_size=64, epochs=1)}
+SEQ_LEN = 128                 # --seq-len: tokens per example of a text data set (a fortune's first bytes)
+CORPUS_SEQ_LEN = 64           # --seq-len of a language model's corpus (a window is --seq-len + 1 tokens)
 VOCABS = ("bytes", "chars")   # --vocab of a text corpus (datasets/corpus.py): the first is the default
 TEXT_TRAIN = 0.9              # --data text:PATH: the share of the file, from its start, that trains
 FORTUNES = dict(directory="/usr/share/games/fortunes", categories=10, test_every=10)   # --data fortunes (datasets/)
@@ -103,8 +104,8 @@ class RunConfig:
                                       "X, y and optionally X_test, y_test; integer X are token ids) "
                                       "(manual_dp/datasets/)", "data")
     seq_len: Optional[int] = flag(None, f"fortunes and text: tokens of each example: a fortune's first bytes, "
-                                        f"left-padded, or a corpus's window (default {SEQ_LEN}; --model gpt "
-                                        f"{MODEL_RUN_DEFAULTS['gpt']['seq_len']})", "data")
+                                        f"left-padded, or a corpus's window (default {SEQ_LEN}; a corpus "
+                                        f"{CORPUS_SEQ_LEN})", "data")
     vocab: Optional[str] = flag(None, "--model gpt on fortunes or text:PATH: the tokens, bytes (256) or chars "
                                       "(the text's distinct characters; it must be UTF-8) (default bytes)",
                                 "data", choices=VOCABS)

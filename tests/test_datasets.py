@@ -97,7 +97,7 @@ def test_cli_trains_an_mlp_on_the_users_arrays(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, code, message", [
-    (["--data", "imagenet"], 2, "--data imagenet: choose fashion-mnist, fortunes, npz"),
+    (["--data", "imagenet"], 2, "--data imagenet: choose fashion-mnist, fortunes, text, npz"),
     (["--data", "npz"], 2, "--data npz needs the file"),
     (["--seq-len", "8"], 2, "--seq-len applies only to --data fortunes"),
     (["--data", "fortunes:FOLDER", "--data-dir", "x"], 2, "--data-dir is Fashion-MNIST's folder"),

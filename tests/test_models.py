@@ -331,7 +331,7 @@ def test_cli_resume_of_another_model_is_refused_and_the_checkpoint_kept(capsys, 
     ("{dir}/m.py:seven", "gives \\(2, 7\\)"),
     ("{dir}/m.py:batchnorm", "BatchNorm\\(axis=1, eps=1e-05, momentum=0.5"),
     ("{dir}/broken.py:net", "failed to load \\(SyntaxError"),
-    ("transformerx", "choose lenet, mlp, transformer, resnet, lstm or PATH.py:FUNCTION"),
+    ("transformerx", "choose lenet, mlp, transformer, resnet, lstm, gpt or PATH.py:FUNCTION"),
 ])
 def test_cli_model_file_errors_are_one_line(capsys, data_dir, tmp_path, source, message):
     (tmp_path / "m.py").write_text("from mxnet.gluon import nn\n"

@@ -136,7 +136,7 @@ def refuse_layout(cfg, net, n_contexts, world):
         raise UsageError(f"--tensor-pieces {cfg.tensor_pieces} in a pipeline needs a model whose layers split one "
                          f"by one (the transformer, the MLP's pairs do not): --model {cfg.model} splits as a whole")
     T = modes.mesh_tp(cfg) if cfg.mode == "mesh" else cfg.tensor_parallel or n_contexts
-    refusal = net.sequence_refusal(T, "ring") if cfg.sequence_parallel else None
+    refusal = net.sequence_refusal(T, None) if cfg.sequence_parallel else None
     if refusal:
         raise UsageError(f"--sequence-parallel: {refusal}")
     C = modes.context_degree(cfg, n_contexts)

@@ -201,7 +201,7 @@ def train_in(cfg, world, ctx):
         sample = text.sample_text(net, model.state_dict()["params"], ctx[0])
         if sample is not None and world.is_root:
             print(f"sample ({text.SAMPLE['tokens']} tokens, temperature {text.SAMPLE['temperature']}, top-k "
-                  f"{text.SAMPLE['top_k']}; python -m manual_dp.sample DIR for more):\n{text.PROMPT.strip()}{sample}")
+                  f"{text.SAMPLE['top_k']}; python -m manual_dp.sample DIR for more):\n{sample.removeprefix(text.PROMPT)}")
     return history
 
 

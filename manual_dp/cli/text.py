@@ -23,11 +23,13 @@ def with_mfu(record, net, peak_gflops):
 
 
 def sample_text(net, params, ctx):
-    """SAMPLE's tokens after PROMPT from the trained parameters (numpy arrays, copied to ctx), as
-    text; None for a model whose tokens have no text (npz:PATH)."""
+    """PROMPT and SAMPLE's tokens after it (or, where the text has no new line, its first character) from the
+    trained parameters (numpy arrays, copied to ctx), as text; None for a model whose tokens have no
+    text (npz:PATH)."""
     from mxnet import nd
     if not net.spec.text:
         return None
-    ids = generate(net, [nd.array(p, ctx=ctx) for p in params], encode(PROMPT, net.spec), SAMPLE["tokens"], SAMPLE["temperature"],
+    prompt = PROMPT if PROMPT in net.spec.names or net.spec.text == "bytes" else net.spec.names[0]
+    ids = generate(net, [nd.array(p, ctx=ctx) for p in params], encode(prompt, net.spec), SAMPLE["tokens"], SAMPLE["temperature"],
                    SAMPLE["top_k"], SAMPLE["seed"])
-    return decode(ids, net.spec)
+    return prompt + decode(ids, net.spec)

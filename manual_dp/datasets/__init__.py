@@ -14,7 +14,7 @@ against it; both end bad input in one line (DataError) before any training.
 """
 import functools
 
-from ..config import NEXT_TOKEN_MODELS, SEQ_LEN, VOCABS
+from ..config import CORPUS_SEQ_LEN, NEXT_TOKEN_MODELS, SEQ_LEN, VOCABS
 from ..errors import DataError, UsageError
 from .contract import Dataset, Spec, check
 
@@ -66,7 +66,9 @@ def spec_of(cfg):
 
 def load(cfg):
     """cfg's data set, all of it, checked against its Spec (loaded once per process)."""
-    return read(cfg.data, cfg.data_dir, cfg.seq_len or SEQ_LEN, task_of(cfg), cfg.vocab or VOCABS[0])
+    task = task_of(cfg)
+    return read(cfg.data, cfg.data_dir, cfg.seq_len or (CORPUS_SEQ_LEN if task == "next-token" else SEQ_LEN), task,
+                cfg.vocab or VOCABS[0])
 
 
 @functools.lru_cache(maxsize=2)

@@ -31,7 +31,8 @@ def labels(y, where, ndim=1):
     """y as int32, or DataError unless it is one whole class number from 0 per row (ndim 2: per
     position of a row)."""
     if y.ndim != ndim or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
-        raise DataError(f"{where}: y must be one class number per row, got {y.dtype} {y.shape}")
+        what = "one class number per row" if ndim == 1 else "(N, T) like X, the next token at each position (y of X's shape)"
+        raise DataError(f"{where}: y must be {what}, got {y.dtype} {y.shape}")
     if len(y) and (not np.isfinite(y).all() or (y != np.round(y)).any() or y.min() < 0):
         raise DataError(f"{where}: y must hold whole class numbers from 0")
     return y.astype(np.int32)

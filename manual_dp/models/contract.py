@@ -260,7 +260,8 @@ class Model:
 
     def sequence_refusal(self, C, attention):
         """Why the model's sequence cannot be cut into C blocks for `attention` ("ring" or
-        "ulysses"), in a few words; None if it can. By default: a model without a sequence (no
+        "ulysses"; None: Megatron-SP's cut, attention run whole after an all-gather), in a few
+        words; None if it can. By default: a model without a sequence (no
         layer with a sequence_forward) refuses."""
         if not any(layer.sequence_forward for layer in self.layers):
             return f"{self.name} has no sequence of tokens to cut"

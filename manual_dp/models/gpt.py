@@ -82,5 +82,11 @@ class GPT(Model):
         return super().tensor_refusal(T)
 
     def sequence_refusal(self, C, attention):
+        """Megatron-SP (attention None) cuts the tokens between split layers: a token a context at
+        least. Ring and Ulysses attention are not causal yet."""
+        if C > self.tokens:
+            return f"{C} contexts cannot each take a block of the GPT's {self.tokens} tokens"
+        if attention is None:
+            return None
         return ("gpt: context parallelism needs causal ring and Ulysses attention, which the package does not "
-                "have yet: train the GPT with --mode sync, zero, pipeline or tensor")
+                "have yet: train the GPT with --mode sync, zero, pipeline, tensor or mesh dp x pp x tp")

@@ -134,7 +134,7 @@ def mesh_refusal(net, S, T, schedule, micro, sp):
     """Why `net` cannot run dp x pp=S x tp=T on `schedule` (+sp if sp), as MeshParallel refuses it, or None."""
     if not net.splits_by_layer():
         return f"{net.name} splits as a whole model; tp x pp needs layers that split on their own"
-    why, seq = net.tensor_refusal(T) or pipeline_refusal(net, S, schedule, micro), sp and net.sequence_refusal(T, "ring")
+    why, seq = net.tensor_refusal(T) or pipeline_refusal(net, S, schedule, micro), sp and net.sequence_refusal(T, None)
     return why or (f"--sequence-parallel: {seq}" if seq else None)
 
 
@@ -186,7 +186,7 @@ def candidates(devices, batch_size, net):
              f"pipelines and tensor groups carry") if net.stats() else None
     out = [(layout("data", devices), None)] + [(layout("zero", devices, zero_stage=s), None) for s in (1, 2, 3)]
     for t in divisors(devices)[1:]:
-        why, sp = net.tensor_refusal(t), net.sequence_refusal(t, "ring")
+        why, sp = net.tensor_refusal(t), net.sequence_refusal(t, None)
         out += [(layout("tensor", devices // t, tp=t), why),
                 (layout("tensor", devices // t, tp=t, sp=True), why or stats or (sp and f"--sequence-parallel: {sp}"))]
     out += [(layout("context", devices // c, cp=c, attention=a), stats or net.sequence_refusal(c, a))

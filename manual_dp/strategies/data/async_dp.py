@@ -23,7 +23,7 @@ from mxnet import autograd, nd
 from ...config import RunConfig
 from ...errors import CheckpointError
 from ...lesson import forward_backward, get_params, shard_sizes, split_and_load
-from ...models.contract import count_correct
+from ...models.contract import count_correct, example_loss
 from ...models import as_model
 from ...optim import apply_update_and_clear, init_states
 from ...replicas import fingerprint
@@ -79,7 +79,8 @@ class AsyncDataParallel(RunningStats, Strategy):
             metrics, moments = self.unfolded_forward_backward(X_shards, y_shards, self.replicas)
             self.pushed.append(moments)
         else:
-            metrics = forward_backward(X_shards, y_shards, self.replicas, self.net.forward)
+            metrics = forward_backward(X_shards, y_shards, self.replicas, self.net.forward, example_loss,
+                                           count_correct)
         for W, version in zip(self.replicas, self.versions):
             for p, q in zip(self.master, W):
                 p.grad[:] += q.grad.copyto(p.context)

@@ -16,6 +16,7 @@ from mxnet import nd
 from ...fast.graph import graph_forward_backward
 from ...fast.prefetch import host
 from ...lesson import forward_backward
+from ...models.contract import count_correct, example_loss
 from ...models.batchnorm import Batch, Moments
 from ...optim import apply_update_and_clear
 from ..sums.fixed_sums import refuse_running_pieces, whole_leaves_backward
@@ -30,7 +31,7 @@ def piece_pass(graph, X, y, W, net, running):
         return loss, correct, []
     moments = Moments(train=True) if running else None
     forward = (lambda X, W: net(X, W, Batch(nd, moments))) if running else net
-    (loss, correct), = forward_backward([X], [y], [W], forward)
+    (loss, correct), = forward_backward([X], [y], [W], forward, example_loss, count_correct)
     return loss, correct, [s for per_norm in moments.batch for s in per_norm[0]] if running else []
 
 

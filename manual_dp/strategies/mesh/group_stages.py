@@ -23,7 +23,7 @@ def group_name(C, T):
 def group_refusal(net, C, T, sequence_parallel, attention):
     """Why the model cannot run on a stage's group of C x T, or None."""
     if C == 1:
-        return net.tensor_refusal(T) or (net.sequence_refusal(T, "ring") if sequence_parallel else None)
+        return net.tensor_refusal(T) or (net.sequence_refusal(T, None) if sequence_parallel else None)
     return net.grid_refusal(C, T, attention) if T > 1 else net.sequence_refusal(C, attention)
 
 

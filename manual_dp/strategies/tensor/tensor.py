@@ -116,7 +116,7 @@ class TensorParallel(RunningStats, FixedSequence, Strategy):
         self.tp_allreduce = tp_allreduce or make_allreduce(FAST_STEP["allreduce"])
         self.keep_running(False, self.allreduce_fn)
         if sequence_parallel:
-            why = self.net.sequence_refusal(T, "ring")
+            why = self.net.sequence_refusal(T, None)
             if why:
                 raise ValueError(f"--sequence-parallel: {why}")
             self.join = SequenceJoin(self.tp_allreduce, self.net.tokens, T)
