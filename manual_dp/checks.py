@@ -99,9 +99,6 @@ def check_model(cfg):
                          f"not --model {cfg.model}" if modes.of(cfg).stages else
                          f"--mode {cfg.mode} cuts a sequence of tokens over the contexts: --model transformer has "
                          f"one, --model {cfg.model} does not")
-    if cfg.model == "gpt" and (cfg.context_parallel or 1) > 1 or cfg.model == "gpt" and cfg.mode == "context":
-        raise UsageError("--model gpt: context parallelism needs causal ring and Ulysses attention, which the package "
-                         "does not have yet: train the GPT with --mode sync, zero, pipeline, tensor or mesh dp x pp x tp")
     if cfg.deterministic and modes.of(cfg).deterministic:
         raise UsageError(f"--deterministic --mode {cfg.mode}: {modes.of(cfg).deterministic}")
 

@@ -15,6 +15,7 @@ from conftest import cpus, run_main
 from manual_dp import models
 from manual_dp.datasets import Spec
 from manual_dp.models.contract import example_loss
+from manual_dp.strategies.context.context import ContextParallel
 from manual_dp.strategies.data.async_dp import AsyncDataParallel
 from manual_dp.strategies.data.data_parallel import DataParallel
 from manual_dp.strategies.data.local_sgd import LocalSGD
@@ -156,3 +157,66 @@ def test_deterministic_bits_in_every_layout(reference):
                  lambda: ZeroRedundancy(P, cpus(2), "momentum", 3, model=net, sums=FixedSums()),
                  lambda: PipelineParallel(P, cpus(2), "momentum", 2, stages=2, model=net, sums=FixedSums())):
         assert digest(after(make(), n=70)) == want
+
+
+CONTEXT = {
+    "context 2 ring": lambda P, m: ContextParallel(P, cpus(2), "momentum", 2, "ring", model=m),
+    "context 2 ulysses": lambda P, m: ContextParallel(P, cpus(2), "momentum", 2, "ulysses", model=m),
+    "context 2 x data 2, zero 2": lambda P, m: ContextParallel(P, cpus(4), "momentum", 2, "ring", model=m, zero_stage=2),
+}
+
+
+@pytest.mark.parametrize("layout", list(CONTEXT))
+def test_causal_context_parallelism_equals_one_context(reference, layout):
+    net, P, want = reference
+    got = after(CONTEXT[layout](P, net))
+    scale = max(float(np.abs(w).max()) for w in want)
+    assert max(float(np.abs(g - w).max()) for g, w in zip(got, want)) <= TOL * scale
+
+
+def test_deterministic_context_parallelism_has_the_bits_of_one_context(reference):
+    net, P, _ = reference
+    want = digest(after(ContextParallel(P, cpus(1), "momentum", 1, "ring", model=net,
+                                        sums=FixedSums(), sequence_pieces=4), n=70))
+    for C, attention in ((2, "ring"), (4, "ring"), (2, "ulysses")):
+        got = after(ContextParallel(P, cpus(C), "momentum", C, attention, model=net, sums=FixedSums(),
+                                    sequence_pieces=4), n=70)
+        assert digest(got) == want, (C, attention)
+
+
+@pytest.mark.parametrize("C, balanced, attention", [(2, False, "ring"), (3, True, "ring"), (2, True, "ulysses")])
+def test_causal_ring_and_ulysses_equal_causal_attention_on_one_context(C, balanced, attention):
+    from manual_dp.fast.causal_attention import CAUSAL, causal_full, chunks_of
+    B, T, H, D = 2, 12, 4, 3
+    rng = np.random.RandomState(0)
+    q, k, v, dout = (nd.array(rng.randn(B, T, H, D)) for _ in range(4))
+    for x in (q, k, v):
+        x.attach_grad()
+    with autograd.record():
+        o = causal_full(q, k, v)
+    o.backward(dout)
+    chunks = chunks_of(T, C, balanced)
+
+    def cut(x):
+        return [nd.concat(*[x[:, a:b] for a, b in row], dim=1).copyto(c) for row, c in zip(chunks, cpus(C))]
+
+    def whole(xs):
+        return np.concatenate([x.asnumpy() for x in xs], axis=1)[:, np.argsort([a for row in chunks for a, b in row
+                                                                                for a in range(a, b)])]
+    qs, ks, vs = cut(q), cut(k), cut(v)
+    for x in qs + ks + vs:
+        x.attach_grad()
+    with autograd.record():
+        outs = CAUSAL[attention](qs, ks, vs, chunks)
+    autograd.backward(outs, cut(dout))
+    assert [x.context for x in outs] == cpus(C)
+    for got, want in ((outs, o), ([x.grad for x in qs], q.grad), ([x.grad for x in ks], k.grad), ([x.grad for x in vs], v.grad)):
+        assert np.abs(whole(got) - want.asnumpy()).max() <= 1e-5 * np.abs(want.asnumpy()).max()
+
+
+def test_the_balanced_cut_evens_causal_attentions_work():
+    from manual_dp.fast.causal_attention import chunks_of, work
+    for C in (2, 4, 8):
+        even, contiguous = work(chunks_of(1024, C, True)), work(chunks_of(1024, C, False))
+        assert max(even) <= 1.1 * min(even) and sum(even) == sum(contiguous) == 1024 * 1025 // 2
+        assert max(contiguous) >= (2 * C - 1) * min(contiguous) * 0.99     # the last context's C chunks against one

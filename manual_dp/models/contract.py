@@ -112,6 +112,8 @@ class Model:
     config = {}
     layers = ()
     noise = None               # models.dropout.Noise of a model with dropout sites
+    causal = False             # attention only to earlier tokens (the GPT's): a context-parallel group
+                               # then cuts the sequence in balanced chunks (fast/causal_attention.py)
 
     def noisy(self, F, X):
         """The namespace for a forward from images X: F, drawing this batch's dropout masks for X's

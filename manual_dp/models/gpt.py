@@ -14,39 +14,105 @@ mean over tokens, as nanoGPT's loss is.
 Tensor parallelism splits each block as Megatron does (heads, MLP hidden units); the embedding and
 head run whole on every context of a tensor group. The head has its own weights (GPT-2 ties them
 to the embedding: a layer here owns its parameters, and a pipeline puts the two on different
-stages). Context parallelism needs attention that skips the blocks above the diagonal, which the
-causal block does not have yet: it refuses in one line.
+stages).
+
+Context parallelism: context j of a group holds its chunks of every window (seq.chunks: the
+balanced cut, chunks j and 2C - 1 - j of 2C, fast/causal_attention.py), embeds them at their
+positions, runs every token-wise part on them alone and meets the others in causal ring or Ulysses
+attention (seq.attend). The head's scores of each context's chunks are put in their places among
+zeros and summed over the group (seq.sum: an all-gather whose backward hands each context its own
+rows' gradient back), so every context holds the whole window's scores, as the vision
+transformer's pooled head leaves them, and the strategies take the loss as they do there.
 """
+import dataclasses
+
 from mxnet import nd
 
 from ..config import GPT as DEFAULTS
 from .contract import Layer, Model, Param, fc
 from .dropout import dropout
-from .transformer import Transformer, add_positions, layer_norm
+from .transformer import Transformer, add_positions, layer_norm, mlp_output, qkv
 
 MLP_RATIO = 4               # nanoGPT's: hidden units of a block's MLP per unit of d_model
+
+
+def chunked(h, chunks, fn, F=nd):
+    """fn(piece, start) on the tokens of each chunk [(start, stop)] of h (B, T_j, ...) in turn, joined
+    again: what a token-wise step whose result depends on the position (dropout's masks) does on a
+    context's chunks."""
+    if len(chunks) == 1:
+        return fn(h, chunks[0][0])
+    parts, at = [], 0
+    for a, b in chunks:
+        parts.append(fn(F.slice_axis(h, axis=1, begin=at, end=at + b - a), a))
+        at += b - a
+    return F.concat(*parts, dim=1)
 
 
 def embed_layer(T, vocab, d):
     def embed(X, p, F=nd, shapes=None):
         h = F.Embedding(X, p[0], input_dim=vocab, output_dim=d)                     # (B, T, d)
         return dropout(add_positions(h, p[1], X, T * d, F), 0, F)
+
+    def sequence_embed(Xs, own, seq, F=nd):
+        """Context j embeds the tokens of its chunks, at their positions."""
+        def piece(X, p, a, b):
+            ids = F.slice_axis(X, axis=1, begin=a, end=b)
+            h = F.Embedding(ids, p[0], input_dim=vocab, output_dim=d)
+            return dropout(add_positions(h, F.slice_axis(p[1], axis=0, begin=a, end=b), ids, (b - a) * d, F), 0, F, a)
+        return [F.concat(*[piece(X, p, a, b) for a, b in chunks], dim=1) if len(chunks) > 1 else piece(X, p, *chunks[0])
+                for X, p, chunks in zip(Xs, own, seq.chunks)]
     params = (Param("wte", (vocab, d), "normal", std=0.02), Param("wpe", (T, d), "normal", std=0.02))
-    return Layer("embed", params, embed, 2 * T * d, T, 2 * T * d, "embed")
+    return Layer("embed", params, embed, 2 * T * d, T, 2 * T * d, "embed", sequence_forward=sequence_embed)
+
+
+def block_layer(l, T, d, H):
+    """The vision transformer's block with causal attention, and its context-parallel form."""
+    dh, site = d // H, 2 * l + 1
+
+    def sequence_block(hs, own, seq, F=nd):
+        """Queries, keys and values of each context's tokens, seq.attend (causal ring or Ulysses) over
+        the whole window, the rest token by token, dropout's masks by each chunk's positions."""
+        shapes = [[x.shape for x in p] for p in own]
+        q, k, v = zip(*[qkv(layer_norm(h, p[0], p[1], F), p[2:8], F, s[2:8], dh) for h, p, s in zip(hs, own, shapes)])
+        o = [F.reshape(x, shape=(0, 0, -3)) for x in seq.attend(list(q), list(k), list(v))]       # (B, T_j, d)
+        hs = [h + chunked(fc(oj, p[8], p[9], F), c, lambda x, a: dropout(x, site, F, a), F)
+              for h, oj, p, c in zip(hs, o, own, seq.chunks)]
+        return [h + chunked(mlp_output(h, p[10:], F, s[10:]), c, lambda x, a: dropout(x, site + 1, F, a), F)
+                for h, p, s, c in zip(hs, own, shapes, seq.chunks)]
+    layer = Transformer.block_layer(l, T, d, MLP_RATIO * d, dh, causal=True)
+    return dataclasses.replace(layer, sequence_forward=sequence_block)
 
 
 def head_layer(T, d, vocab):
     def head(h, p, F=nd, shapes=None):
         return fc(layer_norm(h, p[0], p[1], F, d), p[2], p[3], F, shapes[2] if shapes else None)   # (B, T, vocab)
+
+    def sequence_head(hs, own, seq, F=nd):
+        """Each context's scores of its chunks in their places among zeros, summed over the group:
+        every context then holds the scores of the whole window (B, T, vocab)."""
+        cut = sorted(r for chunks in seq.chunks for r in chunks)
+        placed = []
+        for h, p, chunks in zip(hs, own, seq.chunks):
+            s = head(h, p, F)                                                            # (B, T_j, vocab)
+            mine, at = {}, 0
+            for a, b in chunks:
+                mine[a], at = F.slice_axis(s, axis=1, begin=at, end=at + b - a), at + b - a
+            parts = [mine.get(a) if a in mine else nd.zeros((s.shape[0], b - a, vocab), ctx=s.context, dtype=s.dtype)
+                     for a, b in cut]
+            placed.append(F.concat(*parts, dim=1))
+        return seq.sum(placed)
     params = (Param("lnf_g", (d,), "ones"), Param("lnf_b", (d,)),
               Param("head_w", (vocab, d), "normal", std=0.02), Param("head_b", (vocab,)))
-    return Layer("head", params, head, 2 * T * d * vocab, T * d, T * (2 * d + 3 * vocab), "head")
+    return Layer("head", params, head, 2 * T * d * vocab, T * d, T * (2 * d + 3 * vocab), "head",
+                 sequence_forward=sequence_head)
 
 
 class GPT(Model):
     """`layers` causal blocks of width `d_model` and `heads` heads over windows of spec.shape[0]
     tokens of spec.vocab (a datasets.Spec of the task "next-token")."""
     name = "gpt"
+    causal = True              # its attention: a context-parallel group cuts its windows in balanced chunks
 
     def __init__(self, layers, d_model, heads, spec):
         if spec.task != "next-token":
@@ -59,8 +125,7 @@ class GPT(Model):
         T, V = spec.shape[0], spec.vocab
         self.spec, self.tokens = spec, T
         self.config = {"layers": L, "d_model": d, "heads": H, "seq_len": T, "vocab": V}
-        self.layers = (embed_layer(T, V, d),) + tuple(
-            Transformer.block_layer(l, T, d, MLP_RATIO * d, d // H, causal=True) for l in range(L)) + (
+        self.layers = (embed_layer(T, V, d),) + tuple(block_layer(l, T, d, H) for l in range(L)) + (
             head_layer(T, d, V),)
 
     def describe(self):
@@ -83,10 +148,10 @@ class GPT(Model):
 
     def sequence_refusal(self, C, attention):
         """Megatron-SP (attention None) cuts the tokens between split layers: a token a context at
-        least. Ring and Ulysses attention are not causal yet."""
-        if C > self.tokens:
-            return f"{C} contexts cannot each take a block of the GPT's {self.tokens} tokens"
-        if attention is None:
-            return None
-        return ("gpt: context parallelism needs causal ring and Ulysses attention, which the package does not "
-                "have yet: train the GPT with --mode sync, zero, pipeline, tensor or mesh dp x pp x tp")
+        least; ring and Ulysses the balanced cut: two chunks a context, and Ulysses whole heads."""
+        if C > self.tokens or attention is not None and 2 * C > self.tokens:
+            return (f"{C} contexts cannot each take {'two chunks' if attention else 'a block'} of the GPT's "
+                    f"{self.tokens} tokens")
+        if attention == "ulysses" and self.config["heads"] % C:
+            return f"Ulysses needs cp={C} to divide the GPT's {self.config['heads']} heads"
+        return None

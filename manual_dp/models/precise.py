@@ -31,7 +31,7 @@ class Precise(Model):
         self.inner, self.policy = model, policy
         self.name, self.config, self.noise, self.spec = model.name, model.config, model.noise, model.spec
         last = len(model.layers) - 1
-        self.tokens = getattr(model, "tokens", None)
+        self.tokens, self.causal = getattr(model, "tokens", None), model.causal
         self.layers = tuple(dataclasses.replace(
             layer, forward=self.lowered(layer.forward, i == last), kind="block" if layer.kind == "dense" else layer.kind,
             split_forward=layer.split_forward and self.lowered_group(layer.split_forward, i == last),

@@ -22,6 +22,7 @@ import math
 from mxnet import nd
 
 from ..config import TRANSFORMER
+from ..fast.causal_attention import causal
 from ..lesson import relu
 from .contract import CLASSES, IMAGE, Layer, Model, Param, add_bias, fc, outer
 from ..precision import float32_ops
@@ -101,16 +102,6 @@ def qkv(a, p, F, shapes, head_dim):
             heads(fc(a, wk, bk, F, shapes[2])), heads(fc(a, wv, bv, F, shapes[4])))
 
 
-def causal(scores, F):
-    """scores (N, T, T) with every entry above the diagonal (a query's later keys) replaced by
-    -1e4, whose exp underflows to 0 in any precision: query t attends to keys 0..t. The pattern
-    is built from the scores' own shape (F.contrib.arange_like), so a cached graph holds it too."""
-    pos = F.contrib.arange_like(scores, axis=-1)                                     # (T,) 0..T-1
-    later = F.broadcast_greater(F.reshape(pos, shape=(1, 1, -1)), F.reshape(pos, shape=(1, -1, 1)))
-    later = F.BlockGrad(F.broadcast_like(later, scores))                               # (N, T, T) 1: a later key
-    return F.where(later, F.ones_like(scores) * -1e4, scores)
-
-
 def attend(a, p, F, shapes, head_dim, is_causal=False):
     """The heads' outputs (B, T, nh * dh), before the output projection, of a (B, T, d) with q, k, v
     = p[0:6] (weights and biases); is_causal: each query attends to its own and earlier tokens."""
@@ -126,11 +117,16 @@ def attend(a, p, F, shapes, head_dim, is_causal=False):
                      shape=(0, 0, -3))                                           # (B, T, nh*dh)
 
 
+def mlp_output(h, p, F, shapes):
+    """MLP(LN(h)); p: ln2 g, b, w1, b1, w2, b2."""
+    m = relu(fc(layer_norm(h, p[0], p[1], F, shapes[0][0]), p[2], p[3], F, shapes[2]), F)   # (B, T, hidden)
+    return fc(m, p[4], p[5], F, shapes[4])
+
+
 def mlp(h, p, F, shapes, site, start=0):
     """h + MLP(LN(h)), dropout `site` on the MLP's output (tokens from `start`); p: ln2 g, b, w1, b1,
     w2, b2."""
-    m = relu(fc(layer_norm(h, p[0], p[1], F, shapes[0][0]), p[2], p[3], F, shapes[2]), F)   # (B, T, hidden)
-    return h + dropout(fc(m, p[4], p[5], F, shapes[4]), site, F, start)
+    return h + dropout(mlp_output(h, p, F, shapes), site, F, start)
 
 
 def make_block(head_dim, site, causal=False):

@@ -1,4 +1,5 @@
 """How each mode's header line reads: one line on what the mode does with the run's settings."""
+from ..config import NEXT_TOKEN_MODELS
 from .layout import stages_of
 
 SHARDED = {1: "optimiser state", 2: "optimiser state and gradients", 3: "optimiser state, gradients and parameters"}
@@ -69,8 +70,11 @@ def describe_tensor(cfg):
 
 def describe_context(cfg):
     if not cfg.deterministic:
-        return (f"context: every sequence cut over {cfg.context_parallel or 'all'} context(s) per group, "
-                f"{cfg.attention} attention between the blocks, groups data parallel ({cfg.allreduce})")
+        causal = cfg.model in NEXT_TOKEN_MODELS        # a causal model's balanced cut (fast/causal_attention.py)
+        return (f"context: every sequence cut over {cfg.context_parallel or 'all'} context(s) per group"
+                + (", in 2C chunks, context j holding chunks j and 2C - 1 - j (causal attention's work balanced), "
+                   f"causal {cfg.attention}" if causal else f", {cfg.attention}")
+                + f" attention between the blocks, groups data parallel ({cfg.allreduce})")
     tp = (cfg.tensor_parallel or 1) > 1
     return (f"context, deterministic: every sequence in {cfg.sequence_pieces} fixed pieces over "
             f"{cfg.context_parallel or 'all'} context(s) per group, {cfg.attention} attention folding them in "

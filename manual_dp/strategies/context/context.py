@@ -16,10 +16,13 @@ parameter gradient is then its block's share of the whole (1/C of it for the lay
 pooling), and the sum over the group is the one-context gradient: one all-reduce over all dp x cp
 contexts sums the group and the replicas at once, as data parallelism does.
 """
+import functools
+
 from mxnet import autograd, nd
 
 from ...config import FAST_STEP, SEQUENCE_PIECES, RunConfig
 from ...fast.attention import ATTENTION
+from ...fast.causal_attention import CAUSAL, chunks_of
 from ...fast.collectives import chunk_bounds, make_allreduce
 from ...fast.prefetch import host
 from ...fast.tensor_ops import sum_everywhere
@@ -39,11 +42,15 @@ from .context_sums import FixedContext
 class Sequence:
     """What a context-parallel group's layers join their blocks with: `bounds` (C + 1 token
     offsets), `attend` (ring or Ulysses attention over the blocks) and `sum` (an all-reduce whose
-    backward is an all-reduce)."""
+    backward is an all-reduce). causal: a causal model's (Model.causal): each context holds
+    `chunks` of the balanced cut (fast/causal_attention.py) and attend is causal; otherwise its one
+    chunk, bounds[j]:bounds[j + 1]."""
 
-    def __init__(self, n_tokens, C, attention, allreduce):
+    def __init__(self, n_tokens, C, attention, allreduce, causal=False):
         self.tokens, self.bounds = n_tokens, chunk_bounds(n_tokens, C)
-        self.attend, self.allreduce = ATTENTION[attention], allreduce
+        self.chunks = chunks_of(n_tokens, C, balanced=causal)
+        self.attend = functools.partial(CAUSAL[attention], chunks=self.chunks) if causal else ATTENTION[attention]
+        self.allreduce = allreduce
 
     def sum(self, xs):
         return sum_everywhere(xs, self.allreduce)
@@ -77,7 +84,8 @@ class ContextParallel(FixedContext, Strategy):
             raise ValueError(f"context degree {C} does not divide {len(self.ctx)} contexts"
                              if len(self.ctx) % C else f"--mesh cp={C}: {refusal}")
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
-        self.seq = Sequence(self.net.tokens, C, attention, cp_allreduce or make_allreduce(FAST_STEP["allreduce"]))
+        self.seq = Sequence(self.net.tokens, C, attention, cp_allreduce or make_allreduce(FAST_STEP["allreduce"]),
+                            self.net.causal)
         self.grid = [self.ctx[r:r + C] for r in range(0, len(self.ctx), C)]      # grid[group][block]
         values = [p.asnumpy() for p in params]
         self.params = [[placed(values, c) for c in row] for row in self.grid]

@@ -50,7 +50,7 @@ class FixedContext:
                                     f"sequence pieces")
         self.K = K
         self.grid = [self.ctx[r:r + C] for r in range(0, len(self.ctx), C)]      # grid[group][block]
-        self.lanes = [Lanes(self.net.tokens, K, row, self.attention) for row in self.grid]
+        self.lanes = [Lanes(self.net.tokens, K, row, self.attention, self.net.causal) for row in self.grid]
         values = [p.asnumpy() for p in params]
         self.params = [[place(values, c) for c in row] for row in self.grid]
         self.states = [[init_states(P, self.optimizer) for P in row] for row in self.params]

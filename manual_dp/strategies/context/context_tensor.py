@@ -60,7 +60,7 @@ class ContextTensorParallel(FixedGrid, Strategy):
         self.mesh = Mesh(dp=n // (C * T), cp=C, tp=T)
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         inside = group_allreduce or make_allreduce(FAST_STEP["allreduce"])
-        self.join, self.seq = Join(inside), Sequence(net.tokens, C, attention, inside)
+        self.join, self.seq = Join(inside), Sequence(net.tokens, C, attention, inside, net.causal)
         self.grids = [[[self.ctx[self.mesh.rank(dp=r, cp=c, tp=t)] for t in range(T)] for c in range(C)]
                       for r in range(self.mesh.dp)]                                  # grids[r][c][t]
         self.split = [p.split for p in net.param_table()]

@@ -69,7 +69,7 @@ class FixedGrid(FixedTensor):
 
     def group_lanes(self, grid):
         """The Lanes of a grid: K/C on the first context of each row."""
-        return Lanes(self.net.tokens, self.K, [row[0] for row in grid], self.attention)
+        return Lanes(self.net.tokens, self.K, [row[0] for row in grid], self.attention, self.net.causal)
 
     def members(self, r):
         """Group r's rows of contexts and arrays."""

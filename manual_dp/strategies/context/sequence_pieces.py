@@ -28,33 +28,37 @@ computes each batch entry alone), and sends each piece's output back.
 from mxnet import autograd, nd
 
 from ...fast.attention import heads_first, heads_last
+from ...fast.causal_attention import causal, chunk_grads
 from ...fast.collectives import chunk_bounds
 from ...fast.ring_attention import block_grads, fold, scores
 from ..tensor.tensor_pieces import as_list, tree_reduce
 
 
-def fixed_forward(q, k, v):
+def fixed_forward(q, k, v, is_causal=False):
     """([o_a], [lse_a]): each query piece q[a] (B*H, T_a, D) against key and value pieces 0..K-1
-    folded in that order, on q[a]'s context."""
+    folded in that order, on q[a]'s context; is_causal: pieces 0..a only, piece a's scores above
+    the diagonal masked."""
     out, lse = [], []
-    for qa in q:
+    for a, qa in enumerate(q):
         state = None
-        for kb, vb in zip(k, v):
-            state = fold(state, scores(qa, kb.as_in_context(qa.context)), vb.as_in_context(qa.context))
+        for b, (kb, vb) in enumerate(zip(k[:a + 1] if is_causal else k, v)):
+            s = scores(qa, kb.as_in_context(qa.context))
+            state = fold(state, causal(s) if is_causal and b == a else s, vb.as_in_context(qa.context))
         m, l, o = state
         out.append(nd.broadcast_div(o, l))
         lse.append(m + nd.log(l))
     return out, lse
 
 
-def fixed_backward(q, k, v, o, lse, do):
-    """(dq, dk, dv): dq[a] added over key pieces 0..K-1 in order on q[a]'s context, dk[b] and dv[b]
-    over query pieces 0..K-1 in order on k[b]'s."""
+def fixed_backward(q, k, v, o, lse, do, is_causal=False):
+    """(dq, dk, dv): dq[a] added over key pieces 0..K-1 (is_causal: 0..a) in order on q[a]'s context,
+    dk[b] and dv[b] over query pieces 0..K-1 (b..K-1) in order on k[b]'s."""
     dq, dk, dv = ([nd.zeros_like(x) for x in xs] for xs in (q, k, v))
     for a, (qa, c) in enumerate((x, x.context) for x in q):
         D = nd.sum(do[a] * o[a], axis=-1, keepdims=True)                        # (B*H, T_a, 1)
-        for b in range(len(k)):
-            gq, gk, gv = block_grads(qa, k[b].as_in_context(c), v[b].as_in_context(c), lse[a], do[a], D)
+        for b in range(a + 1 if is_causal else len(k)):
+            args = (qa, k[b].as_in_context(c), v[b].as_in_context(c), lse[a], do[a], D)
+            gq, gk, gv = chunk_grads(*args, b == a) if is_causal else block_grads(*args)
             dq[a] += gq
             dk[b] += gk.as_in_context(dk[b].context)
             dv[b] += gv.as_in_context(dv[b].context)
@@ -86,22 +90,23 @@ class FixedAttention(autograd.Function):
     lane's context, returns the K outputs; groups: Ulysses' contexts (None: ring, each query piece on
     its own lane)."""
 
-    def __init__(self, groups=None):
+    def __init__(self, groups=None, is_causal=False):
         super().__init__()
-        self.groups = groups
+        self.groups, self.is_causal = groups, is_causal
 
     def forward(self, *qkv):
         K = len(qkv) // 3
         self.like = [x.detach() for x in qkv]
         q, k, v = (to_groups(list(qkv[i * K:(i + 1) * K]), self.groups) for i in range(3))
-        done = [fixed_forward(*g) for g in zip(q, k, v)]
+        done = [fixed_forward(*g, self.is_causal) for g in zip(q, k, v)]
         self.kept = (q, k, v, [o for o, _ in done], [lse for _, lse in done])
         return tuple(from_groups([o for o, _ in done], self.like[:K]))
 
     def backward(self, *do):
         q, k, v, o, lse = self.kept
         K = len(do)
-        grads = [fixed_backward(*g, dg) for g, dg in zip(zip(q, k, v, o, lse), to_groups(list(do), self.groups))]
+        grads = [fixed_backward(*g, dg, self.is_causal)
+                 for g, dg in zip(zip(q, k, v, o, lse), to_groups(list(do), self.groups))]
         self.kept = ()
         return tuple(x for i in range(3) for x in from_groups([g[i] for g in grads], self.like[i * K:(i + 1) * K]))
 
@@ -137,14 +142,15 @@ class Lanes:
     attend and sum read the contexts off their arguments, so one Lanes serves every column of a
     cp x tp grid (strategies/context/grid_sums.py), each column its own contexts."""
 
-    def __init__(self, n_tokens, K, row, attention="ring"):
+    def __init__(self, n_tokens, K, row, attention="ring", causal=False):
         self.tokens, self.bounds, self.row, self.k = n_tokens, chunk_bounds(n_tokens, K), list(row), K // len(row)
+        self.chunks = [[(a, b)] for a, b in zip(self.bounds, self.bounds[1:])]   # a lane's tokens (models/gpt.py)
         self.where = [self.row[b // self.k] for b in range(K)]
-        self.ulysses = attention == "ulysses" and len(self.row) > 1
+        self.ulysses, self.causal = attention == "ulysses" and len(self.row) > 1, causal
 
     def attend(self, qs, ks, vs):
         groups = distinct([q.context for q in qs]) if self.ulysses else None
-        return as_list(FixedAttention(groups)(*qs, *ks, *vs))
+        return as_list(FixedAttention(groups, self.causal)(*qs, *ks, *vs))
 
     def sum(self, xs):
         where = [x.context for x in xs]

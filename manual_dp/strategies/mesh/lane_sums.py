@@ -66,7 +66,7 @@ class FixedLanes(FixedMesh):
         self.mesh = Mesh(dp=n // (S * C), pp=S, cp=C, tp=1)
         self.C, self.T, self.G, self.Q, self.k, self.K = C, 1, C, 1, 1, K   # G: a stage's contexts, not its lanes
         self.lanes = [[Lanes(net.tokens, K, [ctx[self.mesh.rank(dp=r, pp=k % S, cp=c)] for c in range(C)],
-                             attention) for k in range(S * V)] for r in range(self.mesh.dp)]
+                             attention, net.causal) for k in range(S * V)] for r in range(self.mesh.dp)]
         self.hold_stages(params, ctx, optimizer, S, V, micro_batches, schedule,
                          [[lanes.where for lanes in row] for row in self.lanes])
 

@@ -83,7 +83,7 @@ class MeshParallel(FixedLanes, Strategy):
         tp_allreduce = tp_allreduce or make_allreduce(FAST_STEP["allreduce"])
         self.cuts = net.cuts(S * V)
         join = SequenceJoin(tp_allreduce, net.tokens, T) if sequence_parallel else Join(tp_allreduce)   # f and g
-        seq = Sequence(net.tokens, C, attention, tp_allreduce) if C > 1 else None     # between a group's blocks
+        seq = Sequence(net.tokens, C, attention, tp_allreduce, net.causal) if C > 1 else None   # between a group's blocks
         self.stages = group_runs(net, self.cuts, T, join, seq)
         slices = net.slices()
         self.own = [slice(slices[ids[0]].start, slices[ids[-1]].stop) for ids in self.cuts]   # params per stage

@@ -103,7 +103,7 @@ class FixedSequence(FixedGrid):
 
     def group_lanes(self, grid):
         """The Lanes of a group (one row): K/T at home on each of its contexts."""
-        return Lanes(self.net.tokens, self.K, grid[0])
+        return Lanes(self.net.tokens, self.K, grid[0], causal=self.net.causal)
 
     def homes(self, r):
         """Group r's home context of each lane: K/T lanes on each of its contexts, in order."""
