@@ -5,7 +5,7 @@ import math
 import re
 
 from . import datasets, modes
-from .config import COMPRESSORS, GATHERED, MAX_STAGES, MODELS
+from .config import COMPRESSORS, GATHERED, MAX_STAGES, MODELS, SEQUENCE_MODELS
 from .errors import UsageError
 
 
@@ -94,7 +94,7 @@ def check_model(cfg):
     if (cfg.virtual_stages or 1) > 1 and cfg.schedule != "interleaved" and "virtual_stages" in modes.of(cfg).flags:
         raise UsageError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
     check_sequence_pieces(cfg)
-    if modes.of(cfg).sequence and cfg.model not in ("transformer", "gpt"):
+    if modes.of(cfg).sequence and cfg.model not in SEQUENCE_MODELS:
         raise UsageError(f"--mode mesh (tp x pp) needs layers that split on their own: --model transformer or gpt, "
                          f"not --model {cfg.model}" if modes.of(cfg).stages else
                          f"--mode {cfg.mode} cuts a sequence of tokens over the contexts: --model transformer has "
@@ -133,8 +133,8 @@ def check_sequence_pieces(cfg):
     """UsageError where --deterministic's fixed pieces of the sequence (strategies/context/sequence_pieces.py)
     do not reach: models without a sequence (each mode's own limits: its `refuses` in manual_dp/modes/)."""
     K = cfg.sequence_pieces or 1
-    if K > 1 and cfg.model != "transformer":
-        raise UsageError(f"--sequence-pieces cuts a sequence of tokens: --model transformer has one, --model "
+    if K > 1 and cfg.model not in SEQUENCE_MODELS:
+        raise UsageError(f"--sequence-pieces cuts a sequence of tokens: --model transformer and gpt have one, --model "
                          f"{cfg.model} does not")
 
 

@@ -17,6 +17,7 @@ TRANSFORMER = dict(layers=2, d_model=64, heads=4, patch=0)   # --model transform
 LSTM = dict(layers=1, d_model=128)                          # --model lstm's: LSTM layers, hidden units (= embedding)
 GPT = dict(layers=2, d_model=128, heads=4)                  # --model gpt's: blocks, width of a token, heads
 MODEL_SIZES = {"transformer": TRANSFORMER, "lstm": LSTM, "gpt": GPT}    # each sized model's defaults
+SEQUENCE_MODELS = ("transformer", "gpt")   # models whose tokens context and sequence parallelism cut
 NEXT_TOKEN_MODELS = ("gpt",)  # models that predict the next token at every position (datasets.task_of)
 # Training flags a model sets unless they are given (on the command line or in --config's file):
 MODEL_RUN_DEFAULTS = {"gpt": dict(optimizer="adam", lr=0.003, batch_size=64, epochs=1)}

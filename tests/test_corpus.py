@@ -60,8 +60,8 @@ def test_bad_text_is_refused_in_one_line(capsys, tmp_path, write, argv, message)
     (["--model", "lenet", "--data", "text:x.txt"], "--data text is a corpus for a language model"),
     (["--model", "gpt", "--layers", "1"], "predicts the next token of a text"),
     (["--model", "lstm", "--data", "fortunes", "--vocab", "chars"], "--vocab applies only to a text corpus"),
-    (["--model", "gpt", "--data", "fortunes", "--mode", "context", "--tensor-parallel", "2", "--cpus", "4"],
-     "cp with tp is not built for it"),
+    (["--model", "gpt", "--data", "fortunes", "--seq-len", "6", "--mode", "context", "--cpus", "4"],
+     "4 contexts cannot each take two chunks of the GPT's 6 tokens"),
 ])
 def test_flags_that_do_not_fit_the_model_are_refused(capsys, argv, message):
     code, _, err = run_main(capsys, argv + (["--cpus", "2"] if "--cpus" not in argv else []) + ["--dry-run"])

@@ -16,6 +16,7 @@ from manual_dp import models
 from manual_dp.datasets import Spec
 from manual_dp.models.contract import example_loss
 from manual_dp.strategies.context.context import ContextParallel
+from manual_dp.strategies.context.context_tensor import ContextTensorParallel
 from manual_dp.strategies.data.async_dp import AsyncDataParallel
 from manual_dp.strategies.data.data_parallel import DataParallel
 from manual_dp.strategies.data.local_sgd import LocalSGD
@@ -163,6 +164,8 @@ CONTEXT = {
     "context 2 ring": lambda P, m: ContextParallel(P, cpus(2), "momentum", 2, "ring", model=m),
     "context 2 ulysses": lambda P, m: ContextParallel(P, cpus(2), "momentum", 2, "ulysses", model=m),
     "context 2 x data 2, zero 2": lambda P, m: ContextParallel(P, cpus(4), "momentum", 2, "ring", model=m, zero_stage=2),
+    "context 2 x tensor 2 ring": lambda P, m: ContextTensorParallel(P, cpus(4), "momentum", 2, 2, "ring", model=m),
+    "context 2 x data 2 ulysses": lambda P, m: ContextParallel(P, cpus(4), "momentum", 2, "ulysses", model=m),
 }
 
 
@@ -182,6 +185,11 @@ def test_deterministic_context_parallelism_has_the_bits_of_one_context(reference
         got = after(ContextParallel(P, cpus(C), "momentum", C, attention, model=net, sums=FixedSums(),
                                     sequence_pieces=4), n=70)
         assert digest(got) == want, (C, attention)
+    grid = ContextTensorParallel(P, cpus(4), "momentum", 2, 2, "ring", model=net, sums=FixedSums(tensor_pieces=2),
+                                 sequence_pieces=4)
+    one = ContextTensorParallel(P, cpus(1), "momentum", 1, 1, "ring", model=net, sums=FixedSums(tensor_pieces=2),
+                                sequence_pieces=4)
+    assert digest(after(grid, n=70)) == digest(after(one, n=70))
 
 
 @pytest.mark.parametrize("C, balanced, attention", [(2, False, "ring"), (3, True, "ring"), (2, True, "ulysses")])

@@ -157,6 +157,21 @@ def dropout(h, site, F, start=0, rate=None):
     return h * mask
 
 
+def dropout_at(h, site, F, where=0):
+    """dropout of h (B, T_j, ...) whose tokens start at `where`, or are the chunks `where` [(start,
+    stop), ...] of the sequence in turn (a causal model's balanced context-parallel cut): each
+    chunk's tokens their own positions' masks."""
+    if isinstance(where, int):
+        return dropout(h, site, F, where)
+    if len(where) == 1:
+        return dropout(h, site, F, where[0][0])
+    parts, at = [], 0
+    for a, b in where:
+        parts.append(dropout(F.slice_axis(h, axis=1, begin=at, end=at + b - a), site, F, a))
+        at += b - a
+    return F.concat(*parts, dim=1)
+
+
 @contextlib.contextmanager
 def training_batch(noise, batch):
     """Within: `noise` (None: no dropout) draws the masks of the run's training batch number `batch`."""

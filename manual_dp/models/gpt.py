@@ -29,24 +29,11 @@ import dataclasses
 from mxnet import nd
 
 from ..config import GPT as DEFAULTS
-from .contract import Layer, Model, Param, fc
-from .dropout import dropout
-from .transformer import Transformer, add_positions, layer_norm, mlp_output, qkv
+from .contract import Layer, Param, fc
+from .dropout import dropout, dropout_at
+from .transformer import Transformer, add_positions, layer_norm, make_grid_block, mlp_output, qkv
 
 MLP_RATIO = 4               # nanoGPT's: hidden units of a block's MLP per unit of d_model
-
-
-def chunked(h, chunks, fn, F=nd):
-    """fn(piece, start) on the tokens of each chunk [(start, stop)] of h (B, T_j, ...) in turn, joined
-    again: what a token-wise step whose result depends on the position (dropout's masks) does on a
-    context's chunks."""
-    if len(chunks) == 1:
-        return fn(h, chunks[0][0])
-    parts, at = [], 0
-    for a, b in chunks:
-        parts.append(fn(F.slice_axis(h, axis=1, begin=at, end=at + b - a), a))
-        at += b - a
-    return F.concat(*parts, dim=1)
 
 
 def embed_layer(T, vocab, d):
@@ -76,12 +63,11 @@ def block_layer(l, T, d, H):
         shapes = [[x.shape for x in p] for p in own]
         q, k, v = zip(*[qkv(layer_norm(h, p[0], p[1], F), p[2:8], F, s[2:8], dh) for h, p, s in zip(hs, own, shapes)])
         o = [F.reshape(x, shape=(0, 0, -3)) for x in seq.attend(list(q), list(k), list(v))]       # (B, T_j, d)
-        hs = [h + chunked(fc(oj, p[8], p[9], F), c, lambda x, a: dropout(x, site, F, a), F)
-              for h, oj, p, c in zip(hs, o, own, seq.chunks)]
-        return [h + chunked(mlp_output(h, p[10:], F, s[10:]), c, lambda x, a: dropout(x, site + 1, F, a), F)
+        hs = [h + dropout_at(fc(oj, p[8], p[9], F), site, F, c) for h, oj, p, c in zip(hs, o, own, seq.chunks)]
+        return [h + dropout_at(mlp_output(h, p[10:], F, s[10:]), site + 1, F, c)
                 for h, p, s, c in zip(hs, own, shapes, seq.chunks)]
     layer = Transformer.block_layer(l, T, d, MLP_RATIO * d, dh, causal=True)
-    return dataclasses.replace(layer, sequence_forward=sequence_block)
+    return dataclasses.replace(layer, sequence_forward=sequence_block, grid_forward=make_grid_block(dh, site))
 
 
 def head_layer(T, d, vocab):
@@ -108,9 +94,11 @@ def head_layer(T, d, vocab):
                  sequence_forward=sequence_head)
 
 
-class GPT(Model):
+class GPT(Transformer):
     """`layers` causal blocks of width `d_model` and `heads` heads over windows of spec.shape[0]
-    tokens of spec.vocab (a datasets.Spec of the task "next-token")."""
+    tokens of spec.vocab (a datasets.Spec of the task "next-token"). Its blocks are the vision
+    transformer's, and so are its refusals of tensor and Ulysses layouts (heads a context) and its
+    dropout sites."""
     name = "gpt"
     causal = True              # its attention: a context-parallel group cuts its windows in balanced chunks
 
@@ -135,16 +123,6 @@ class GPT(Model):
         if self.spec.text:
             out["tokens"] = {"text": self.spec.text, "names": "".join(self.spec.names)}
         return out
-
-    def dropout_sites(self):
-        """The embedding's output and each block's attention and MLP outputs."""
-        return 1 + 2 * self.config["layers"]
-
-    def tensor_refusal(self, T):
-        """Heads and MLP units must divide by T: a context holds whole heads."""
-        if self.config["heads"] % T:
-            return f"{T} does not divide the GPT's {self.config['heads']} heads"
-        return super().tensor_refusal(T)
 
     def sequence_refusal(self, C, attention):
         """Megatron-SP (attention None) cuts the tokens between split layers: a token a context at

@@ -26,7 +26,7 @@ from ..fast.causal_attention import causal
 from ..lesson import relu
 from .contract import CLASSES, IMAGE, Layer, Model, Param, add_bias, fc, outer
 from ..precision import float32_ops
-from .dropout import dropout
+from .dropout import dropout, dropout_at
 
 DEFAULTS = dict(TRANSFORMER, mlp_ratio=2)          # the command line's sizes (manual_dp.config)
 
@@ -176,7 +176,7 @@ def split_output(hs, heads, shards, join, F, site, starts):
     """h + the attention output projection of each piece's heads (B, T, nh/Q * dh): row-parallel,
     summed by g, + bo, dropout `site` (context j's tokens from starts[j])."""
     o = row_parallel(heads, [p[8] for p in shards], join, F)                   # (B, T, d) summed
-    return [h + dropout(add_bias(oj, p[9], F), site, F, a)
+    return [h + dropout_at(add_bias(oj, p[9], F), site, F, a)
             for h, oj, p, a in zip(hs, o, join.leads(shards), starts)]
 
 
@@ -187,7 +187,17 @@ def split_mlp(hs, shards, join, F, site, starts):
     m = join.f([layer_norm(h, p[10], p[11], F) for h, p in zip(hs, lead)])     # a piece each
     m = [relu(fc(mj, p[12], p[13], F), F) for mj, p in zip(m, shards)]         # (B, T, hidden/Q)
     m = row_parallel(m, [p[14] for p in shards], join, F)
-    return [h + dropout(add_bias(mj, p[15], F), site, F, a) for h, mj, p, a in zip(hs, m, lead, starts)]
+    return [h + dropout_at(add_bias(mj, p[15], F), site, F, a) for h, mj, p, a in zip(hs, m, lead, starts)]
+
+
+def at(chunks, offset):
+    """Where a tensor rank's tokens are (models.dropout.dropout_at): `offset` tokens into its row's
+    one chunk, or (offset 0) the row's chunks themselves."""
+    if len(chunks) == 1:
+        return chunks[0][0] + offset
+    if offset:
+        raise ValueError("a row of several chunks (the balanced causal cut) is not cut again over its tensor ranks")
+    return chunks
 
 
 def make_grid_block(head_dim, site):
@@ -210,8 +220,8 @@ def make_grid_block(head_dim, site):
             for c, o in enumerate(outs):
                 heads[c][t] = F.reshape(o, shape=(0, 0, -3))                  # (B, T_c, nh/Q * dh)
         out = []
-        for row, hrow, prow, first, jc in zip(hs, heads, shards, seq.bounds, joins):
-            starts = [first + a for a in jc.starts(len(row))]
+        for row, hrow, prow, chunks, jc in zip(hs, heads, shards, seq.chunks, joins):
+            starts = [at(chunks, a) for a in jc.starts(len(row))]
             out.append(split_mlp(split_output(row, hrow, prow, jc, F, site, starts), prow, jc, F, site + 1, starts))
         return out
     return grid_block
@@ -244,7 +254,7 @@ class Transformer(Model):
     def tensor_refusal(self, T):
         """Heads and MLP units must divide by T: a context holds whole heads."""
         if self.config["heads"] % T:
-            return f"{T} does not divide the transformer's {self.config['heads']} heads"
+            return f"{T} does not divide the {self.name}'s {self.config['heads']} heads"
         return super().tensor_refusal(T)
 
     def sequence_refusal(self, C, attention):
