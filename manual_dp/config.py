@@ -80,16 +80,20 @@ class RunConfig:
                                                   "G of 1000, KiB, MiB, GiB of 1024): refuse, before training, a layout whose "
                                                   "measured peak on a context exceeds it, and name the modes "
                                                   "that fit (manual_dp/memory.py)", "devices")
-    model: str = flag("lenet", "the network: lenet, mlp, transformer (a small vision transformer), or "
+    model: str = flag("lenet", "the network: lenet, mlp, transformer (a small vision transformer), lstm (seed "
+                               "000's text classifier), gpt (a causal language model: --data fortunes or "
+                               "text:PATH; Adam, lr 0.003, batch 64, 1 epoch unless given), or "
                                "PATH.py:FUNCTION, a function returning your own Gluon HybridBlock "
                                "(manual_dp/models/)", "model")
     width: int = flag(1, "lenet, mlp and resnet: multiply the channels and hidden units (LeNet's 20, 50, 128) by W: "
                          "parameters, gradients, optimiser state and activations grow (W=16: 32.6M "
                          "parameters)", "model")
-    layers: Optional[int] = flag(None, f"transformer: blocks (default {TRANSFORMER['layers']})", "model")
-    d_model: Optional[int] = flag(None, f"transformer: width of a token (default {TRANSFORMER['d_model']})",
+    layers: Optional[int] = flag(None, f"transformer, gpt: blocks (default {TRANSFORMER['layers']}, gpt {GPT['layers']}); "
+                                       f"lstm: LSTM layers ({LSTM['layers']})", "model")
+    d_model: Optional[int] = flag(None, f"transformer, gpt, lstm: width of a token (default {TRANSFORMER['d_model']}, "
+                                        f"gpt {GPT['d_model']}, lstm {LSTM['d_model']})",
                                   "model")
-    heads: Optional[int] = flag(None, f"transformer: attention heads, dividing --d-model (default "
+    heads: Optional[int] = flag(None, f"transformer, gpt: attention heads, dividing --d-model (default "
                                       f"{TRANSFORMER['heads']})", "model")
     patch: Optional[int] = flag(None, "transformer: tokens are P x P patches (P divides 28); 0: image rows "
                                       "(default 0)", "model")
@@ -101,7 +105,8 @@ class RunConfig:
                                              "0.01 is the lesson's", "model")
     data: str = flag("fashion-mnist", "the data set: fashion-mnist (28x28 images, 10 classes); fortunes[:DIR] "
                                       "(Debian's fortunes package: a fortune's category from its first --seq-len "
-                                      "bytes, the largest categories, for --model lstm or mlp); npz:PATH (your arrays "
+                                      "bytes, the largest categories, for --model lstm or mlp; for --model gpt the fortunes' text); "
+                                      "text:PATH (any text file, --model gpt); npz:PATH (your arrays "
                                       "X, y and optionally X_test, y_test; integer X are token ids) "
                                       "(manual_dp/datasets/)", "data")
     seq_len: Optional[int] = flag(None, f"fortunes and text: tokens of each example: a fortune's first bytes, "
@@ -121,7 +126,7 @@ class RunConfig:
                              "pipelines; zero: data parallel with ZeRO's sharding (--zero-stage); "
                              "local: local SGD / DiLoCo, replicas meet every --sync-every steps; "
                              "tensor: Megatron's split layers; context: the sequence cut over the "
-                             "contexts (--model transformer); mesh: data x pipeline x tensor at once "
+                             "contexts (--model transformer, or gpt: causal, in balanced chunks); mesh: data x pipeline x tensor at once "
                              "(--stages x --tensor-parallel a pipeline). --mesh lays these out as a grid",
                 "parallelism")
     mesh: Optional[str] = flag(None, "the contexts as a grid, dp=D,pp=P,cp=C,tp=T (any subset, the product the "
