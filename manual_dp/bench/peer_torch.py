@@ -106,7 +106,6 @@ def ddp(params, X, y, spec):
 @functools.lru_cache(maxsize=1)
 def block_class():
     """nn.Module class of our pre-norm block: Block(d_model, heads, hidden, causal)."""
-    import torch
     from torch import nn
     from torch.nn import functional as F
 

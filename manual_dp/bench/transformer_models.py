@@ -24,11 +24,11 @@ CAUSAL_GROUPS = (2, 4)        # context-parallel group sizes whose causal attent
 @dataclass(frozen=True)
 class Subject:
     """One --model of the bench: `title` in the header, default `sizes` (layers, d_model, heads) and
-    `batch`; `config` its constant keys of the JSON's config, `settings(args)` its own keys of the spec
-    and the config; `net(spec)` the models.Model, `data(spec)`
-    spec['images'] examples (X, y), `peer(params, spec)` the PyTorch module holding copies of the numpy
-    `params`; `rate` the record's throughput key, `example` what an example is called; `notes(spec)` ({JSON key: value}, lines) of
-    untimed facts about it."""
+    `batch`; `config` its constant keys of the JSON's config, `settings(args)` its own keys of the
+    spec and the config; `net(spec)` the models.Model, `data(spec)` spec['images'] examples (X, y),
+    `peer(params, spec)` the PyTorch module holding copies of the numpy `params`; `rate` the record's
+    throughput key and `unit` its unit, `example` what an example is called; `notes(spec)` ({JSON key: value}, lines)
+    of untimed facts about it."""
     title: str
     sizes: dict
     batch: int
@@ -38,12 +38,9 @@ class Subject:
     data: Callable
     peer: Callable
     rate: str = "images_per_sec"
+    unit: str = "img/s"
     example: str = "img"
     notes: Callable = lambda spec: ({}, [])
-
-    @property
-    def unit(self):
-        return "tok/s" if self.rate == "tokens_per_sec" else "img/s"
 
 
 def vision_transformer(spec):
@@ -92,7 +89,7 @@ MODELS = {
                    lambda args: {"seq_len": args.seq_len or CORPUS_SEQ_LEN, "vocab": VOCAB}, gpt, token_windows,
                    lambda params, spec: peer_torch.torch_gpt(params, spec["layers"], spec["d_model"], spec["heads"],
                                                              spec["seq_len"], spec["vocab"]),
-                   rate="tokens_per_sec", example="window", notes=causal_work),
+                   rate="tokens_per_sec", unit="tok/s", example="window", notes=causal_work),
 }
 
 

@@ -1,0 +1,146 @@
+"""The GPT's benchmarks: python -m manual_dp.bench.transformer --model gpt (its PyTorch peer is the same
+network, a tiny run writes every row and its three implementations end at the same loss) and the
+reference trainer python -m manual_dp.bench.gpt_reference (a tiny run of manual_dp.train ends where
+PyTorch does). Timing is never asserted: the machine is shared.
+
+Tolerances: the peer against our forward and backward 1e-5 (float32 sums in another order, as
+tests/test_gpt.py); the bench's final losses after 8 SGD steps 1e-4 relative (seen: equal); the
+reference's final validation losses 1e-3 relative (the brief's; seen: 2e-7), and every epoch's
+training and validation loss 2e-5 relative (seen: 2e-7; a batch order of another seed moves the first
+epoch's by 5e-4 and more, keeping the last short batch by 3%)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from test_bench_transformer import our_loss_and_grads, torch_or_skip
+from manual_dp.bench import gpt_reference, transformer as bench
+from manual_dp.bench.transformer_models import MODELS, final_loss
+
+PROG = "python -m manual_dp.bench.transformer"
+SIZES = {"layers": 1, "d_model": 16, "heads": 2, "seq_len": 16, "vocab": 256}
+TINY = ["--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "16",
+        "--steps", "2", "--pairs", "1"]
+REFERENCE = ["--train-size", "121", "--test-size", "32", "--layers", "1", "--d-model", "16", "--heads", "2",
+             "--seq-len", "16", "--batch-size", "30", "--epochs", "2"]   # 4 batches an epoch, a last one of 1 dropped
+
+
+def test_the_pytorch_gpt_is_the_same_network():
+    """Copies of our parameters in, the same loss and gradients out, to 1e-5 relative (the key bias's
+    gradient, zero in exact arithmetic, to 1e-5 of the whole gradient's norm: bench_transformer's)."""
+    torch = torch_or_skip()
+    from manual_dp.bench.peer_torch import mean_loss, torch_gpt, transformer_params
+    spec = dict(SIZES, layers=2, seq_len=8, images=5, seed=0)
+    net = MODELS["gpt"].net(spec)
+    params = net.init_params(3)
+    X, y = MODELS["gpt"].data(spec)
+    peer = torch_gpt([p.asnumpy() for p in params], 2, 16, 2, 8, 256)
+    assert all(np.array_equal(a, p.asnumpy()) for a, p in zip(transformer_params(peer), params))
+    assert sum(t.numel() for t in peer.parameters()) == net.n_params()
+    loss, grads = our_loss_and_grads(net, params, X, y)
+    peer_loss = mean_loss(peer(torch.from_numpy(X)), torch.from_numpy(y.astype(np.int64)))
+    peer_loss.backward()
+    assert abs(peer_loss.item() - loss) <= 1e-5 * abs(loss)
+    total = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads))
+    for name, g, t in zip(net.names(), grads, peer.ordered()):
+        err = float(np.linalg.norm(t.grad.numpy() - g))
+        if name.endswith("_bk"):
+            assert err <= 1e-5 * total, name
+        else:
+            assert err <= 1e-5 * float(np.linalg.norm(g)), (name, err / np.linalg.norm(g))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpt")
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.transformer", *TINY, "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (out / "transformer.json").exists()
+    return json.loads((out / "gpt.json").read_text()), done.stdout
+
+
+def test_a_tiny_gpt_run_writes_every_row_and_ends_at_one_loss(tiny_run):
+    results, stdout = tiny_run
+    impls = bench.impls()
+    assert results["config"] == dict(results["config"], model="gpt", seq_len=16, vocab=256, batch=16, steps=2)
+    rows = results["rows"]
+    assert [(r["group"], r["impl"]) for r in rows] == [(0, impl) for impl in impls]
+    assert not [r for r in rows if "error" in r]
+    for r in rows:
+        assert r["tokens_per_sec"] == pytest.approx(16 * r["images_per_sec"]) and 0 < r["peak_share"] < 1
+    spec = dict(SIZES, images=32, seed=0)
+    X, y = MODELS["gpt"].data(spec)
+    net = MODELS["gpt"].net(spec)
+    start = final_loss(net, net.init_params(0), X, y)
+    losses = [r["final_loss"] for r in rows]
+    assert max(losses) - min(losses) <= 1e-4 * min(losses)          # one model, whoever trained it
+    assert max(losses) < start - 1e-2                               # and it trained
+    assert [s["impl"] for s in results["summary"]] == impls and all("tokens_per_sec" in s for s in results["summary"])
+    assert "tok/s" in stdout and "fast / lesson" in stdout
+
+
+def test_the_causal_work_per_rank_is_reported(tiny_run):
+    results, stdout = tiny_run
+    assert results["causal_work"] == [{"contexts": 2, "contiguous": [36, 100], "balanced": [68, 68]},
+                                      {"contexts": 4, "contiguous": [10, 26, 42, 58], "balanced": [34, 34, 34, 34]}]
+    assert "C=2: contiguous [36, 100] (max / mean 1.47); balanced [68, 68] (max / mean 1.00)" in stdout
+
+
+def test_each_model_has_its_own_defaults():
+    gpt, vit = bench.parse(["--model", "gpt"]), bench.parse([])
+    assert (gpt.layers, gpt.d_model, gpt.heads, gpt.batch_size, gpt.seq_len) == (2, 128, 4, 64, None)
+    assert MODELS["gpt"].settings(gpt) == {"seq_len": 64, "vocab": 256}
+    assert (vit.model, vit.layers, vit.d_model, vit.heads, vit.batch_size) == ("transformer", 2, 64, 4, 256)
+
+
+@pytest.mark.parametrize("argv", [["--model", "gpt", "--heads", "3"], ["--seq-len", "8"], ["--model", "bert"],
+                                  ["--model", "gpt", "--seq-len", "0"]])
+def test_bad_flags_are_one_line_and_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and err.startswith(f"{PROG}: error:")
+
+
+# --- the reference trainer ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    torch_or_skip()
+    out = tmp_path_factory.mktemp("reference")
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.gpt_reference", *REFERENCE, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((out / "gpt_reference.json").read_text()), done.stdout
+
+
+def test_the_reference_ends_at_manual_dps_validation_loss(reference):
+    result, stdout = reference
+    ours, theirs = result["manual_dp"], result["torch"]
+    assert abs(ours["val_loss"] - theirs["val_loss"]) <= 1e-3 * theirs["val_loss"]
+    assert result["met"] and result["relative_difference"] <= 1e-3
+    assert theirs["steps"] == 8 and ours["devices"] == ["cpu(0)", "cpu(1)"]
+    assert theirs["initial_val_loss"] - theirs["val_loss"] > 0.3                          # it trained
+    assert "relative difference" in stdout and "manual_dp.train --model gpt --data fortunes" in stdout
+
+
+def test_every_epoch_of_the_reference_is_manual_dps(reference):
+    result, _ = reference
+    pairs = list(zip(result["manual_dp_epochs"], result["torch_epochs"][1:]))
+    assert [a["epoch"] for a, _ in pairs] == [1, 2]
+    for a, b in pairs:
+        for key in ("train_loss", "val_loss"):
+            assert abs(a[key] - b[key]) <= 2e-5 * b[key], (a["epoch"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("argv", [["--mode", "async"], ["--dropout", "0.1"], ["--model", "lenet"],
+                                  ["--precision", "bf16"], ["--layers", "x"], ["--bogus"]])
+def test_the_reference_refuses_in_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        gpt_reference.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and err.startswith(f"{gpt_reference.PROG}: error:")
