@@ -9,6 +9,7 @@ reference's final validation losses 1e-3 relative (the brief's; seen: 2e-7), and
 training and validation loss 2e-5 relative (seen: 2e-7; a batch order of another seed moves the first
 epoch's by 5e-4 and more, keeping the last short batch by 3%)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -144,3 +145,14 @@ def test_the_reference_refuses_in_one_line(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and err.startswith(f"{gpt_reference.PROG}: error:")
+
+
+def test_the_trainers_child_chooses_its_own_threads():
+    """The reference starts manual_dp.train in user_environment(): what manual_dp set in this process
+    is gone, what the user (or a parent process) set is kept."""
+    from manual_dp.fast.runtime import user_environment
+    ours = {"MANUAL_DP_SETTINGS": f"{os.getpid()}:MXNET_CPU_TEMP_COPY,OMP_NUM_THREADS", "OMP_NUM_THREADS": "1",
+            "MXNET_CPU_TEMP_COPY": "4", "OPENBLAS_NUM_THREADS": "3", "HOME": "/h"}
+    assert user_environment(ours) == {"OPENBLAS_NUM_THREADS": "3", "HOME": "/h"}
+    given = {"MANUAL_DP_SETTINGS": "1:OMP_NUM_THREADS", "OMP_NUM_THREADS": "1"}
+    assert user_environment(given) == {"OMP_NUM_THREADS": "1"}
