@@ -13,10 +13,9 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from test_bench_transformer import our_loss_and_grads, torch_or_skip
+from test_bench_transformer import assert_one_line_exit_2, assert_the_same_network, torch_or_skip
 from manual_dp.bench import gpt_reference, transformer as bench
 from manual_dp.bench.transformer_models import MODELS, final_loss
 
@@ -29,28 +28,14 @@ REFERENCE = ["--train-size", "121", "--test-size", "32", "--layers", "1", "--d-m
 
 
 def test_the_pytorch_gpt_is_the_same_network():
-    """Copies of our parameters in, the same loss and gradients out, to 1e-5 relative (the key bias's
-    gradient, zero in exact arithmetic, to 1e-5 of the whole gradient's norm: bench_transformer's)."""
-    torch = torch_or_skip()
-    from manual_dp.bench.peer_torch import mean_loss, torch_gpt, transformer_params
+    """Copies of our parameters in, the same loss and gradients out (assert_the_same_network)."""
+    torch_or_skip()
+    from manual_dp.bench.peer_torch import torch_gpt
     spec = dict(SIZES, layers=2, seq_len=8, images=5, seed=0)
     net = MODELS["gpt"].net(spec)
     params = net.init_params(3)
     X, y = MODELS["gpt"].data(spec)
-    peer = torch_gpt([p.asnumpy() for p in params], 2, 16, 2, 8, 256)
-    assert all(np.array_equal(a, p.asnumpy()) for a, p in zip(transformer_params(peer), params))
-    assert sum(t.numel() for t in peer.parameters()) == net.n_params()
-    loss, grads = our_loss_and_grads(net, params, X, y)
-    peer_loss = mean_loss(peer(torch.from_numpy(X)), torch.from_numpy(y.astype(np.int64)))
-    peer_loss.backward()
-    assert abs(peer_loss.item() - loss) <= 1e-5 * abs(loss)
-    total = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads))
-    for name, g, t in zip(net.names(), grads, peer.ordered()):
-        err = float(np.linalg.norm(t.grad.numpy() - g))
-        if name.endswith("_bk"):
-            assert err <= 1e-5 * total, name
-        else:
-            assert err <= 1e-5 * float(np.linalg.norm(g)), (name, err / np.linalg.norm(g))
+    assert_the_same_network(net, params, X, y, torch_gpt([p.asnumpy() for p in params], 2, 16, 2, 8, 256))
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +85,7 @@ def test_each_model_has_its_own_defaults():
 @pytest.mark.parametrize("argv", [["--model", "gpt", "--heads", "3"], ["--seq-len", "8"], ["--model", "bert"],
                                   ["--model", "gpt", "--seq-len", "0"]])
 def test_bad_flags_are_one_line_and_exit_2(argv, capsys):
-    with pytest.raises(SystemExit) as e:
-        bench.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.strip().count("\n") == 0 and err.startswith(f"{PROG}: error:")
+    assert_one_line_exit_2(bench.main, argv, capsys, PROG)
 
 
 # --- the reference trainer ----------------------------------------------------------------------------
@@ -140,11 +121,7 @@ def test_every_epoch_of_the_reference_is_manual_dps(reference):
 @pytest.mark.parametrize("argv", [["--mode", "async"], ["--dropout", "0.1"], ["--model", "lenet"],
                                   ["--precision", "bf16"], ["--layers", "x"], ["--bogus"]])
 def test_the_reference_refuses_in_one_line(argv, capsys):
-    with pytest.raises(SystemExit) as e:
-        gpt_reference.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.strip().count("\n") == 0 and err.startswith(f"{gpt_reference.PROG}: error:")
+    assert_one_line_exit_2(gpt_reference.main, argv, capsys, gpt_reference.PROG)
 
 
 def test_the_trainers_child_chooses_its_own_threads():
