@@ -8,14 +8,11 @@ tests/test_gpt.py); the bench's final losses after 8 SGD steps 1e-4 relative (se
 reference's final validation losses 1e-3 relative (the brief's; seen: 2e-7), and every epoch's
 training and validation loss 2e-5 relative (seen: 2e-7; a batch order of another seed moves the first
 epoch's by 5e-4 and more, keeping the last short batch by 3%)."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from test_bench_transformer import assert_one_line_exit_2, assert_the_same_network, torch_or_skip
+from test_bench_transformer import assert_one_line_exit_2, assert_the_same_network, run_bench, torch_or_skip
 from manual_dp.bench import gpt_reference, transformer as bench
 from manual_dp.bench.transformer_models import MODELS, final_loss
 
@@ -41,11 +38,9 @@ def test_the_pytorch_gpt_is_the_same_network():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt")
-    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.transformer", *TINY, "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    found = run_bench("manual_dp.bench.transformer", TINY, out, "gpt.json")
     assert not (out / "transformer.json").exists()
-    return json.loads((out / "gpt.json").read_text()), done.stdout
+    return found
 
 
 def test_a_tiny_gpt_run_writes_every_row_and_ends_at_one_loss(tiny_run):
@@ -92,11 +87,8 @@ def test_bad_flags_are_one_line_and_exit_2(argv, capsys):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     torch_or_skip()
-    out = tmp_path_factory.mktemp("reference")
-    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.gpt_reference", *REFERENCE, "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads((out / "gpt_reference.json").read_text()), done.stdout
+    return run_bench("manual_dp.bench.gpt_reference", REFERENCE, tmp_path_factory.mktemp("reference"),
+                     "gpt_reference.json", timeout=600)
 
 
 def test_the_reference_ends_at_manual_dps_validation_loss(reference):

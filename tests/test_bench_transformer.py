@@ -80,13 +80,17 @@ def test_the_pytorch_peer_is_the_same_network():
     assert_the_same_network(net, params, X, y, torch_transformer([p.asnumpy() for p in params], 1, 16, 2))
 
 
+def run_bench(module, argv, out, written, timeout=300):
+    """(the JSON file `written` in `out`, stdout) of `python -m MODULE ARGV --out OUT`, which must succeed."""
+    done = subprocess.run([sys.executable, "-m", module, *argv, "--out", str(out)],
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((out / written).read_text()), done.stdout
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("transformer")
-    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.transformer", *TINY, "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads((out / "transformer.json").read_text()), done.stdout
+    return run_bench("manual_dp.bench.transformer", TINY, tmp_path_factory.mktemp("transformer"), "transformer.json")
 
 
 def test_a_tiny_run_writes_every_row(tiny_run):
