@@ -38,21 +38,17 @@ def our_loss_and_grads(net, params, X, y):
     return float(loss.asscalar()), [p.grad.asnumpy() for p in params]
 
 
-def test_the_pytorch_peer_is_the_same_network():
-    """Copies of our parameters in, the same loss and gradients out, to 1e-5 relative. The key bias's
-    gradient is zero in exact arithmetic (softmax ignores a constant added to all of a query's
-    scores), so both are rounding noise there: held to 1e-5 of the whole gradient's norm instead."""
+def assert_the_same_network(net, params, X, y, peer):
+    """The PyTorch `peer` holds copies of our `params` and gives our `net`'s loss and gradients on (X, y),
+    to 1e-5 relative. The key bias's gradient is zero in exact arithmetic (softmax ignores a constant
+    added to all of a query's scores), so both are rounding noise there: held to 1e-5 of the whole
+    gradient's norm instead."""
     torch = torch_or_skip()
-    from manual_dp.bench.peer_torch import torch_transformer, transformer_params
-    net = build("transformer", layers=1, d_model=16, heads=2, patch=0)
-    params = net.init_params(3)
-    rng = np.random.RandomState(1)
-    X, y = rng.rand(4, 1, 28, 28).astype(np.float32), rng.randint(0, 10, 4).astype(np.int32)
-    peer = torch_transformer([p.asnumpy() for p in params], 1, 16, 2)
+    from manual_dp.bench.peer_torch import mean_loss, transformer_params
     assert all(np.array_equal(a, p.asnumpy()) for a, p in zip(transformer_params(peer), params))
     assert sum(t.numel() for t in peer.parameters()) == net.n_params()     # nothing of its own besides
     loss, grads = our_loss_and_grads(net, params, X, y)
-    peer_loss = torch.nn.functional.cross_entropy(peer(torch.from_numpy(X)), torch.from_numpy(y.astype(np.int64)))
+    peer_loss = mean_loss(peer(torch.from_numpy(X)), torch.from_numpy(y.astype(np.int64)))
     peer_loss.backward()
     assert abs(peer_loss.item() - loss) <= 1e-5 * abs(loss)
     total = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads))
@@ -64,13 +60,37 @@ def test_the_pytorch_peer_is_the_same_network():
             assert err <= 1e-5 * float(np.linalg.norm(g)), (name, err / np.linalg.norm(g))
 
 
+def assert_one_line_exit_2(main, argv, capsys, prog):
+    """main(argv) ends with exit status 2 and one line on stderr, `prog: error: ...`."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and err.startswith(f"{prog}: error:")
+
+
+def test_the_pytorch_peer_is_the_same_network():
+    """Copies of our parameters in, the same loss and gradients out (assert_the_same_network)."""
+    torch_or_skip()
+    from manual_dp.bench.peer_torch import torch_transformer
+    net = build("transformer", layers=1, d_model=16, heads=2, patch=0)
+    params = net.init_params(3)
+    rng = np.random.RandomState(1)
+    X, y = rng.rand(4, 1, 28, 28).astype(np.float32), rng.randint(0, 10, 4).astype(np.int32)
+    assert_the_same_network(net, params, X, y, torch_transformer([p.asnumpy() for p in params], 1, 16, 2))
+
+
+def run_bench(module, argv, out, written, timeout=300):
+    """(the JSON file `written` in `out`, stdout) of `python -m MODULE ARGV --out OUT`, which must succeed."""
+    done = subprocess.run([sys.executable, "-m", module, *argv, "--out", str(out)],
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((out / written).read_text()), done.stdout
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("transformer")
-    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.transformer", *TINY, "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads((out / "transformer.json").read_text()), done.stdout
+    return run_bench("manual_dp.bench.transformer", TINY, tmp_path_factory.mktemp("transformer"), "transformer.json")
 
 
 def test_a_tiny_run_writes_every_row(tiny_run):
@@ -100,11 +120,7 @@ def test_a_tiny_run_writes_every_row(tiny_run):
 @pytest.mark.parametrize("argv", [["--heads", "3"], ["--steps", "0"], ["--pairs", "-1"], ["--layers", "x"],
                                   ["--batch-size", "1"], ["--d-model"], ["--bogus"]])
 def test_bad_flags_are_one_line_and_exit_2(argv, capsys):
-    with pytest.raises(SystemExit) as e:
-        bench.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.strip().count("\n") == 0 and err.startswith(f"{PROG}: error:")
+    assert_one_line_exit_2(bench.main, argv, capsys, PROG)
 
 
 def test_a_bad_flag_in_a_fresh_process_and_an_out_that_is_a_file(tmp_path):

@@ -5,7 +5,7 @@ files marked * run on their own too: `python -m manual_dp.bench.NAME`.
     worker.py *           one measurement in a fresh process (`python -m manual_dp.bench.worker SPEC_JSON`)
     comm.py               all-reduce timings, the copy bound and the memory floor
     train.py              training throughput of manual_dp, the lesson's code and gluon's Trainer
-    peer_torch.py         the same LeNet and transformer in PyTorch, one process or DDP (extra `bench`)
+    peer_torch.py         the same LeNet, transformer and GPT in PyTorch, one process or DDP (extra `bench`)
     overlap.py            do two CPU contexts compute at the same time? (MXNet's profiler)
     report.py             scaling efficiency, the targets' ratios, tables, results.json
     plots.py              the PNG plots
@@ -19,7 +19,9 @@ files marked * run on their own too: `python -m manual_dp.bench.NAME`.
     tensor.py *           what tensor parallelism saves and costs, beside sync on the same contexts
     modes.py *            every mode's images/s side by side, for any model
     precision.py *        fp32, bf16 (native and emulated) and fp16 side by side, with the bytes all-reduced
-    transformer.py *      the transformer beside PyTorch and the lesson's step
+    transformer.py *      the transformer, or the GPT (--model gpt), beside PyTorch and the lesson's step
+    transformer_models.py the models transformer.py measures (a table) and one measurement of either
+    gpt_reference.py *    manual_dp.train's GPT against the same GPT trained in PyTorch: validation losses
     kernels.py *          where the fast step's time goes on any model: MXNet operators, oneDNN kernels
     meshes.py *           issue 22's targets for meshes, sequence and context parallelism, side by side
     mesh_runs.py          the measurements of meshes.py, one function a part

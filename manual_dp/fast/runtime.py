@@ -168,6 +168,17 @@ def configure(cpu_contexts, environ=None, per_op=None, model=None):
     return chosen
 
 
+def user_environment(environ=None):
+    """A copy of the environment without the settings manual_dp put in it in this process (configure's,
+    OURS): what a child `python -m manual_dp.train` should start from to choose its own, keeping the
+    variables the user set."""
+    env = dict(os.environ if environ is None else environ)
+    pid, _, names = env.pop(OURS, "").partition(":")
+    for name in names.split(",") if pid == str(os.getpid()) else ():
+        env.pop(name, None)
+    return env
+
+
 def on_import(cpu_contexts, environ=None):
     """What importing manual_dp does: configure for the default devices if MXNet is not loaded yet;
     if it is, warn when it runs without manual_dp's settings (a notebook that imported mxnet first

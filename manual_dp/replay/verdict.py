@@ -15,7 +15,6 @@ Data parallelism computes every row's activations and output gradients whatever 
 two data-parallel layouts usually part only there, at the sum over the rows.
 """
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import numpy as np
 from ..config import device_request
 from ..digests import config_of, read_header, read_lines
 from ..digests import compare
-from ..fast.runtime import OURS, thread_env
+from ..fast.runtime import thread_env, user_environment
 
 SAME = ("model", "width", "layers", "d_model", "heads", "patch", "init_scale", "seed", "batch_size", "train_size",
         "data_dir", "optimizer")   # what two runs must share for one to be replayed from the other's state
@@ -63,12 +62,10 @@ def parting_update(a, b):
 def run_env(run):
     """This process's environment with the thread settings `python -m manual_dp.train` would give
     `run` (variables the user set are kept)."""
-    env = dict(os.environ)
-    pid, _, names = env.pop(OURS, "").partition(":")
-    ours = set(names.split(",")) if pid == str(os.getpid()) else set()
+    env = user_environment()
     kind, n = device_request(config_of(run))
     chosen = thread_env(n if kind == "cpu" else 0, per_op=1 if run.get("deterministic") else None)
-    env.update({k: v for k, v in chosen.items() if k not in env or k in ours})
+    env.update({k: v for k, v in chosen.items() if k not in env})
     return env
 
 
