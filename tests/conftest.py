@@ -152,3 +152,20 @@ def assert_on(arrays, c):
 # it): the plain graph unless a test asks for padding; a cache of the test session's own.
 os.environ.setdefault("MANUAL_DP_CONV_PAD", "1")
 os.environ.setdefault("MANUAL_DP_CACHE", os.path.join(tempfile.mkdtemp(prefix="manual_dp_cache_"), "autotune.json"))
+
+
+def params_after_steps(strategy, X, y, steps=2, accum=False, lr=0.05):
+    """strategy's parameters (numpy) after `steps` updates on (X, y); accum: each update two
+    half batches (a GradAccum of 2)."""
+    n = len(X)
+    for _ in range(steps):
+        for part in ((slice(0, n // 2), slice(n // 2, n)) if accum else (slice(0, n),)):
+            strategy.step(X[part], y[part], lr)
+    return strategy.state_dict()["params"]
+
+
+def assert_trained_as(got, want, start, tol):
+    """got equals want to tol of want's largest value, and moved from `start` by far more."""
+    scale = max(float(np.abs(w).max()) for w in want)
+    assert max(float(np.abs(g - w).max()) for g, w in zip(got, want)) <= tol * scale
+    assert max(float(np.abs(g - w.asnumpy()).max()) for g, w in zip(got, start)) > 100 * tol * scale   # it trained

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-from conftest import cpus, run_main
+from conftest import assert_trained_as, cpus, params_after_steps, run_main
 from manual_dp import models
 from manual_dp.datasets import Spec
 from manual_dp.models.contract import example_loss
@@ -124,11 +124,7 @@ LAYOUTS = {
 
 
 def after(strategy, accum=False, steps=2, n=24):
-    X, y = tokens(n)
-    for _ in range(steps):
-        for part in ((slice(0, n // 2), slice(n // 2, n)) if accum else (slice(0, n),)):
-            strategy.step(X[part], y[part], 0.05)
-    return strategy.state_dict()["params"]
+    return params_after_steps(strategy, *tokens(n), steps, accum)
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +137,7 @@ def reference():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_equals_one_context(reference, layout):
     net, P, want = reference
-    got = after(LAYOUTS[layout](P, net), accum=layout.startswith("grad accum"))
-    scale = max(float(np.abs(w).max()) for w in want)
-    assert max(float(np.abs(g - w).max()) for g, w in zip(got, want)) <= TOL * scale
-    assert max(float(np.abs(g - w.asnumpy()).max()) for g, w in zip(got, P)) > 100 * TOL * scale   # it trained
+    assert_trained_as(after(LAYOUTS[layout](P, net), accum=layout.startswith("grad accum")), want, P, TOL)
 
 
 def digest(params):
