@@ -18,10 +18,20 @@ from .contract import Model
 MODELS = ("lenet", "mlp", "transformer", "resnet", "lstm")   # or PATH.py:FUNCTION, the user's own Gluon block
 
 
-def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=None, seed=0, spec=None):
+def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=None, seed=0, spec=None, room=None):
     """The model `name` of these sizes reading examples of `spec` (a datasets.Spec; default
     Fashion-MNIST's images); a "PATH.py:FUNCTION" name loads the user's block (models.gluon_block).
-    ValueError (one line) for sizes or data it cannot take."""
+    ValueError (one line) for sizes or data it cannot take, or, given a models.room.Room, for a run
+    that would not fit in it (checked before the transformer makes its blocks and before a user's
+    block allocates its parameters)."""
+    net = made(name, width, layers, d_model, heads, patch, seed, spec, room)
+    if room is not None:
+        room.check(net.n_params(), net.layers[0].inputs + sum(layer.acts for layer in net.layers))
+    return net
+
+
+def made(name, width, layers, d_model, heads, patch, seed, spec, room):
+    """build's model, made (the transformer and a user's block check `room` as they are made)."""
     from ..datasets import IMAGES
     spec = spec or IMAGES
     if name == "mlp":
@@ -41,9 +51,9 @@ def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=No
         return ResNet(width)
     if name == "transformer":
         from .transformer import Transformer
-        return Transformer(layers, d_model, heads, patch=patch)
+        return Transformer(layers, d_model, heads, patch=patch, room=room)
     from .gluon_block import GluonModel
-    return GluonModel(name, seed)
+    return GluonModel(name, seed, room)
 
 
 def as_model(model, params=None):

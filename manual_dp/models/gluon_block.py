@@ -50,18 +50,53 @@ def load_block(spec):
         module_spec = importlib.util.spec_from_file_location(f"manual_dp_user_{abs(hash(path))}", path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
+    except SystemExit as e:
+        raise UsageError(f"--model {spec}: {path} called sys.exit({e.code!r}) as it loaded: a model file must not exit") from None
     except Exception as e:                   # the user's code: any error is theirs, reported in one line
-        raise UsageError(f"--model {spec}: {path} failed to load ({type(e).__name__}: {e})") from None
+        raise UsageError(f"--model {spec}: {path} failed to load ({why(e)})") from None
     fn = getattr(module, func, None)
     if not callable(fn):
         raise UsageError(f"--model {spec}: {path} defines no function {func}")
     try:
         block = fn()
+    except SystemExit as e:
+        raise UsageError(f"--model {spec}: {func}() called sys.exit({e.code!r}): a model function must not exit") from None
     except Exception as e:
-        raise UsageError(f"--model {spec}: {func}() raised {type(e).__name__}: {e}") from None
+        raise UsageError(f"--model {spec}: {func}() raised {why(e)}") from None
     if not isinstance(block, gluon.HybridBlock):
         raise UsageError(f"--model {spec}: {func}() returned {type(block).__name__}, not a Gluon HybridBlock")
     return block
+
+
+def why(e):
+    """An exception of the user's code in a few words, on one line (sys.exit(n) as what it is)."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r}), which a model must not do"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
+
+
+def symbolic_sizes(spec, kids):
+    """The parameters of the block (children `kids`) and its running statistics, counted from a
+    pass over symbols (no array made), or None where their shapes cannot be inferred. UsageError,
+    naming the child and why, for a child Gluon cannot hybridise (one that reads x.shape or calls
+    asnumpy(): its hybrid_forward is given symbols, which have neither)."""
+    import mxnet as mx
+    h = mx.sym.var("data")
+    for i, child in enumerate(kids):
+        try:
+            h = child(h)
+        except (Exception, SystemExit) as e:
+            raise UsageError(f"--model {spec}: layer {i} ({child.name}, a {type(child).__name__}) cannot be hybridised: "
+                             f"its forward must run on symbols, which have no shape or values ({why(e)})") from None
+    try:
+        args, _, aux = h.infer_shape(data=(2,) + IMAGE)
+    except Exception:                                       # noqa: BLE001 (MXNetError: shapes left open)
+        return None
+    if args is None or any(0 in s for s in args + aux):
+        return None
+    return sum(int(np.prod(s)) for n, s in zip(h.list_arguments(), args) if n != "data") + \
+        sum(int(np.prod(s)) for s in aux)
 
 
 def children(block):
@@ -109,6 +144,8 @@ def dropout_layer(i, child, site, size):
     from mxnet import nd
     if child._axes:
         raise UsageError(f"layer {i}: Dropout with axes {child._axes} (a mask shared along axes) is not supported")
+    if not 0 <= child._rate < 1:
+        raise UsageError(f"layer {i}: Dropout({child._rate}) would drop every unit: a rate must be in [0, 1)")
 
     def forward(h, params, F=nd, shapes=None):
         return dropout(h, site, F, rate=child._rate)
@@ -143,18 +180,21 @@ def stable_name(i, child, name):
 class GluonModel(Model):
     """The block of "PATH.py:FUNCTION" as layers (see the module's docstring)."""
 
-    def __init__(self, spec, seed=0):
+    def __init__(self, spec, seed=0, room=None):
+        """room: a models.room.Room, checked before the block allocates its parameters."""
         import mxnet as mx
         from mxnet import nd
         self.name, self.config = spec, {"source": spec}
         block = load_block(spec)
+        n = symbolic_sizes(spec, children(block))
+        if room is not None and n is not None:
+            room.check(n, 0, own=2)           # the block's arrays and self.values, kept besides the run's
         mx.random.seed(seed)
         try:
             block.initialize(ctx=mx.cpu(0))
             out = block(nd.zeros((2,) + IMAGE, ctx=mx.cpu(0)))
-        except Exception as e:
-            raise UsageError(f"--model {spec}: the block failed on a (2, 1, 28, 28) batch "
-                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        except (Exception, SystemExit) as e:
+            raise UsageError(f"--model {spec}: the block failed on a (2, 1, 28, 28) batch ({why(e)})") from None
         if not isinstance(out, nd.NDArray) or out.shape != (2, CLASSES):
             raise UsageError(f"--model {spec}: the block gives {getattr(out, 'shape', type(out).__name__)} "
                              f"for 2 images, not (2, {CLASSES}) class scores")
