@@ -8,13 +8,14 @@ lesson step only by the order of float32 additions: 1e-5 of the largest paramete
 dropped or counted twice moves them by ~1e-2 here)."""
 import pytest
 
-from conftest import batch, close, cpus, run_main
+from conftest import close, cpus, run_main
 from manual_dp import models
 from manual_dp.planner.layouts import enumerate_layouts
 from manual_dp.planner.predict import Setting, communication, gpu
 from manual_dp.strategies.data.data_parallel import DataParallel
 from manual_dp.strategies.pipeline.pipeline import PipelineParallel
 from manual_dp.strategies.zero.zero import ZeroRedundancy
+from test_models import params_after
 
 FLAT_FIRST = ("from mxnet.gluon import nn\n"
               "def net():\n"
@@ -33,13 +34,6 @@ def block(tmp_path_factory):
     path = tmp_path_factory.mktemp("flat") / "mine.py"
     path.write_text(FLAT_FIRST)
     return str(path)
-
-
-def params_after(strategy, steps=2, n=24):
-    X, y = batch(n, 0)
-    for _ in range(steps):
-        strategy.step(X, y, 0.05)
-    return strategy.state_dict()["params"]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ model they were handed (or, when none was, the lesson's LeNet of the parameters'
     dropout.py      dropout whose masks no layout changes: drawn per (batch, example), never per context
     gluon_block.py  the user's own Gluon block under the contract (--model PATH.py:FUNCTION)
     precise.py      a model in a precision: the same layers, their products in bf16 or fp16
+    room.py         whether a run of a model fits in this machine's memory, from its sizes alone
 """
 from .contract import Model
 

@@ -22,10 +22,12 @@ or with --sync-batchnorm over every context, in every strategy that carries ResN
 local SGD, across processes). Its settings must be Gluon's defaults, which models/batchnorm.py
 computes (axis 1, eps 1e-5, momentum 0.9, a trained gamma and beta).
 
-Refused, in one line: a file that is missing or does not define FUNCTION, a FUNCTION that raises
-or returns no HybridBlock, a block that fails on a (2, 1, 28, 28) batch or does not give (2, 10)
-scores, a BatchNorm with other settings or inside another child (its running statistics would be
-hidden in that child's graph).
+Refused, in one line: a file that is missing or does not define FUNCTION, a file or FUNCTION that
+raises or calls sys.exit, a FUNCTION that returns no HybridBlock, a child Gluon cannot hybridise
+(its forward reads x.shape or values: checked on symbols before any array is made), a block too
+large for the machine (models/room.py, before it allocates), a block that fails on a (2, 1, 28, 28)
+batch or does not give (2, 10) scores, a Dropout of rate 1, a BatchNorm with other settings or
+inside another child (its running statistics would be hidden in that child's graph).
 """
 import importlib.util
 import os
