@@ -6,8 +6,13 @@ A header line first, how the run was made (the RunConfig fields that change the 
 layout's flags and the processes; `diverge --replay` rebuilds the run from it), then one JSON
 line per update:
 
-    {"run": {"model": "lenet", "seed": 0, "mode": "sync", "cpus": 2, ..., "processes": 1}}
+    {"run": {"model": "lenet", "seed": 0, "mode": "sync", "cpus": 2, ..., "processes": 1,
+             "pieces": {"sequence": 1, "tensor": 1}}}
     {"update": t, "tensors": [[kind, name, digest, sum, norm], ...]}
+
+"pieces" are the fixed pieces a --deterministic run computed in (null without --deterministic):
+its bits are every layout's only for the same pieces, so diverge names them, and the other
+settings that change the numbers (NUMBERS), where two runs differ in them.
 
 kind is "grad" (the reduced gradient, as the optimiser receives it: summed over the batch, every
 context and process), "param" (after the update) or "state<i>" (the optimiser's i-th state array
@@ -28,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +79,33 @@ def header(cfg, processes=1):
     micro_batches, schedule, tensor/context parallel, mesh, deterministic, allreduce, graph,
     precision...), the data directory and the checkpoint directory."""
     run = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_HEADER}
-    return {"run": dict(run, processes=int(processes))}
+    return {"run": dict(run, processes=int(processes), pieces=pieces(cfg))}
+
+
+def pieces(cfg):
+    """The fixed pieces a --deterministic run computed in, {"sequence": K, "tensor": Q} (1: whole),
+    whatever its layout (the flags leave them unset where a mode takes the whole); None without
+    --deterministic, whose bits no layout keeps."""
+    return {"sequence": cfg.sequence_pieces or 1, "tensor": cfg.tensor_pieces or 1} if cfg.deterministic else None
+
+
+# What changes a --deterministic run's bits in every layout: two runs that differ in one of these part
+# whatever their layouts (diverge names it before the tensor). The pieces are read from the header's "pieces".
+NUMBERS = ("model", "width", "layers", "d_model", "heads", "patch", "dropout", "init_scale", "data", "seq_len",
+           "train_size", "seed", "batch_size", "lr", "scale_lr", "warmup_epochs", "optimizer", "clip_norm",
+           "precision", "sync_batchnorm", "deterministic")
+
+
+def settings_apart(a, b):
+    """"--flag X against Y" for each setting of NUMBERS (and each run's pieces) in which the runs of
+    headers a and b differ; [] where either has no header."""
+    if a is None or b is None:
+        return []
+    both = "pieces" in a and "pieces" in b                  # (files written before headers said them: not)
+    pa, pb = ((p if isinstance(p, dict) else {}) for p in (a.get("pieces"), b.get("pieces")))
+    pairs = {f"{kind}_pieces": (pa.get(kind), pb.get(kind)) for kind in ("sequence", "tensor") if both}
+    pairs.update({k: (a.get(k), b.get(k)) for k in NUMBERS})
+    return [f"--{k.replace('_', '-')}: {x!r} against {y!r}" for k, (x, y) in pairs.items() if x != y]
 
 
 def config_of(run):
@@ -120,44 +152,87 @@ class DigestError(Exception):
 
 
 def read_text(path):
+    """The text of file `path`; DigestError for one that cannot be read, or a device (/dev/zero
+    never ends) or anything else that is no file or pipe."""
     try:
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise DigestError(f"{path}: not a file (a digest file is a --digests output)")
         return Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise DigestError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    except MemoryError:
+        raise DigestError(f"{path}: too large to read") from None
+
+
+def parse(line):
+    """The JSON value of one line, or None if it is not JSON (or nested too deep to read)."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None
 
 
 def read_header(path):
     """The `run` dict of a digest file's header line; None for a file written before headers."""
-    first = read_text(path).split("\n", 1)[0]
-    try:
-        head = json.loads(first)
-    except ValueError:
-        return None
+    return header_of(read_text(path).split("\n", 1)[0])
+
+
+def header_of(first):
+    """The `run` dict of the header line `first`; None if it is none."""
+    head = parse(first)
     return head["run"] if isinstance(head, dict) and isinstance(head.get("run"), dict) else None
+
+
+def number(x):
+    """A JSON number as a float (NaN and the infinities included: a run may diverge), else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        return float(x)
+    except OverflowError:
+        return None
+
+
+def tensor_of(x):
+    """[kind, name, digest, sum, norm] with the sum and norm floats, or None if x is not one."""
+    if not (isinstance(x, list) and len(x) == 5 and all(isinstance(v, str) for v in x[:3])):
+        return None
+    values = [number(v) for v in x[3:]]
+    return None if None in values else x[:3] + values
+
+
+def record_of(r):
+    """A digest record with its tensors checked (tensor_of), or None if r is not one."""
+    if not (isinstance(r, dict) and type(r.get("update")) is int and isinstance(r.get("tensors"), list)):
+        return None
+    tensors = [tensor_of(x) for x in r["tensors"]]
+    return None if None in tensors else dict(r, tensors=tensors)
 
 
 def read_lines(path, torn=None):
     """The records of a digest file, in order, its header skipped. A torn last line (a run killed
     mid-write) is dropped and, if `torn` is a list, noted in it; anything else malformed raises
     DigestError."""
+    return read(path, torn)[1]
+
+
+def read(path, torn=None):
+    """(the header's `run` dict or None, the records): read_lines' records and read_header's run,
+    from one read of the file."""
     lines, out = read_text(path).split("\n"), []
     for i, line in enumerate(lines):
         if not line.strip() or (i == 0 and line.startswith('{"run"')):
             continue
-        try:
-            r = json.loads(line)
-            ok = isinstance(r, dict) and isinstance(r.get("update"), int) and isinstance(r.get("tensors"), list) \
-                and all(isinstance(x, list) and len(x) == 5 for x in r["tensors"])
-        except ValueError:
-            ok = False
-        if not ok:
+        r = record_of(parse(line))
+        if r is None:
             if i == len(lines) - 1:                  # no newline after it: torn by a kill
                 if torn is not None:
                     torn.append(i + 1)
                 break
             raise DigestError(f"{path}: line {i + 1} is not a digest record")
         out.append(r)
-    return out
+    return header_of(lines[0]), out
 
 
 def compare(a, b):

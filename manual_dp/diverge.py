@@ -11,11 +11,14 @@ lines and that update is run again in each layout from one state: the answer nam
 layer whose output, or the gradient of whose output, differs, with the same exit codes (2 also
 for files without a header, runs of different models or data, an update too far to retrain).
 """
-import argparse
 import sys
 
+from .cli.options import OneLineParser
 from .cli.output import ends_on_signals
-from .digests import DigestError, compare, read_lines
+from .digests import DigestError, compare, read, settings_apart
+from .errors import UsageError
+
+USAGE = "python -m manual_dp.diverge A B [--replay] [--update T]"
 
 
 def main(argv=None):
@@ -26,7 +29,7 @@ def main(argv=None):
 
 
 def compare_files(argv):
-    parser = argparse.ArgumentParser(prog="python -m manual_dp.diverge", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m manual_dp.diverge", usage=USAGE, description=__doc__.split("\n")[0])
     parser.add_argument("a", help="the first run's --digests file")
     parser.add_argument("b", help="the second run's --digests file")
     parser.add_argument("--replay", action="store_true",
@@ -34,15 +37,20 @@ def compare_files(argv):
                              "and name the first layer whose output or output gradient differs")
     parser.add_argument("--update", type=int, help="--replay this update (default: the first that differs, "
                                                    "else 1)")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        sys.stderr.write(f"manual_dp.diverge: error: {e} (usage: {USAGE})\n")
+        sys.exit(2)
     if args.replay or args.update is not None:
         sys.exit(replay_status(args))
     try:
-        notes = {}
-        runs = []
+        notes, heads, runs = {}, [], []
         for label, path in (("A", args.a), ("B", args.b)):
             torn = []
-            runs.append(read_lines(path, torn))
+            head, lines = read(path, torn)
+            heads.append(head)
+            runs.append(lines)
             if torn:
                 notes[label] = f"{label} ({path}): its last line is torn (a run killed mid-write): ignored"
         status, message = compare(*runs)
@@ -51,7 +59,8 @@ def compare_files(argv):
         sys.exit(2)
     for note in notes.values():
         print(note)
-    print(message)
+    apart = settings_apart(*heads) if status else []
+    print((f"the runs differ in {', '.join(apart)}; " if apart else "") + message)
     sys.exit(status)
 
 

@@ -116,3 +116,23 @@ def test_debian_fortunes_are_a_corpus_for_the_gpt():
         pytest.skip("Debian's fortunes package is not installed (setup.sh installs it)")
     got = datasets.load(RunConfig(data="fortunes", model="gpt", seq_len=64))
     assert got.spec.task == "next-token" and got.spec.vocab == 256 and len(got.train[0]) > 30000
+
+
+def test_a_users_gluon_block_reads_token_ids(capsys, tmp_path):
+    rng = np.random.RandomState(0)
+    X = rng.randint(0, 20, size=(96, 6))
+    np.savez(tmp_path / "t.npz", X=X, y=X[:, 0] % 3)
+    (tmp_path / "mine.py").write_text(
+        "from mxnet.gluon import nn\n"
+        "def net():\n"
+        "    block = nn.HybridSequential()\n"
+        "    block.add(nn.Embedding(20, 8), nn.Flatten(), nn.Dense(16, activation='relu'), nn.Dense(3))\n"
+        "    return block\n")
+    losses = []
+    for n in (1, 2):
+        code, out, err = run_main(capsys, ["--model", f"{tmp_path / 'mine.py'}:net", "--data", f"npz:{tmp_path / 't.npz'}",
+                                           "--cpus", str(n), "--epochs", "2", "--batch-size", "16", "--optimizer", "adam",
+                                           "--lr", "0.01", "--mode", "zero", "--zero-stage", "3"])
+        assert code == 0, err
+        losses.append([float(l.split("loss ")[1].split()[0]) for l in out.splitlines() if l.startswith("epoch")])
+    assert losses[0] == losses[1] and losses[0][1] < losses[0][0]

@@ -13,6 +13,8 @@ from ..fast.compress import make_reducer
 from ..models import build as build_network
 from ..models.dropout import Noise
 from ..models.precise import Precise
+from ..models.room import room
+from ..planner.predict import OPT_COPIES
 from ..precision import Policy
 from ..schedule import make_lr, updates_per_epoch
 from ..strategies.base import innermost
@@ -58,9 +60,9 @@ def graph_pad(cfg, world):
 
 
 @functools.lru_cache(maxsize=4)
-def network_of(model, width, layers, d_model, heads, patch, seed, dropout=0.0, spec=None):
+def network_of(model, width, layers, d_model, heads, patch, seed, dropout=0.0, spec=None, room=None):
     try:
-        net = build_network(model, width, layers, d_model, heads, patch, seed, spec)
+        net = build_network(model, width, layers, d_model, heads, patch, seed, spec, room)
         if dropout:
             net.drop(Noise(dropout, seed))
         return net
@@ -70,9 +72,27 @@ def network_of(model, width, layers, d_model, heads, patch, seed, dropout=0.0, s
 
 def network(cfg):
     """The models.Model that cfg names, reading cfg's data (datasets.spec_of), built once per process
-    (a user's block is loaded once), with cfg's dropout."""
+    (a user's block is loaded once), with cfg's dropout; refused in one line if the run would not
+    fit in this machine's memory (models/room.py)."""
     return network_of(cfg.model, cfg.width, cfg.layers, cfg.d_model, cfg.heads, cfg.patch, cfg.seed, cfg.dropout,
-                      datasets.spec_of(cfg))
+                      datasets.spec_of(cfg), room_of(cfg.optimizer, recorded(cfg), config.device_request(cfg)[0] == "gpu"))
+
+
+def recorded(cfg):
+    """Examples whose activations the run holds at once, at least: the batch, a micro-batch of a
+    pipeline, a piece under --deterministic, none counted under --recompute."""
+    if cfg.recompute:
+        return 0
+    if cfg.deterministic:
+        return min(cfg.batch_size, config.PIECE_ROWS)
+    return -(-cfg.batch_size // (cfg.micro_batches or 1))
+
+
+@functools.lru_cache(maxsize=4)
+def room_of(optimizer, examples, on_gpus):
+    """The memory a run of these settings has (models/room.py), read once per process (so that the
+    network is built once)."""
+    return room(OPT_COPIES[optimizer], optimizer, examples, on_gpus)
 
 
 def policy_of(cfg):

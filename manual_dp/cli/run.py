@@ -168,8 +168,7 @@ def train_in(cfg, world, ctx):
           f"{len(test_data[0])} test {'images' if data.spec == datasets.IMAGES else 'examples'} from {data.label}, "
           f"batch {cfg.batch_size}, "
           f"{cfg.optimizer} lr {cfg.lr}")
-    print(f"model {net.name} ({', '.join(f'{k} {v}' for k, v in net.config.items())}): "
-          f"{net.n_params():,} parameters in {len(net.layers)} layers")
+    print(f"model {net.name} ({', '.join(f'{k} {v}' for k, v in net.config.items())}): {net.summary()}")
     print(f"mode {describe(cfg)}; lr {lr}")
     print("\n".join(modes.grid_of(cfg, len(ctx)).describe(ctx, world.size, cfg.deterministic)))
     print(f"memory per context: {memory.format_report(mem)}")

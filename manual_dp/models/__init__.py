@@ -13,15 +13,26 @@ model they were handed (or, when none was, the lesson's LeNet of the parameters'
     dropout.py      dropout whose masks no layout changes: drawn per (batch, example), never per context
     gluon_block.py  the user's own Gluon block under the contract (--model PATH.py:FUNCTION)
     precise.py      a model in a precision: the same layers, their products in bf16 or fp16
+    room.py         whether a run of a model fits in this machine's memory, from its sizes alone
 """
 from ..config import MODELS          # or PATH.py:FUNCTION, the user's own Gluon block
 from .contract import Model
 
 
-def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=None, seed=0, spec=None):
+def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=None, seed=0, spec=None, room=None):
     """The model `name` of these sizes reading examples of `spec` (a datasets.Spec; default
     Fashion-MNIST's images); a "PATH.py:FUNCTION" name loads the user's block (models.gluon_block).
-    ValueError (one line) for sizes or data it cannot take."""
+    ValueError (one line) for sizes or data it cannot take, or, given a models.room.Room, for a run
+    that would not fit in it (checked before the transformer makes its blocks and before a user's
+    block allocates its parameters)."""
+    net = made(name, width, layers, d_model, heads, patch, seed, spec, room)
+    if room is not None:
+        room.check(net.n_params(), net.layers[0].inputs + sum(layer.acts for layer in net.layers))
+    return net
+
+
+def made(name, width, layers, d_model, heads, patch, seed, spec, room):
+    """build's model, made (the transformer and a user's block check `room` as they are made)."""
     from ..datasets import IMAGES
     spec = spec or IMAGES
     if name == "mlp":
@@ -36,6 +47,9 @@ def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=No
                              "(--model gpt)")
         from .gpt import GPT
         return GPT(layers, d_model, heads, spec)
+    if name not in MODELS:                              # the user's block: it reads what the data holds
+        from .gluon_block import GluonModel
+        return GluonModel(name, seed, room, spec)
     if spec != IMAGES and (spec.shape, spec.classes, spec.tokens) != (IMAGES.shape, IMAGES.classes, False):
         raise ValueError(f"reads 28x28 images of 10 classes, (1, 28, 28) values; the data holds {spec.describe()}"
                          f" (--model mlp reads any values, --model lstm token sequences)")
@@ -45,11 +59,8 @@ def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=No
     if name == "resnet":
         from .resnet import ResNet
         return ResNet(width)
-    if name == "transformer":
-        from .transformer import Transformer
-        return Transformer(layers, d_model, heads, patch=patch)
-    from .gluon_block import GluonModel
-    return GluonModel(name, seed)
+    from .transformer import Transformer
+    return Transformer(layers, d_model, heads, patch=patch, room=room)
 
 
 def as_model(model, params=None):

@@ -184,6 +184,13 @@ class Model:
     def n_params(self):
         return sum(p.size for p in self.param_table())
 
+    def summary(self):
+        """"N parameters in L layers", naming those without parameters (a Flatten): every layout
+        runs them, and ZeRO gathers and reduce-scatters nothing for them."""
+        bare = [layer.name for layer in self.layers if not layer.params]
+        return (f"{self.n_params():,} parameters in {len(self.layers)} layers"
+                + (f" ({', '.join(bare)} without parameters: nothing for ZeRO to gather or reduce)" if bare else ""))
+
     def flops_per_example(self):
         """(forward, forward + backward) FLOPs of one example: backward two products per layer,
         one for the first (its input needs no gradient)."""

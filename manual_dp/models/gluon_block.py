@@ -22,10 +22,12 @@ or with --sync-batchnorm over every context, in every strategy that carries ResN
 local SGD, across processes). Its settings must be Gluon's defaults, which models/batchnorm.py
 computes (axis 1, eps 1e-5, momentum 0.9, a trained gamma and beta).
 
-Refused, in one line: a file that is missing or does not define FUNCTION, a FUNCTION that raises
-or returns no HybridBlock, a block that fails on a (2, 1, 28, 28) batch or does not give (2, 10)
-scores, a BatchNorm with other settings or inside another child (its running statistics would be
-hidden in that child's graph).
+Refused, in one line: a file that is missing or does not define FUNCTION, a file or FUNCTION that
+raises or calls sys.exit, a FUNCTION that returns no HybridBlock, a child Gluon cannot hybridise
+(its forward reads x.shape or values: checked on symbols before any array is made), a block too
+large for the machine (models/room.py, before it allocates), a block that fails on a dummy batch of its data (2, 1, 28, 28)
+batch or does not give (2, 10) scores, a Dropout of rate 1, a BatchNorm with other settings or
+inside another child (its running statistics would be hidden in that child's graph).
 """
 import importlib.util
 import os
@@ -34,7 +36,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .batchnorm import EPS, MOMENTUM, Batch, norm_group, single
-from .contract import CLASSES, IMAGE, Layer, Model, Param, add_bias, pair_roles, pair_traffic, split_pairs
+from .contract import IMAGE, Layer, Model, Param, add_bias, pair_roles, pair_traffic, split_pairs
 from .dropout import Noise, dropout
 
 
@@ -50,18 +52,53 @@ def load_block(spec):
         module_spec = importlib.util.spec_from_file_location(f"manual_dp_user_{abs(hash(path))}", path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
+    except SystemExit as e:
+        raise UsageError(f"--model {spec}: {path} called sys.exit({e.code!r}) as it loaded: a model file must not exit") from None
     except Exception as e:                   # the user's code: any error is theirs, reported in one line
-        raise UsageError(f"--model {spec}: {path} failed to load ({type(e).__name__}: {e})") from None
+        raise UsageError(f"--model {spec}: {path} failed to load ({why(e)})") from None
     fn = getattr(module, func, None)
     if not callable(fn):
         raise UsageError(f"--model {spec}: {path} defines no function {func}")
     try:
         block = fn()
+    except SystemExit as e:
+        raise UsageError(f"--model {spec}: {func}() called sys.exit({e.code!r}): a model function must not exit") from None
     except Exception as e:
-        raise UsageError(f"--model {spec}: {func}() raised {type(e).__name__}: {e}") from None
+        raise UsageError(f"--model {spec}: {func}() raised {why(e)}") from None
     if not isinstance(block, gluon.HybridBlock):
         raise UsageError(f"--model {spec}: {func}() returned {type(block).__name__}, not a Gluon HybridBlock")
     return block
+
+
+def why(e):
+    """An exception of the user's code in a few words, on one line (sys.exit(n) as what it is)."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r}), which a model must not do"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
+
+
+def symbolic_sizes(spec, kids, shape=IMAGE):
+    """The parameters of the block (children `kids`) and its running statistics, counted from a
+    pass over symbols (no array made), or None where their shapes cannot be inferred. UsageError,
+    naming the child and why, for a child Gluon cannot hybridise (one that reads x.shape or calls
+    asnumpy(): its hybrid_forward is given symbols, which have neither)."""
+    import mxnet as mx
+    h = mx.sym.var("data")
+    for i, child in enumerate(kids):
+        try:
+            h = child(h)
+        except (Exception, SystemExit) as e:
+            raise UsageError(f"--model {spec}: layer {i} ({child.name}, a {type(child).__name__}) cannot be hybridised: "
+                             f"its forward must run on symbols, which have no shape or values ({why(e)})") from None
+    try:
+        args, _, aux = h.infer_shape(data=(2,) + tuple(shape))
+    except Exception:                                       # noqa: BLE001 (MXNetError: shapes left open)
+        return None
+    if args is None or any(0 in s for s in args + aux):
+        return None
+    return sum(int(np.prod(s)) for n, s in zip(h.list_arguments(), args) if n != "data") + \
+        sum(int(np.prod(s)) for s in aux)
 
 
 def children(block):
@@ -72,13 +109,13 @@ def children(block):
     return [block]
 
 
-def io_sizes(kids, block):
+def io_sizes(kids, block, shape=IMAGE):
     """[(input, output elements, forward FLOPs) per example] of each child, from one pass of a
     dummy batch: a dense or convolution layer's FLOPs are 2 x its outputs x its weight's fan-in
     (kinds it does not know count 0)."""
     import mxnet as mx
     from mxnet import nd
-    h, out = nd.zeros((2,) + IMAGE, ctx=mx.cpu(0)), []
+    h, out = nd.zeros((2,) + tuple(shape), ctx=mx.cpu(0)), []
     for child in kids if len(kids) > 1 else [block]:
         n_in = h.size // 2
         h = child(h)
@@ -109,6 +146,8 @@ def dropout_layer(i, child, site, size):
     from mxnet import nd
     if child._axes:
         raise UsageError(f"layer {i}: Dropout with axes {child._axes} (a mask shared along axes) is not supported")
+    if not 0 <= child._rate < 1:
+        raise UsageError(f"layer {i}: Dropout({child._rate}) would drop every unit: a rate must be in [0, 1)")
 
     def forward(h, params, F=nd, shapes=None):
         return dropout(h, site, F, rate=child._rate)
@@ -143,27 +182,35 @@ def stable_name(i, child, name):
 class GluonModel(Model):
     """The block of "PATH.py:FUNCTION" as layers (see the module's docstring)."""
 
-    def __init__(self, spec, seed=0):
+    def __init__(self, spec, seed=0, room=None, data=None):
+        """room: a models.room.Room, checked before the block allocates its parameters; data: the
+        datasets.Spec of what it reads (default Fashion-MNIST's images; token ids arrive as floats,
+        as Gluon's Embedding reads them)."""
         import mxnet as mx
         from mxnet import nd
+        from ..datasets import IMAGES
+        self.spec = data = data or IMAGES
+        shape, classes = tuple(data.shape), data.classes
         self.name, self.config = spec, {"source": spec}
         block = load_block(spec)
+        n = symbolic_sizes(spec, children(block), shape)
+        if room is not None and n is not None:
+            room.check(n, 0, own=2)           # the block's arrays and self.values, kept besides the run's
         mx.random.seed(seed)
         try:
             block.initialize(ctx=mx.cpu(0))
-            out = block(nd.zeros((2,) + IMAGE, ctx=mx.cpu(0)))
-        except Exception as e:
-            raise UsageError(f"--model {spec}: the block failed on a (2, 1, 28, 28) batch "
-                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-        if not isinstance(out, nd.NDArray) or out.shape != (2, CLASSES):
+            out = block(nd.zeros((2,) + shape, ctx=mx.cpu(0)))
+        except (Exception, SystemExit) as e:
+            raise UsageError(f"--model {spec}: the block failed on a {(2,) + shape} batch ({why(e)})") from None
+        if not isinstance(out, nd.NDArray) or out.shape != (2, classes):
             raise UsageError(f"--model {spec}: the block gives {getattr(out, 'shape', type(out).__name__)} "
-                             f"for 2 images, not (2, {CLASSES}) class scores")
+                             f"for 2 examples of {data.describe()}, not (2, {classes}) class scores")
         values = {p.name: p.data().asnumpy() for p in block.collect_params().values()}
         self.values, layers = {}, []
         kids = children(block)
         self.dense = [child if isinstance(child, mx.gluon.nn.Dense) else None for child in kids]
         self.roles = pair_roles(len(kids), lambda i: self.dense[i] is not None)
-        sizes = io_sizes(kids, block)
+        sizes = io_sizes(kids, block, shape)
         for i, child in enumerate(kids):
             if isinstance(child, mx.gluon.nn.Dropout):
                 layers.append(dropout_layer(i, child, sum(layer.extra["type"] == "Dropout" for layer in layers),

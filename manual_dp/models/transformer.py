@@ -232,7 +232,7 @@ class Transformer(Model):
     `mlp_ratio` x d_model hidden units, row tokens (patch 0) or P x P patches."""
     name = "transformer"
 
-    def __init__(self, layers=None, d_model=None, heads=None, mlp_ratio=None, patch=None):
+    def __init__(self, layers=None, d_model=None, heads=None, mlp_ratio=None, patch=None, room=None):
         cfg = {k: DEFAULTS[k] if v is None else v for k, v in
                dict(layers=layers, d_model=d_model, heads=heads, mlp_ratio=mlp_ratio, patch=patch).items()}
         self.config = cfg
@@ -244,8 +244,11 @@ class Transformer(Model):
             raise ValueError(f"--patch {P} does not divide the image's {IMAGE[1]} rows")
         T, size = (IMAGE[1], IMAGE[2]) if not P else ((IMAGE[1] // P) ** 2, P * P)
         self.tokens, hidden, dh = T, r * d, d // H
-        self.layers = (self.embed_layer(T, size, d, P),) + tuple(
-            self.block_layer(l, T, d, hidden, dh) for l in range(L)) + (self.head_layer(T, d),)
+        ends = (self.embed_layer(T, size, d, P), self.block_layer(0, T, d, hidden, dh), self.head_layer(T, d))
+        if room is not None:                    # before the other blocks are made (a million take minutes)
+            n = [sum(p.size for p in layer.params) for layer in ends]
+            room.check(n[0] + L * n[1] + n[2], ends[0].inputs + ends[0].acts + L * ends[1].acts + ends[2].acts)
+        self.layers = ends[:2] + tuple(self.block_layer(l, T, d, hidden, dh) for l in range(1, L)) + ends[2:]
 
     def dropout_sites(self):
         """The embedding's output and each block's attention and MLP outputs."""

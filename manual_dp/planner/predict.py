@@ -50,7 +50,8 @@ Time, per step, no overlap of compute and communication:
   data one ring all-reduce of 4N bytes (2N under a 16-bit --precision, as ZeRO's collectives below);
   ZeRO 1 a reduce-scatter and an all-gather (each half a
   ring all-reduce); ZeRO 2 one reduce-scatter per layer and an all-gather; ZeRO 3 an all-gather per
-  layer in forward (but the last) and backward and a reduce-scatter per layer; tensor one ring
+  layer in forward (but the last) and backward and a reduce-scatter per layer (a layer without
+  parameters, a Flatten, none: ZeroRedundancy.fetch and reduce skip it); tensor one ring
   all-reduce over the tensor group of n x elements x 4 bytes per entry of Model.tensor_traffic
   (Megatron's g on a row-parallel layer's partial output in forward, f on a column-parallel
   layer's input gradient in backward; LeNet: 4,050 + 800 + 10 values an example), then the
@@ -225,8 +226,9 @@ def communication(l, setting, dev):
     if l.kind == "data":
         return costmodel.allreduce_time("ring", k, total * low, dev.alpha, dev.beta)
     if l.kind == "zero":
-        gathers = {1: [total], 2: [total], 3: layers[:-1] + layers}[l.zero_stage]
-        scatters = [total] if l.zero_stage == 1 else layers
+        held = [b for b in layers if b]                        # a layer without parameters: no collective
+        gathers = {1: [total], 2: [total], 3: [b for b in layers[:-1] if b] + held}[l.zero_stage]
+        scatters = [total] if l.zero_stage == 1 else held
         return sum(half(k, b * low, dev) for b in gathers + scatters)     # 16-bit parameters and gradients
     n = shard_sizes(setting.batch, k)[0]
     if l.kind == "tensor":      # each f and g: one all-reduce over the tensor group, as the step sends it

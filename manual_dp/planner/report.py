@@ -57,8 +57,7 @@ def model_flags(net):
 def describe(net):
     """The model in a few words: its name, sizes, parameters and layers."""
     sizes = ", ".join(f"{k} {v}" for k, v in net.config.items() if k != "source")
-    return (f"{net.name}{f' ({sizes})' if sizes else ''}: {net.n_params():,} parameters in "
-            f"{len(net.layers)} layers")
+    return f"{net.name}{f' ({sizes})' if sizes else ''}: {net.summary()}"
 
 
 def name_width(layouts):

@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import device_request
-from ..digests import config_of, read_header, read_lines
-from ..digests import compare
+from ..digests import compare, config_of, read
 from ..fast.runtime import thread_env, user_environment
 
 SAME = ("model", "width", "layers", "d_model", "heads", "patch", "init_scale", "seed", "batch_size", "train_size",
@@ -86,12 +85,13 @@ def replay_in_child(role, path, run, t, directory, say):
 
 def replay_runs(path_a, path_b, update=None, say=print):
     """(status, message) of --replay on two digest files; ReplayError or DigestError on bad input."""
-    runs = [read_header(p) for p in (path_a, path_b)]
-    for label, path, run in (("A", path_a, runs[0]), ("B", path_b, runs[1])):
+    runs, lines = zip(*[read(p) for p in (path_a, path_b)])
+    for label, path, run, found in zip("AB", (path_a, path_b), runs, lines):
         if run is None:
             raise ReplayError(f"{label} ({path}) has no header saying how its run was made (written before "
                               f"--replay existed): train it again with --digests")
-    lines = [read_lines(p) for p in (path_a, path_b)]
+        if not found:
+            raise ReplayError(f"{label} ({path}) holds a header and no update: its run made no update to replay")
     check_pair(*runs)
     parted = parting_update(*lines)
     t = update or parted or 1

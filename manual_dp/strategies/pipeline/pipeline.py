@@ -67,6 +67,10 @@ class PipelineParallel(RunningStats, FixedPipeline, Strategy):
         self.allreduce_fn = allreduce_fn or make_allreduce(FAST_STEP["allreduce"])
         self.micro_batches, self.schedule, self.recompute, self.measure = micro_batches, schedule, recompute, measure
         self.cuts = self.net.cuts(n)
+        bare = [ids for ids in self.cuts[:-1] if not any(self.net.layers[i].params for i in ids)] if sums else []
+        if bare:                                 # its leaf in the tree would be empty (pipeline_sums.py)
+            raise ValueError(f"--deterministic: a pipeline stage of {', '.join(self.net.layers[i].name for i in bare[0])} "
+                             f"alone holds no parameters to sum: use fewer stages")
         Q = sums.tensor_pieces if sums else 1                 # --tensor-pieces: split layers in Q pieces
         if Q > 1 and not self.net.splits_by_layer():
             raise ValueError(f"--tensor-pieces {Q} in a pipeline needs a model whose layers split one by one "

@@ -100,7 +100,8 @@ class ReplicaPass:
             self.hold(s, -self.full_bytes(s, m))
         if s == self.last:
             self.produced[s][m].backward()
-        else:  # the gradient crosses the boundary back, copied by hand
+        elif s > 0 or self.params[s]:  # the gradient crosses the boundary back, copied by hand (a first
+            # stage without parameters, a Flatten alone, has nothing to differentiate)
             self.produced[s][m].backward(self.received[s + 1][m].grad.copyto(self.ctx[s]))
         if self.collect:
             self.collected(s, m, [p.grad for p in self.params[s]])
@@ -172,7 +173,7 @@ class SplitPass(ReplicaPass):
     def weight(self, s, m):
         """W: stage s's weight gradients for micro-batch m, added in; then it holds nothing of m."""
         P = self.params[s]
-        grads = autograd.grad(self.produced[s][m], P, head_grads=self.heads[s][m])
+        grads = autograd.grad(self.produced[s][m], P, head_grads=self.heads[s][m]) if P else []
         if self.collect:
             self.collected(s, m, grads)
         else:

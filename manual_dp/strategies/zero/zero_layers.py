@@ -149,6 +149,8 @@ def layer_backward(l, layers, acts, heads, y_shards, sink, Fs, group=None):
     layer's parameters or a piece of its gradient is held (other layers hold both).
     group: see run_layer. Returns (the input gradient per context or None for layer 0, metrics of
     the last layer or None)."""
+    if l == 0 and not layers[0].params:            # a Flatten first: nothing before it, nothing to differentiate
+        return None, None
     params, last = sink.fetch(l), l == len(layers) - 1
     if not hand_made(layers[l], last):
         grads, metrics = autograd_backward(l, layers, acts, params, heads, y_shards, last, Fs, group)
