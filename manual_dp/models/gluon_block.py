@@ -25,8 +25,9 @@ computes (axis 1, eps 1e-5, momentum 0.9, a trained gamma and beta).
 Refused, in one line: a file that is missing or does not define FUNCTION, a file or FUNCTION that
 raises or calls sys.exit, a FUNCTION that returns no HybridBlock, a child Gluon cannot hybridise
 (its forward reads x.shape or values: checked on symbols before any array is made), a block too
-large for the machine (models/room.py, before it allocates), a block that fails on a dummy batch of its data (2, 1, 28, 28)
-batch or does not give (2, 10) scores, a Dropout of rate 1, a BatchNorm with other settings or
+large for the machine (models/room.py, before it allocates), a block that fails on a dummy batch of
+two of the data's examples (Fashion-MNIST's (1, 28, 28) images by default) or does not give one score
+per class for each, a Dropout of rate 1, a BatchNorm with other settings or
 inside another child (its running statistics would be hidden in that child's graph).
 """
 import importlib.util
