@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import checkpoint, checks, config, datasets, memory, modes
-from ..digests import DigestFile, header as digest_header
+from ..digests import DigestError, DigestFile, header as digest_header
 from ..errors import (PEER_LOST, CheckpointError, DataError, DistributedError, DivergedError, OutputError,
                       ReplicaMismatchError, Terminated, UsageError)
 from ..fast.trace import TRACE_UPDATES
@@ -101,6 +101,16 @@ def model_file(cfg):
         return None
 
 
+def resume_digests(cfg, world, t):
+    """The --digests file, its updates 1..t kept; OutputError (the file kept as it is) if it holds
+    lines that are not a digest file's (a damaged file, a log, binary data)."""
+    try:
+        return DigestFile(cfg.digests, digest_header(cfg, world.size)).resume(t)
+    except DigestError as e:
+        raise OutputError(f"--digests: cannot continue {str(e)[:200]}; the file is kept as it is: give "
+                          f"another path, or remove it") from None
+
+
 def run_in(cfg, world):
     """The run as one process of `world`; returns the history."""
     ctx = contexts(cfg, world)
@@ -139,8 +149,7 @@ def train_in(cfg, world, ctx):
     run_config, source = {k: getattr(cfg, k) for k in config.RUN_KEYS}, model_file(cfg)
     start_epoch, history, rng_state = resume_from(cfg, world, model, run_config, len(train_data[0]), source)
     if cfg.digests:                      # after the resume: the file keeps the checkpoint's updates
-        digests = DigestFile(cfg.digests, digest_header(cfg, world.size)).resume(model.t) if world.is_root else None
-        model = Digested(model, digests)
+        model = Digested(model, resume_digests(cfg, world, model.t) if world.is_root else None)
     if history and cfg.log_json and world.is_root:
         save_log(cfg, history)           # the log matches the checkpoint again, however the last run ended
     rng = np.random.default_rng(cfg.seed)
