@@ -172,6 +172,8 @@ def train_in(cfg, world, ctx):
         record, = fit(model, train_data, test_data, epoch, cfg.batch_size, lr, rng,
                       start_epoch=epoch - 1, on_batch=bar, check_replicas=cfg.check_replicas or 0)
         bar.close()
+        if epoch == cfg.epochs and policy.scaler and policy.scaler.untrained():   # before its checkpoint
+            raise DivergedError(f"epoch {epoch}: {policy.scaler.untrained()}")
         history.append(dict(record, mode=cfg.mode, memory=mem, model=net.describe()))
         state = model.state_dict() if cfg.checkpoint_dir else None   # every rank: it may gather
         if cfg.checkpoint_dir and world.is_root:

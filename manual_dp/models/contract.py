@@ -111,6 +111,8 @@ class Model:
     config = {}
     layers = ()
     noise = None               # models.dropout.Noise of a model with dropout sites
+    largest = float("inf")     # the largest magnitude its products hold: a parameter past it has diverged
+                               # (models/precise.py: fp16's 65504)
 
     def noisy(self, F, X):
         """The namespace for a forward from images X: F, drawing this batch's dropout masks for X's
