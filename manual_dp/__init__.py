@@ -41,6 +41,7 @@ Read it in this order (each folder's docstring lists its own files in reading or
     minimax.py        the best fit by the worst error: a small linear programme
     timeline.py       `python -m manual_dp.timeline TRACE -o timeline.png`: a --trace as a Gantt chart
     tracefile.py      a --trace file read back for the timeline, checked before any of it is used
+    jsonfile.py       a JSON document read from a path that may hold anything: bounded, a regular file
     bench/            `python -m manual_dp.bench` and its siblings: measurements side by side
     plan.py           `python -m manual_dp.plan`: every layout of N devices, predicted; the fastest that fits
     planner/          the planner's layouts, predictions, table and --verify

@@ -132,7 +132,8 @@ def members_problem(f):
             if info.compress_type != zipfile.ZIP_STORED:
                 return f"not a manual_dp checkpoint ({info.filename} is compressed)"
             if info.filename == "meta.npy" and info.file_size > checkpoint_fields.MAX_META_BYTES:
-                return f"damaged: its metadata is {info.file_size:,} bytes (at most {checkpoint_fields.MAX_META_BYTES:,})"
+                return (f"damaged: its metadata is {info.file_size:,} bytes "
+                        f"(at most {checkpoint_fields.MAX_META_BYTES:,})")
             with zf.open(info) as member:
                 version = np.lib.format.read_magic(member)
                 if version not in ((1, 0), (2, 0)):

@@ -10,13 +10,12 @@ operation, key, step or size there. Exit status 0: they agree to the end; 1: the
 input (no such directory, no record, a corrupt or truncated one, a rank's record missing).
 """
 import argparse
-import json
 import math
-import stat
 import sys
 from pathlib import Path
 
 from .cli.output import ends_on_signals
+from .jsonfile import read_json
 from .multiprocess.flight import FORMAT
 
 MAX_BYTES = 16 << 20                  # a record holds a few hundred entries: about 100 kB
@@ -38,14 +37,8 @@ def read_record(path):
     """One rank's record, checked: FlightError if it is not one (a link to something that is no
     regular file, such as /dev/zero, included: at most MAX_BYTES are read)."""
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            raise FlightError(f"{path}: not a regular file (a link to {path.resolve()})")
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
-        if len(data) > MAX_BYTES:
-            raise FlightError(f"{path}: more than {MAX_BYTES:,} bytes is too large for a flight record")
-        record = json.loads(data.decode())
-    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
+        record = read_json(path, MAX_BYTES)
+    except (OSError, ValueError) as e:
         raise FlightError(f"{path}: not a readable flight record ({type(e).__name__}: {str(e)[:80]}); "
                           f"a process killed while writing leaves none, never half of one") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT:

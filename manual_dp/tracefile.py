@@ -3,13 +3,11 @@ a regular file of at most MAX_BYTES, JSON nested no deeper than the parser goes,
 dict whose times are finite numbers, every trainer span naming a kind, a step, one of the trace's
 contexts and (but for a forward) one of its buckets; the buckets' sizes whole numbers of bytes,
 the algorithm one the cost model prices."""
-import json
 import math
-import stat
-from pathlib import Path
 
 from .costmodel import terms
 from .errors import UsageError
+from .jsonfile import read_json
 
 MAX_BYTES = 256 << 20            # a trace of a few steps: MXNet's operators and the spans, a few MB
 MAX_CONTEXTS = 4096
@@ -19,16 +17,9 @@ KINDS = ("forward", "backward", "allreduce", "update")
 
 def load(path):
     """The trace at `path` as written by --trace; UsageError if it is not one."""
-    path = Path(path)
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            raise UsageError(f"{path}: not a regular file, so not a trace written by --trace")
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
-        if len(data) > MAX_BYTES:
-            raise UsageError(f"{path}: more than {MAX_BYTES >> 20} MiB, too large for a trace written by --trace")
-        trace = json.loads(data.decode())
-    except (OSError, ValueError, RecursionError) as e:
+        trace = read_json(path, MAX_BYTES)
+    except (OSError, ValueError) as e:
         raise UsageError(f"{path}: not a trace written by --trace ({type(e).__name__}: {str(e)[:80]})") from None
     wrong = problem(trace)
     if wrong:
@@ -43,7 +34,8 @@ def problem(trace):
     if not isinstance(meta, dict):
         return "no otherData.manual_dp"
     contexts, sizes, algorithm = meta.get("contexts"), meta.get("bytes"), meta.get("algorithm", "reduce_bcast")
-    if not (isinstance(contexts, list) and 0 < len(contexts) <= MAX_CONTEXTS and all(isinstance(c, str) for c in contexts)):
+    if not (isinstance(contexts, list) and 0 < len(contexts) <= MAX_CONTEXTS
+            and all(isinstance(c, str) for c in contexts)):
         return f"its contexts are not a list of 1 to {MAX_CONTEXTS} names"
     if not (isinstance(sizes, list) and sizes and all(whole(n, 1, 2 ** 50) for n in sizes)):
         return "its buckets' bytes are not whole numbers from 1 to 2**50"
@@ -66,7 +58,8 @@ def whole(value, low, high):
 
 
 def number(value, low, high):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and low <= value <= high
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and low <= value <= high)
 
 
 def event_problem(e, contexts, n_buckets):

@@ -53,9 +53,10 @@ def test_flight_a_string_where_a_number_belongs_is_refused(tmp_path, changes, wo
 
 
 def test_flight_a_deeply_nested_record_is_refused(tmp_path):
-    (tmp_path / "flight-0.json").write_text('{"format": "' + FORMAT + '", "entries": ' + "[" * 100000 + "]" * 100000 + "}")
+    deep = "[" * 100000 + "]" * 100000
+    (tmp_path / "flight-0.json").write_text('{"format": "' + FORMAT + '", "entries": ' + deep + "}")
     code, err = flight(tmp_path, record(1, [entry(1)]))
-    assert code == 2 and len(err) == 1 and "RecursionError" in err[0], err
+    assert code == 2 and len(err) == 1 and "nested deeper than the JSON parser goes" in err[0], err
 
 
 def test_flight_a_job_of_ten_billion_ranks_is_refused(tmp_path):
@@ -72,7 +73,8 @@ def test_flight_sequence_gaps_on_every_rank_are_skipped_not_counted_through(tmp_
 def test_flight_a_record_linked_to_dev_zero_is_refused(tmp_path):
     (tmp_path / "flight-0.json").symlink_to("/dev/zero")
     code, err = flight(tmp_path, record(1, [entry(1)]))
-    assert code == 2 and len(err) == 1 and "flight-0.json: not a regular file" in err[0], err
+    assert code == 2 and len(err) == 1 and "flight-0.json: not a readable flight record" in err[0], err
+    assert "not a regular file" in err[0]
 
 
 # manual_dp.timeline -----------------------------------------------------------------------------
@@ -109,7 +111,7 @@ def test_timeline_a_malformed_trace_is_refused(tmp_path, changes, words):
 def test_timeline_a_deeply_nested_trace_is_refused(tmp_path):
     (tmp_path / "t.json").write_text('{"traceEvents": ' + "[" * 100000 + "]" * 100000 + "}")
     code, err = timeline(tmp_path / "t.json", tmp_path)
-    assert code == 2 and len(err) == 1 and "RecursionError" in err[0], err
+    assert code == 2 and len(err) == 1 and "nested deeper than the JSON parser goes" in err[0], err
 
 
 @pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
