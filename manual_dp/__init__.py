@@ -18,10 +18,12 @@ Read it in this order (each folder's docstring lists its own files in reading or
     optim.py          optimisers written by hand: state per parameter, living where the parameter lives
     schedule.py       learning-rate schedules, per update: linear scaling and linear warm-up
     precision.py      mixed precision: float32 master weights, products in bf16 or fp16, fp16's loss scale
+    loss_scale.py     fp16's dynamic loss scale: skipped overflows, and when the model no longer trains
     mesh.py           an N-D device mesh: the contexts as a grid whose dimensions are kinds of parallelism
     datasets/         the data contract and every --data: Fashion-MNIST, the fortunes, the user's arrays
     loop.py           the training loop around any strategy: epochs of steps, evaluation, a record per epoch
     checkpoint.py     checkpoints: everything needed to continue a run, checked as a whole when read back
+    checkpoint_fields.py  what each field of a checkpoint's metadata may hold, checked before it is used
     replicas.py       are the replicas still identical? checksums of every copy of every parameter
     memory.py         bytes per context: the peak one training step holds on each context, by kind
     digests.py        --digests FILE: per update, a fingerprint of every gradient, parameter and state
@@ -38,6 +40,8 @@ Read it in this order (each folder's docstring lists its own files in reading or
     costmodel_cpu.py  cost model of an all-reduce over the CPU contexts of one machine
     minimax.py        the best fit by the worst error: a small linear programme
     timeline.py       `python -m manual_dp.timeline TRACE -o timeline.png`: a --trace as a Gantt chart
+    tracefile.py      a --trace file read back for the timeline, checked before any of it is used
+    jsonfile.py       a JSON document read from a path that may hold anything: bounded, a regular file
     bench/            `python -m manual_dp.bench` and its siblings: measurements side by side
     plan.py           `python -m manual_dp.plan`: every layout of N devices, predicted; the fastest that fits
     planner/          the planner's layouts, predictions, table and --verify

@@ -4,20 +4,28 @@
             checkpoint.npz: a crash or a full disk leaves the previous checkpoint, never half of one
     load    refuses, with one line, a file that is not a checkpoint, was damaged or changed (a
             SHA-256 of every array and of the metadata is stored inside), or holds arrays of the
-            wrong shape or type, or values that are not finite
-    lock    one run at a time per directory (an flock, released when the process ends, however)
+            wrong shape or type, or values that are not finite; and, before reading any of it, a
+            path that is no regular file (a symlink, a FIFO), compressed members, arrays claiming
+            more bytes than the file holds, metadata too large or too deeply nested. Every field
+            of the metadata is checked (manual_dp.checkpoint_fields) before it is used.
+    lock    one run at a time per directory (an flock, released when the process ends, however),
+            on a .lock that is a regular file of the directory, never followed through a symlink
 """
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
+import stat
 import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
+from . import checkpoint_fields
 from .errors import CheckpointError
 from .lesson import lenet_shapes
 
@@ -76,14 +84,19 @@ def save(directory, model_state, meta):
 def load(directory):
     """(model_state, meta) from {directory}/checkpoint.npz, checked; CheckpointError if anything is off."""
     path = Path(directory) / NAME
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"--resume: no checkpoint at {path}")
     try:
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(z["meta"].tobytes().decode())
-            arrays = {name: z[name] for name in z.files if name != "meta"}
-    except (OSError, ValueError, KeyError, EOFError, UnicodeDecodeError, zipfile.BadZipFile) as e:
-        raise CheckpointError(f"{path}: unreadable checkpoint ({e})") from None
+        with open_regular(path) as f:
+            problem = members_problem(f)
+            if problem:
+                raise CheckpointError(f"{path}: {problem}")
+            f.seek(0)
+            with np.load(f, allow_pickle=False) as z:
+                meta = json.loads(z["meta"].tobytes().decode())
+                arrays = {name: z[name] for name in z.files if name != "meta"}
+    except (OSError, ValueError, KeyError, EOFError, UnicodeDecodeError, RecursionError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {str(e)[:100]})") from None
     problem = check(meta, arrays)
     if problem:
         raise CheckpointError(f"{path}: {problem}")
@@ -91,6 +104,45 @@ def load(directory):
     opt = [[arrays[f"opt_{i}_{j}"] for j in range(n)] for i, n in enumerate(meta["n_opt"])]
     extra = {name: [arrays[f"extra_{name}_{i}"] for i in range(n)] for name, n in meta["n_extra"].items()}
     return {"params": params, "opt_state": opt, "t": meta["t"], "extra": extra}, meta
+
+
+def open_regular(path):
+    """`path` opened for reading if it is a regular file, never through a symlink (nor blocking on
+    a FIFO); CheckpointError saying what it is otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:                       # the name is a symlink (dangling, a loop or not)
+            raise CheckpointError(f"{path} is a symbolic link: a checkpoint is read only from a regular file "
+                                  f"of its directory (copy the file there)") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise CheckpointError(f"{path} is {kind}, not a checkpoint file")
+    return os.fdopen(fd, "rb")
+
+
+def members_problem(f):
+    """What makes the zip file `f` unsafe to read as np.savez's (each member stored uncompressed, its
+    array's header claiming no more bytes than the member holds, the metadata bounded), or None."""
+    with zipfile.ZipFile(f) as zf:
+        for info in zf.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                return f"not a manual_dp checkpoint ({info.filename} is compressed)"
+            if info.filename == "meta.npy" and info.file_size > checkpoint_fields.MAX_META_BYTES:
+                return (f"damaged: its metadata is {info.file_size:,} bytes "
+                        f"(at most {checkpoint_fields.MAX_META_BYTES:,})")
+            with zf.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                if version not in ((1, 0), (2, 0)):
+                    return f"not a manual_dp checkpoint ({info.filename}: .npy format {version})"
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(member)
+            if dtype.hasobject or math.prod(shape) * dtype.itemsize > info.file_size:
+                return f"damaged: its array {info.filename} claims {shape} {dtype}, more than the file holds"
+    return None
 
 
 SCHEMA = {"epoch": int, "t": int, "history": list, "config": dict, "rng_state": dict, "n_params": int,
@@ -106,6 +158,9 @@ def check(meta, arrays):
     for key, kind in SCHEMA.items():
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
             return f"damaged: '{key}' is missing or not of type {kind.__name__}"
+    problem = checkpoint_fields.problem(meta)
+    if problem:
+        return problem
     if digest(meta, arrays) != meta["sha256"]:
         return "damaged or changed since it was written (checksum mismatch)"
     shapes = described_shapes(meta)
@@ -121,6 +176,11 @@ def check(meta, arrays):
                 return f"{name} ({key}) is {got}, expected float32 {shape}"
             if not np.isfinite(a).all():
                 return f"{name} ({key}) holds values that are not finite (the run it came from diverged)"
+    for name, n in meta["n_extra"].items():
+        for key in (f"extra_{name}_{i}" for i in range(n)):
+            a = arrays.get(key)
+            if a is None or a.dtype.kind not in "biuf" or (a.dtype.kind == "f" and not np.isfinite(a).all()):
+                return f"its {name} state ({key}) is " + ("missing" if a is None else "not finite numbers")
     return None
 
 
@@ -135,7 +195,7 @@ def described_shapes(meta):
     table = meta["model"].get("params") if isinstance(meta["model"], dict) else None
     if not isinstance(table, list) or not all(
             isinstance(row, list) and len(row) == 2 and isinstance(row[0], str) and isinstance(row[1], list)
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in row[1]) for row in table):
+            and len(row[1]) <= 32 and all(checkpoint_fields.whole(d, 0, 2 ** 40) for d in row[1]) for row in table):
         return "damaged: its model description is not a table of parameter names and shapes"
     return [(name, tuple(shape)) for name, shape in table]
 
@@ -146,7 +206,15 @@ def lock(directory):
     CheckpointError naming the process that holds it. Left-over temporary files of a killed run are
     removed once the lock is ours."""
     directory = Path(directory)
-    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"{directory / LOCK}: cannot be the run's lock ("
+                              + ("a symbolic link, never written through" if e.errno == errno.ELOOP else e.strerror)
+                              + "): remove it") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{directory / LOCK}: cannot be the run's lock (not a regular file): remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

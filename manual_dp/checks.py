@@ -5,7 +5,7 @@ import math
 import re
 
 from . import datasets, modes
-from .config import COMPRESSORS, GATHERED, MAX_STAGES, MODELS, SEQUENCE_MODELS
+from .config import COMPRESSORS, GATHERED, MAX_LAYERS, MAX_STAGES, MODELS, SEQUENCE_MODELS
 from .errors import UsageError
 
 
@@ -78,6 +78,8 @@ def check_model(cfg):
     """UsageError for a --model no run can build, or modes that do not apply to it yet."""
     if cfg.model not in MODELS and not re.fullmatch(r".+\.py:[A-Za-z_]\w*", cfg.model):
         raise UsageError(f"--model {cfg.model}: choose {', '.join(MODELS)} or PATH.py:FUNCTION")
+    if cfg.layers is not None and cfg.layers > MAX_LAYERS:
+        raise UsageError(f"--layers {cfg.layers}: at most {MAX_LAYERS}")
     if cfg.stages is not None and cfg.stages < 1 and cfg.model != "lenet":
         raise UsageError(f"--stages must be >= 1, got {cfg.stages}")
     if cfg.patch is not None and (cfg.patch < 0 or (cfg.patch and 28 % cfg.patch)):

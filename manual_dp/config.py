@@ -34,6 +34,7 @@ PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BACKENDS = ("local", "horovod", "dist_sync", "dist_async")
 STAGES = 2                    # pipeline stages by default (LeNet: convolutions | dense layers)
 MAX_STAGES = 4                # LeNet's layers: conv1 | conv2 | dense1 | dense2 (models/lenet.py CUTS); others: their layer count
+MAX_LAYERS = 256              # --layers at most (GPT-3 has 96; the planner's search grows as the square: 1,000 took 17 s)
 DEFAULT_CPU_CONTEXTS = 2      # contexts when there is no GPU and none are named
 FAST_STEP = dict(allreduce="reduce_bcast", fuse_grads=True, graph=True)
 LESSON_STEP = dict(allreduce="lesson", fuse_grads=False, graph=False)

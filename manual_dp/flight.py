@@ -10,15 +10,18 @@ operation, key, step or size there. Exit status 0: they agree to the end; 1: the
 input (no such directory, no record, a corrupt or truncated one, a rank's record missing).
 """
 import argparse
-import json
+import math
 import sys
 from pathlib import Path
 
 from .cli.output import ends_on_signals
+from .jsonfile import read_json
 from .multiprocess.flight import FORMAT
 
 MAX_BYTES = 16 << 20                  # a record holds a few hundred entries: about 100 kB
+MAX_RANKS = 1 << 16                   # a job's processes at most
 FIELDS = {"seq": int, "op": str, "key": str, "step": int, "site": str, "state": str}
+NUMBERS = {"dumped_at": "the record's", "start": "an entry's"}   # optional times, finite numbers where present
 
 
 class FlightError(Exception):
@@ -31,24 +34,42 @@ class Parser(argparse.ArgumentParser):
 
 
 def read_record(path):
-    """One rank's record, checked: FlightError if it is not one."""
+    """One rank's record, checked: FlightError if it is not one (a link to something that is no
+    regular file, such as /dev/zero, included: at most MAX_BYTES are read)."""
     try:
-        if path.stat().st_size > MAX_BYTES:
-            raise FlightError(f"{path}: {path.stat().st_size:,} bytes is too large for a flight record")
-        record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        record = read_json(path, MAX_BYTES)
+    except (OSError, ValueError) as e:
         raise FlightError(f"{path}: not a readable flight record ({type(e).__name__}: {str(e)[:80]}); "
                           f"a process killed while writing leaves none, never half of one") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise FlightError(f"{path}: not a flight record (no \"format\": \"{FORMAT}\")")
     for name in ("rank", "size"):
-        if not isinstance(record.get(name), int) or record[name] < 0:
+        if not isinstance(record.get(name), int) or isinstance(record[name], bool) or record[name] < 0:
             raise FlightError(f"{path}: its {name} is not a number")
+    if not record["rank"] < record["size"] <= MAX_RANKS:
+        raise FlightError(f"{path}: rank {record['rank']} of {record['size']} is not a rank of a job of at most "
+                          f"{MAX_RANKS} processes")
+    problem = fields_problem(record)
+    if problem:
+        raise FlightError(f"{path}: {problem}")
+    return record
+
+
+def fields_problem(record):
+    """What is malformed in the record's entries and the fields the lines print, or None."""
     entries = record.get("entries")
     if not isinstance(entries, list) or not all(isinstance(e, dict) and all(
             isinstance(e.get(k), t) for k, t in FIELDS.items()) for e in entries):
-        raise FlightError(f"{path}: its entries are malformed (each needs {', '.join(FIELDS)})")
-    return record
+        return f"its entries are malformed (each needs {', '.join(FIELDS)})"
+    if not all(e.get("bytes") is None or (isinstance(e["bytes"], int) and e["bytes"] >= 0) for e in entries):
+        return "an entry's bytes is not a whole number"
+    for name, whose in NUMBERS.items():
+        values = [record.get(name)] if name == "dumped_at" else [e.get(name) for e in entries]
+        if not all(v is None or (isinstance(v, (int, float)) and math.isfinite(v)) for v in values):
+            return f"{whose} {name} is not a number"
+    if not all(v is None or isinstance(v, (str, int)) for v in (record.get("job"), record.get("reason"))):
+        return "its job or reason is neither a name nor a number"
+    return None
 
 
 def read_dumps(directory):
@@ -67,7 +88,7 @@ def read_dumps(directory):
         if path.name != f"flight-{record['rank']}.json":
             raise FlightError(f"{path}: holds rank {record['rank']}'s record")
         found[record["rank"]] = record
-    newest = max(found.values(), key=lambda r: r.get("dumped_at", 0) if isinstance(r.get("dumped_at"), (int, float)) else 0)
+    newest = max(found.values(), key=lambda r: r.get("dumped_at") or 0)
     job = (newest.get("job"), newest["size"])
     records = {r: rec for r, rec in found.items() if (rec.get("job"), rec["size"]) == job}
     notes = [f"flight-{r}.json ignored: an earlier job's ({rec.get('job')}, {rec['size']} ranks)"
@@ -102,7 +123,7 @@ def rank_line(rank, record):
             + (f"#{done[-1]}" if done else "none"))
     open_ = next((e for e in entries if e["state"] != "completed"), None)
     if open_ is not None:
-        ago = record.get("dumped_at", 0) - open_.get("start", 0)
+        ago = (record.get("dumped_at") or 0) - (open_.get("start") or 0)
         line += f"; not completed: {describe(open_)}, started {ago:.1f} s before the record was written"
     return line
 
@@ -148,7 +169,7 @@ def compare(records):
     entries = {r: {e["seq"]: e for e in records[r]["entries"]} for r in ranks}
     starts = [min(entries[r]) for r in ranks if entries[r]]
     first, last = max(starts, default=1), max((max(entries[r]) for r in ranks if entries[r]), default=0)
-    for seq in range(first, last + 1):
+    for seq in sorted(s for s in set().union(*entries.values()) if s >= first):   # numbers no rank holds: skipped
         if any(seq not in entries[r] for r in ranks) or len(groups({r: entries[r][seq] for r in ranks})) > 1:
             return 1, lines + [verdict(seq, entries, ranks)]
     older = f" (older ones left the ring buffer before #{first})" if first > 1 else ""

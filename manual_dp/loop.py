@@ -89,11 +89,16 @@ def check_loss(step, running_loss):
 
 
 def check_params(model):
-    """DivergedError naming the first parameter that holds a NaN or an infinity."""
+    """DivergedError naming the first parameter that holds a NaN or an infinity, or a value past
+    the largest its model's products can hold (Model.largest: fp16's 65504 under --precision fp16)."""
     names = model.net.names() if model.net else [f"parameter {i}" for i in range(len(model.state_dict()["params"]))]
+    largest = model.net.largest if model.net else math.inf
     for name, p in zip(names, model.state_dict()["params"]):
         if not np.isfinite(p).all():
             raise DivergedError(f"parameter {name} holds {'NaN' if np.isnan(p).any() else 'infinite'} values")
+        if p.size and np.abs(p).max() > largest:
+            raise DivergedError(f"parameter {name} holds {np.abs(p).max():.3g}, past {largest:g}, the largest its "
+                                f"products can hold: every product that reads it overflows")
 
 
 def accumulate(totals, metrics):
@@ -122,9 +127,9 @@ def fit(model, train_data, test_data, epochs, batch_size, lr, rng,
         except DivergedError as e:
             raise DivergedError(f"epoch {epoch}, {e}") from None
         extras = model.end_epoch(lr_at(lr, model.t))   # e.g. an open accumulation window applied
-        extras.update(model.grad_norms())              # the global gradient norm's mean and max
-        epoch_sec = time.perf_counter() - start
         try:
+            extras.update(model.grad_norms())          # the global gradient norm's mean and max (fp16: diverged
+            epoch_sec = time.perf_counter() - start    # if every update overflowed)
             check_params(model)
         except DivergedError as e:
             raise DivergedError(f"epoch {epoch}: {e}") from None

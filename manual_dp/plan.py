@@ -59,7 +59,8 @@ def parse(argv):
     args = build_parser().parse_args(argv)
     if (args.top is not None or args.steps is not None) and not args.verify:
         raise UsageError("--top and --steps choose what --verify runs: add --verify")
-    args.top, args.steps = args.top or PLAN_TOP, args.steps or PLAN_STEPS
+    args.top = PLAN_TOP if args.top is None else args.top          # 0 is refused below, not taken for the default
+    args.steps = PLAN_STEPS if args.steps is None else args.steps
     for flag in ("devices", "width", "batch_size", "top", "steps"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

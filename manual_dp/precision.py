@@ -36,13 +36,12 @@ import numpy as np
 from mxnet import nd
 
 from .config import PRECISION_BYTES as BYTES, PRECISIONS
-from .errors import DivergedError
+from .loss_scale import MIN_SCALE, LossScale  # noqa: F401  (fp16's loss scale, named here too)
 
 BF16 = np.dtype([("bfloat16", np.uint16)])     # MXNet's bfloat16 (oneDNN)
 GEMMS = ("FullyConnected", "Convolution", "batch_dot", "dot")
 NATIVE_OPS = ("FullyConnected", "Convolution")  # bf16 kernels that MXNet 1.9.1 runs on CPU
 STORED = {"bf16": BF16, "fp16": np.float16}    # the dtype a precision keeps its 16-bit arrays in
-MIN_SCALE = 2.0 ** -24                          # below it fp16's smallest step: scaling cannot rescue
 
 
 def native_bf16(cpuinfo="/proc/cpuinfo"):
@@ -158,41 +157,6 @@ class LowReduce:
     def describe(self):
         return (f"gradients all-reduced in {self.precision} (2 bytes an element on every link)" if self.low else
                 f"gradients all-reduced in float32 and rounded to {self.precision} (this CPU has no native bf16 adds)")
-
-
-class LossScale:
-    """fp16's dynamic loss scale: `scale` multiplies the loss's gradient; `update(finite)` after
-    every reduced gradient: True to apply it, False to skip (then the scale halves); `window` good
-    updates in a row double it. DivergedError once the scale falls below MIN_SCALE."""
-
-    def __init__(self, scale=2.0 ** 16, window=200):
-        self.scale, self.window, self.good, self.skipped = float(scale), int(window), 0, 0
-        self.epoch_skipped = 0
-
-    def update(self, finite):
-        if finite:
-            self.good += 1
-            if self.good == self.window:
-                self.scale, self.good = self.scale * 2, 0
-            return True
-        self.scale, self.good = self.scale / 2, 0
-        self.skipped += 1
-        self.epoch_skipped += 1
-        if self.scale < MIN_SCALE:
-            raise DivergedError(f"fp16 gradients overflow at every loss scale (down to {self.scale:.3g}): "
-                                f"the run diverged; try --precision bf16 or a lower --lr")
-        return False
-
-    def epoch_stats(self):
-        """{"loss_scale", "skipped_steps"} (skipped since the last call), for the epoch's record."""
-        out, self.epoch_skipped = {"loss_scale": self.scale, "skipped_steps": self.epoch_skipped}, 0
-        return out
-
-    def state(self):
-        return np.array([self.scale, self.good, self.skipped], dtype=np.float64)
-
-    def load(self, values):
-        self.scale, self.good, self.skipped = float(values[0]), int(values[1]), int(values[2])
 
 
 class ScaleOp(mx.operator.CustomOp):

@@ -11,12 +11,12 @@ the operators' overlap counts only the time its own operators ran while some con
 backward times per bucket and prices each bucket's all-reduce on a link: the one fitted to this
 trace's fastest all-reduces per bucket size, or a stated one (--link).
 """
-import json
 import statistics
 import sys
 from pathlib import Path
 
 from . import costmodel
+from .tracefile import load
 from .cli.options import OneLineParser
 from .cli.output import ends_on_signals
 from .errors import UsageError
@@ -70,16 +70,6 @@ def overlap(u, v):
         else:
             j += 1
     return total
-
-
-def load(path):
-    """The trace at `path` as written by --trace; UsageError if it is not one."""
-    try:
-        trace = json.loads(Path(path).read_text())
-        trace["otherData"]["manual_dp"]["contexts"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"{path}: not a trace written by --trace ({type(e).__name__}: {e})") from None
-    return trace
 
 
 def spans(trace):
@@ -141,7 +131,10 @@ def step_times(spans_, step, n_buckets):
     start = min(s["start"] for s in of)
     fwd = [s["end"] for s in of if s["kind"] == "forward"]
     forward_end = max(fwd) if fwd else start
-    ready = [max(s["end"] for s in of if s["kind"] == "backward" and s["bucket"] == b) for b in range(n_buckets)]
+    ready = [max((s["end"] for s in of if s["kind"] == "backward" and s["bucket"] == b), default=None)
+             for b in range(n_buckets)]
+    if None in ready:
+        raise UsageError(f"step {step} of the trace holds no backward span of bucket {ready.index(None)}")
     ready = [max(ready[:b + 1]) for b in range(n_buckets)]
     backward = [(r - p) / 1e6 for r, p in zip(ready, [forward_end] + ready[:-1])]
     return start, (forward_end - start) / 1e6, backward

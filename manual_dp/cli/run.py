@@ -2,15 +2,15 @@
 a checkpoint, a log record and one printed line after each. Rank 0 alone prints and writes."""
 import contextlib
 import faulthandler
+import hashlib
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from .. import checkpoint, checks, config, datasets, memory, modes
-from ..digests import DigestFile, header as digest_header
+from ..digests import DigestError, DigestFile, header as digest_header
 from ..errors import (PEER_LOST, CheckpointError, DataError, DistributedError, DivergedError, OutputError,
                       ReplicaMismatchError, Terminated, UsageError)
 from ..fast.trace import TRACE_UPDATES
@@ -22,59 +22,7 @@ from ..strategies.wrappers.digested import Digested
 from . import config_file, memcheck, text
 from .build import build_model, contexts, dry_run, graph_pad, learning_rate, network, policy_of
 from .output import Progress, describe, fail, format_record, interrupted, write_atomic, write_log
-
-
-def writable(directory, flag):
-    """UsageError unless a file can be created (and removed) in `directory`."""
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        raise UsageError(f"{flag}: cannot write in {directory} ({e.strerror})") from None
-
-
-def check_outputs(cfg):
-    """Refuse, before any training, output paths that cannot be written or would clobber each
-    other; create the checkpoint directory. A path the system refuses to look at (too long, a
-    name it cannot hold) is bad input too."""
-    try:
-        check_output_paths(cfg)
-    except OSError as e:
-        raise UsageError(f"an output path cannot be used: {e.strerror} ({str(e.filename)[:60]}...)") from None
-
-
-def check_output_paths(cfg):
-    if cfg.checkpoint_dir:
-        d = Path(cfg.checkpoint_dir)
-        if d.exists() and not d.is_dir():
-            raise UsageError(f"--checkpoint-dir {d} is a file, not a directory")
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--checkpoint-dir {d}: cannot create it ({e.strerror})") from None
-        writable(d, "--checkpoint-dir")
-    files = {flag: Path(path) for flag, path in (("--log-json", cfg.log_json), ("--trace", cfg.trace),
-                                                 ("--digests", cfg.digests)) if path}
-    seen = {}
-    for flag, path in files.items():
-        if path.is_dir():
-            raise UsageError(f"{flag} {path} is a directory, not a file")
-        if not path.parent.is_dir():
-            raise UsageError(f"{flag} {path}: the directory {path.parent} does not exist")
-        if cfg.checkpoint_dir and path.resolve().parent == Path(cfg.checkpoint_dir).resolve() and (
-                path.name in (checkpoint.NAME, checkpoint.LOCK) or path.name.startswith(checkpoint.TMP_PREFIX)):
-            raise UsageError(f"{flag} {path} would overwrite the checkpoint's own files")
-        if path.resolve() in seen:
-            raise UsageError(f"{flag} {path} is also {seen[path.resolve()]}'s file: give each output its own path")
-        seen[path.resolve()] = flag
-        writable(path.parent, flag)
-    for flag, path in config_file.paths(cfg):        # the resolved settings beside the log, in the checkpoint directory
-        if path.is_dir():
-            raise UsageError(f"{flag}: {path}, where its run's settings go, is a directory")
-        if path.resolve() in seen:
-            raise UsageError(f"{flag}: {path}, where its run's settings go, is also {seen[path.resolve()]}'s file: "
-                             f"give each output its own path")
-        seen[path.resolve()] = f"{flag}'s settings"
+from .paths import check_outputs
 
 
 def save_log(cfg, history):
@@ -96,11 +44,13 @@ def save_config(cfg):
                               f"({getattr(e, 'strerror', None) or e})") from None
 
 
-def resume_from(cfg, world, model, run_config):
+def resume_from(cfg, world, model, run_config, n_train, source):
     """(epoch, history, rng state) to continue from: the checkpoint's, loaded into `model`, or a
-    fresh start. Rank 0 reads the checkpoint; every rank gets it."""
+    fresh start. Rank 0 reads the checkpoint; every rank gets it. A checkpoint.npz that is not a
+    regular file (a dangling symlink, a FIFO) is refused, not taken for none. `source`: model_file(cfg),
+    which a warning compares with the checkpoint's."""
     saved = world.share(lambda: checkpoint.load(cfg.checkpoint_dir) if cfg.resume and
-                        (Path(cfg.checkpoint_dir) / checkpoint.NAME).is_file() else None)
+                        os.path.lexists(Path(cfg.checkpoint_dir) / checkpoint.NAME) else None)
     if not saved:
         if cfg.resume:
             print(f"no checkpoint in {cfg.checkpoint_dir} yet: starting from epoch 1")
@@ -110,13 +60,55 @@ def resume_from(cfg, world, model, run_config):
     differ = {k: (saved_config.get(k), v) for k, v in run_config.items() if saved_config.get(k) != v}
     if differ:
         raise CheckpointError(f"{cfg.checkpoint_dir} holds a run with other settings: " + ", ".join(
-            f"{k} {old!r} there, {new!r} here" for k, (old, new) in differ.items()))
+            f"{k} {repr(old)[:60]} there, {repr(new)[:60]} here" for k, (old, new) in list(differ.items())[:8]))
+    problem = unfit(meta, n_train)
+    if problem:
+        raise CheckpointError(f"{cfg.checkpoint_dir}: {problem}")
     try:
         model.load_state_dict(state)
     except ValueError as e:
         raise CheckpointError(f"{cfg.checkpoint_dir}: does not fit this run ({e})") from None
     print(f"resumed from {cfg.checkpoint_dir} after epoch {meta['epoch']}")
+    saved_file = meta.get("model_file")
+    if saved_file and source and saved_file["sha256"] != source["sha256"]:
+        sys.stderr.write(f"manual_dp.train: warning: {source['path']} changed since the checkpoint in "
+                         f"{cfg.checkpoint_dir} was written (its parameters have the same shapes): the run goes "
+                         f"on with the edited model\n")
     return meta["epoch"], meta["history"], meta["rng_state"]
+
+
+def unfit(meta, n_train):
+    """What in a checkpoint's counts this run cannot continue from (its history lacks what the
+    summary reads; more updates than examples seen), or None."""
+    lacking = [k for k in ("test_acc", "epoch_sec", "images_per_sec") for r in meta["history"] if k not in r]
+    if lacking:
+        return f"damaged: its history lacks {lacking[0]}"
+    if meta["t"] > meta["epoch"] * n_train:
+        return (f"damaged: it counts {meta['t']} updates after {meta['epoch']} epoch(s) of {n_train} examples "
+                f"(an update takes at least one)")
+    return None
+
+
+def model_file(cfg):
+    """{"path", "sha256"} of --model PATH.py:FUNCTION's file (None for a built-in model), kept in
+    the checkpoint so that a resumed run can say that the file changed."""
+    if cfg.model in config.MODELS:
+        return None
+    path = cfg.model.rpartition(":")[0]
+    try:
+        return {"path": path, "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+    except OSError:
+        return None
+
+
+def resume_digests(cfg, world, t):
+    """The --digests file, its updates 1..t kept; OutputError (the file kept as it is) if it holds
+    lines that are not a digest file's (a damaged file, a log, binary data)."""
+    try:
+        return DigestFile(cfg.digests, digest_header(cfg, world.size)).resume(t)
+    except DigestError as e:
+        raise OutputError(f"--digests: cannot continue {str(e)[:200]}; the file is kept as it is: give "
+                          f"another path, or remove it") from None
 
 
 def run_in(cfg, world):
@@ -154,11 +146,10 @@ def train_in(cfg, world, ctx):
     if cfg.trace and updates < TRACE_UPDATES:
         raise UsageError(f"--trace records updates 3 to {TRACE_UPDATES}, but this run takes {updates}: "
                          f"use more --epochs or --train-size")
-    run_config = {k: getattr(cfg, k) for k in config.RUN_KEYS}
-    start_epoch, history, rng_state = resume_from(cfg, world, model, run_config)
+    run_config, source = {k: getattr(cfg, k) for k in config.RUN_KEYS}, model_file(cfg)
+    start_epoch, history, rng_state = resume_from(cfg, world, model, run_config, len(train_data[0]), source)
     if cfg.digests:                      # after the resume: the file keeps the checkpoint's updates
-        digests = DigestFile(cfg.digests, digest_header(cfg, world.size)).resume(model.t) if world.is_root else None
-        model = Digested(model, digests)
+        model = Digested(model, resume_digests(cfg, world, model.t) if world.is_root else None)
     if history and cfg.log_json and world.is_root:
         save_log(cfg, history)           # the log matches the checkpoint again, however the last run ended
     rng = np.random.default_rng(cfg.seed)
@@ -181,13 +172,16 @@ def train_in(cfg, world, ctx):
         record, = fit(model, train_data, test_data, epoch, cfg.batch_size, lr, rng,
                       start_epoch=epoch - 1, on_batch=bar, check_replicas=cfg.check_replicas or 0)
         bar.close()
+        if epoch == cfg.epochs and policy.scaler and policy.scaler.untrained():   # before its checkpoint
+            raise DivergedError(f"epoch {epoch}: {policy.scaler.untrained()}")
         record = text.with_mfu(record, net, peak) if peak else record
         history.append(dict(record, mode=cfg.mode, memory=mem, model=net.describe()))
         state = model.state_dict() if cfg.checkpoint_dir else None   # every rank: it may gather
         if cfg.checkpoint_dir and world.is_root:
             checkpoint.save(cfg.checkpoint_dir, state,
                             {"epoch": epoch, "history": history, "config": run_config,
-                             "rng_state": rng.bit_generator.state, "model": net.describe()})
+                             "rng_state": rng.bit_generator.state, "model": net.describe(),
+                             **({"model_file": source} if source else {})})
         if cfg.log_json and world.is_root:
             save_log(cfg, history)
         print(format_record(record, cfg.epochs), flush=True)

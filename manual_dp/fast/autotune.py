@@ -20,11 +20,9 @@ from mxnet import autograd, nd
 from ..lesson import init_lenet_params
 from .flat import FlatReplica
 from .graph import ModelGraph
-from .runtime import machine
+from .runtime import PAD_ENV, machine, pad_problem
 
 CONV_PADS = (1, 8, 16)
-PAD_ENV = "MANUAL_DP_CONV_PAD"       # names the padding outright
-PAD_MAX = 64                         # at most (AVX-512's block is 16; 100000 overflowed a shape inside MXNet)
 
 
 def machine_key():
@@ -94,8 +92,8 @@ def conv_pad(enabled=True, measure=cpu_ms_per_image, say=print):
     cached choice, measured (and said, and cached) the first time."""
     given = os.environ.get(PAD_ENV)
     if given:
-        if not given.isdigit() or not 1 <= int(given) <= PAD_MAX:
-            raise ValueError(f"$MANUAL_DP_CONV_PAD must be a whole number from 1 to {PAD_MAX}, got {given!r}")
+        if pad_problem(os.environ):
+            raise ValueError(pad_problem(os.environ))
         return int(given)
     if not enabled:
         return 1

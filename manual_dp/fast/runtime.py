@@ -89,17 +89,30 @@ def scratch_buffers(model):
 
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MXNET_CPU_TEMP_COPY",
-                    "MXNET_GPU_TEMP_COPY")
+                    "MXNET_GPU_TEMP_COPY", "MXNET_CPU_WORKER_NTHREADS", "MXNET_CPU_PRIORITY_NTHREADS",
+                    "MXNET_GPU_WORKER_NTHREADS", "MXNET_GPU_COPY_NTHREADS")   # a worker count of 0 hangs MXNet
+PAD_ENV = "MANUAL_DP_CONV_PAD"       # the cached graph's padding named outright (manual_dp.fast.autotune)
+PAD_MAX = 64                         # at most (AVX-512's block is 16; 100000 overflowed a shape inside MXNet)
 ENGINES = ("NaiveEngine", "ThreadedEngine", "ThreadedEnginePerDevice")     # MXNet 1.9.1's MXNET_ENGINE_TYPE
 BOOLEANS = ("MXNET_EXEC_BULK_EXEC_TRAIN", "MXNET_EXEC_BULK_EXEC_INFERENCE")
 PS_LITE = ("DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER")
 
 
 def environment_problem(environ=None):
-    """What is wrong with the variables MXNet reads when it loads (one line), or None: each would
-    otherwise end the process inside MXNet, with a traceback or an abort, or run it for ever."""
+    """What is wrong with the variables MXNet reads when it loads, or manual_dp's own (one line), or
+    None: each would otherwise end the process inside MXNet, with a traceback or an abort, or run
+    it for ever."""
     environ = os.environ if environ is None else environ
-    return thread_problem(environ) or engine_problem(environ) or role_problem(environ)
+    return thread_problem(environ) or engine_problem(environ) or role_problem(environ) or pad_problem(environ)
+
+
+def pad_problem(environ):
+    """$MANUAL_DP_CONV_PAD a whole number from 1 to PAD_MAX, checked up front even where no cached
+    graph reads it (--deterministic, --mode zero...)."""
+    given = environ.get(PAD_ENV)
+    if given and not (given.isdigit() and 1 <= int(given) <= PAD_MAX):
+        return f"the environment variable {PAD_ENV}={given!r} must be a whole number from 1 to {PAD_MAX} (or unset)"
+    return None
 
 
 def thread_problem(environ):

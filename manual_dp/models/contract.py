@@ -114,6 +114,8 @@ class Model:
     noise = None               # models.dropout.Noise of a model with dropout sites
     causal = False             # attention only to earlier tokens (the GPT's): a context-parallel group
                                # then cuts the sequence in balanced chunks (fast/causal_attention.py)
+    largest = float("inf")     # the largest magnitude its products hold: a parameter past it has diverged
+                               # (models/precise.py: fp16's 65504)
 
     def noisy(self, F, X):
         """The namespace for a forward from images X: F, drawing this batch's dropout masks for X's

@@ -13,6 +13,7 @@ strategies/zero/zero_mixed.py): each layer casts its parameters to float32 where
 import copy
 import dataclasses
 
+import numpy as np
 from mxnet import nd
 
 from ..precision import scaled, widened
@@ -29,6 +30,7 @@ class Precise(Model):
             raise ValueError(f"--precision {policy.precision}: a Gluon block's layers run as MXNet's cached "
                              f"graphs, which the precision does not reach: it trains in fp32 only")
         self.inner, self.policy = model, policy
+        self.largest = float(np.finfo(np.float16).max) if policy.precision == "fp16" else float("inf")
         self.name, self.config, self.noise, self.spec = model.name, model.config, model.noise, model.spec
         last = len(model.layers) - 1
         self.tokens, self.causal = getattr(model, "tokens", None), model.causal

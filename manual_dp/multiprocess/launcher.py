@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from ..errors import PEER_LOST, UsageError
+from ..fast.runtime import environment_problem
 
 LOOPBACK = "127.0.0.1"
 STARTED = "manual_dp.launch: remote command started"  # a remote shell's first own line
@@ -96,6 +97,14 @@ def parse(argv):
         raise UsageError(f"--max-restarts must be at least 0, got {args.max_restarts}")
     if args.port is not None and not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    try:
+        if not shlex.split(args.ssh):
+            raise ValueError("it names no program")
+    except ValueError as e:
+        raise UsageError(f"--ssh {args.ssh!r} is not a command line: {e}") from None
+    problem = environment_problem()          # the job's processes inherit the environment and load MXNet
+    if problem:
+        raise UsageError(problem)
     return args, command
 
 

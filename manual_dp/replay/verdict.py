@@ -26,6 +26,7 @@ from ..config import device_request
 from ..digests import compare, config_of, read
 from ..fast.runtime import thread_env, user_environment
 
+MAX_CONTEXTS = 256    # contexts a replay rebuilds in one process at most (100,000 hung the worker building them)
 SAME = ("model", "width", "layers", "d_model", "heads", "patch", "init_scale", "seed", "batch_size", "train_size",
         "data_dir", "optimizer")   # what two runs must share for one to be replayed from the other's state
 
@@ -40,6 +41,10 @@ def check_pair(a, b):
         if run.get("processes", 1) > 1 or run.get("backend", "local") != "local":
             raise ReplayError(f"{label} ran as {run.get('processes')} processes ({run.get('backend')}): --replay "
                               f"rebuilds runs of one process only")
+        kind, n = device_request(config_of(run))
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CONTEXTS:
+            raise ReplayError(f"{label}'s header names {str(n)[:20]} {kind} contexts: --replay rebuilds 1 to "
+                              f"{MAX_CONTEXTS} in one process")
         if run.get("grad_accum", 1) > 1:
             raise ReplayError(f"{label} used --grad-accum {run['grad_accum']}: --replay takes one batch an update")
     differ = [f"{k} {a.get(k)!r} against {b.get(k)!r}" for k in SAME if a.get(k) != b.get(k)]

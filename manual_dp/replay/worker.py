@@ -59,7 +59,8 @@ def starting_point(role, cfg, t, X, y, directory):
         state, batch, what = state_before(cfg, t, X, y)
         print(f"replaying update {t} ({len(batch[0])} rows) from {what}", flush=True)
         if state:
-            checkpoint.save(directory / "state", state, {"epoch": 0, "history": [], "config": {}, "rng_state": {},
+            checkpoint.save(directory / "state", state, {"epoch": 0, "history": [], "config": {},
+                                                         "rng_state": np.random.default_rng(cfg.seed).bit_generator.state,
                                                          "model": network(cfg).describe()})
         np.savez(directory / "batch.npz", X=batch[0], y=batch[1])
         return state, batch
