@@ -153,7 +153,7 @@ def test_verify_a_tiny_transformer():
     assert any(l.startswith("recommended: ") and "--model transformer --layers 1" in l for l in lines)
 
 
-BAD = [(["--model", "lenet", "--layers", "2"], "--layers applies only to --model transformer or lstm, not --model lenet"),
+BAD = [(["--model", "lenet", "--layers", "2"], "--layers applies only to --model transformer or lstm or gpt, not --model lenet"),
        (["--model", "transformer", "--width", "2"], "--width applies only to --model lenet or mlp or resnet"),
        (["--model", "transformer", "--heads", "0"], "--heads must be >= 1, got 0"),
        (["--model", "transformer", "--patch", "5"], "--patch must be 0 (rows) or divide 28, got 5"),
