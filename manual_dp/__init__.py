@@ -31,6 +31,7 @@ Read it in this order (each folder's docstring lists its own files in reading or
     replay/           `diverge A B --replay`: where inside one update two runs part
     cli/              the command line around the library: flags, one run, its output
     train.py          `python -m manual_dp.train [flags]`: train from the command line
+    sample.py         `python -m manual_dp.sample DIR`: text from a trained language model's checkpoint
     multiprocess/     more than one process: Horovod, MXNet's parameter server, the launcher
     launch.py         `python -m manual_dp.launch [options] -- COMMAND...` (multiprocess/launcher, elastic)
     flight.py         `python -m manual_dp.flight DIR`: where the ranks of a job part, from flight records

@@ -7,6 +7,7 @@ one run from flags to checkpoints (run). The entry point is manual_dp.train.
     run.py          one training run: devices, data, strategy, resume, then an epoch at a time
     paths.py        a run's output paths checked before training (where their symlinks lead, too long, clobbered)
     output.py       what the command line shows and writes: progress bar, one line per epoch, the JSON log
+    text.py         what a language model's run adds: its share of the peak (MFU), a sample at the end
     memcheck.py     memory before training: this run's peak per context, and --memory-per-device
     memprobe.py     one run's memory report per context, measured in a fresh process
 """

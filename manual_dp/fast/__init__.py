@@ -16,5 +16,6 @@
     mesh_ops.py        a mesh's collectives beyond the all-reduce: all-gather, reduce-scatter, all-to-all
     attention.py       attention over a sequence cut into blocks, one per context (ring, Ulysses)
     ring_attention.py  ring attention with a backward of its own: a second ring for the gradients
+    causal_attention.py  causal ring and Ulysses over chunks of the sequence, the balanced (zig-zag) cut
     trace.py           --trace PATH: a few steps as one Chrome trace (MXNet's profiler and our spans)
 """
