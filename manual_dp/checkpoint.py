@@ -10,6 +10,11 @@
             of the metadata is checked (manual_dp.checkpoint_fields) before it is used.
     lock    one run at a time per directory (an flock, released when the process ends, however),
             on a .lock that is a regular file of the directory, never followed through a symlink
+
+`python -m manual_dp.checkpoint DIR [--export FILE.params]` reads one outside the trainer: what it
+holds (model, the layout it was saved in, epoch and update, every tensor, its digest), and writes
+its parameters as an MXNet .params file (mx.nd.save of {name: array}; a user's block's names are
+Gluon's own, "2.weight", so that block.load_parameters(FILE) loads them).
 """
 import contextlib
 import errno
@@ -230,3 +235,63 @@ def lock(directory):
         yield
     finally:
         os.close(fd)                                  # closing the last descriptor releases the flock
+
+
+def summary(state, meta):
+    """Lines saying what a loaded checkpoint holds."""
+    model, run = meta.get("model", {"name": "lenet"}), meta["config"]
+    shapes, last = described_shapes(meta), (meta["history"] or [{}])[-1]
+    sizes = ", ".join(f"{k} {v}" for k, v in model.get("config", {}).items() if not isinstance(v, (dict, list)))
+    opt = [s for st in state["opt_state"] for s in st]
+    lines = [f"epoch {meta['epoch']}, update {meta['t']}, sha256 {meta['sha256'][:16]} (checked)",
+             f"model {model.get('name')} ({sizes}): {sum(int(np.prod(s)) for _, s in shapes):,} parameters "
+             f"in {len(shapes)} tensors",
+             f"saved by --mode {last.get('mode', run.get('mode', 'sync'))} on {', '.join(last.get('devices', [])) or '?'}"
+             f" (--data {run.get('data', 'fashion-mnist')}, --optimizer {run.get('optimizer')}, --lr {run.get('lr')})",
+             "last epoch: " + ", ".join(f"{k} {last[k]:.4f}" for k in ("train_loss", "test_acc", "val_loss") if k in last),
+             f"optimiser state: {len(opt)} arrays, {sum(a.size for a in opt):,} values"]
+    return lines + [f"  {name:24} {str(tuple(shape)):18} {int(np.prod(shape)):>12,}" for name, shape in shapes]
+
+
+def export(state, meta, path):
+    """Write the parameters to `path` as mx.nd.save({name: array}), atomically; CheckpointError if
+    `path` exists (nothing is overwritten) or cannot be written."""
+    import mxnet as mx
+    path = Path(path)
+    if os.path.lexists(path):
+        raise CheckpointError(f"--export {path}: exists; choose another path (nothing is overwritten)")
+    arrays = {name: mx.nd.array(p) for (name, _), p in zip(described_shapes(meta), state["params"])}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        mx.nd.save(str(tmp), arrays)
+        os.replace(tmp, path)
+    except (OSError, mx.base.MXNetError) as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise CheckpointError(f"--export {path}: cannot be written ({str(e).strip().splitlines()[0][:100]})") from None
+
+
+def main(argv=None):
+    import sys
+    from .cli.options import OneLineParser
+    from .cli.output import fail
+    from .errors import UsageError
+    p = OneLineParser(prog="python -m manual_dp.checkpoint", description="What a checkpoint holds; its parameters as a .params file.")
+    p.add_argument("directory", help="a --checkpoint-dir")
+    p.add_argument("--export", metavar="FILE.params", help="write the parameters as an MXNet .params file")
+    try:
+        args = p.parse_args(argv)
+        if not os.path.lexists(Path(args.directory) / NAME):
+            raise CheckpointError(f"{args.directory}: holds no {NAME}")
+        state, meta = load(args.directory)
+        print("\n".join([f"{Path(args.directory) / NAME}:"] + summary(state, meta)))
+        if args.export:
+            export(state, meta, args.export)
+            print(f"wrote {args.export}: {len(state['params'])} parameters (mx.nd.load reads them by name)")
+    except UsageError as e:
+        sys.exit(fail(e, 2, "manual_dp.checkpoint"))
+    except CheckpointError as e:
+        sys.exit(fail(e, 1, "manual_dp.checkpoint"))
+
+
+if __name__ == "__main__":
+    main()
