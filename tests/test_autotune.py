@@ -53,7 +53,7 @@ def test_the_environment_and_no_autotune_win(fresh, monkeypatch):
     assert fresh == []
     for bad in ("eight", "0", "100000"):               # 100000 overflowed a shape inside MXNet (issue 25)
         monkeypatch.setenv("MANUAL_DP_CONV_PAD", bad)
-        with pytest.raises(ValueError, match="MANUAL_DP_CONV_PAD must be a whole number from 1 to 64"):
+        with pytest.raises(ValueError, match=f"MANUAL_DP_CONV_PAD='{bad}' must be a whole number from 1 to 64"):
             autotune.conv_pad(measure=fake(fresh))
 
 

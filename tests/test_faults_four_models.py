@@ -89,7 +89,7 @@ def test_a_model_file_that_exits_is_refused_in_one_line(capsys, data_dir, files,
     assert message in refused(capsys, data_dir, ["--model", f"{files}/{source}"])
 
 
-@pytest.mark.parametrize("argv", [["--model", "transformer", "--layers", "200000"],
+@pytest.mark.parametrize("argv", [["--model", "transformer", "--layers", "256", "--d-model", "2048", "--heads", "1"],
                                   ["--model", "transformer", "--d-model", "200000", "--heads", "1"],
                                   ["--model", "mlp", "--width", "100000"],
                                   ["--model", "resnet", "--width", "64", "--batch-size", "256"],

@@ -172,7 +172,7 @@ CASES = [   # (command, expected exit status, expected text in the output)
     (["manual_dp.bench.tensor", "--contexts", "3"], 2, "--contexts must be even (tensor groups of 2), got 3"),
     (["manual_dp.bench.zero_memory", "--width", "-1"], 2, "argument --width: invalid positive value: '-1'"),
     (["manual_dp.bench.kvstore_compress", "--workers", "0"], 2, "unrecognized arguments: --workers 0"),
-    (["manual_dp.train", "--cpus", "1"], 2, "MANUAL_DP_CONV_PAD must be a whole number from 1 to 64, got '100000'",
+    (["manual_dp.train", "--cpus", "1"], 2, "MANUAL_DP_CONV_PAD='100000' must be a whole number from 1 to 64",
      {"MANUAL_DP_CONV_PAD": "100000"}),
     (["manual_dp.train"], 2, "DMLC_ROLE='server' makes this process a parameter server's server, but "
      "DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DMLC_NUM_WORKER, DMLC_NUM_SERVER are unset", {"DMLC_ROLE": "server"}),

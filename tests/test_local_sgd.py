@@ -121,7 +121,7 @@ def test_resume_through_a_checkpoint_file_is_exact(tmp_path):
     a = LocalSGD(init_lenet_params(seed=1), cpus(2), "adam", 2, "nesterov", 0.7, 0.9)
     for step in range(3):
         a.step(*batch(10, step), 0.05)
-    checkpoint.save(tmp_path, a.state_dict(), {"epoch": 0, "history": [], "config": {}, "rng_state": {}})
+    checkpoint.save(tmp_path, a.state_dict(), {"epoch": 0, "history": [], "config": {}, "rng_state": np.random.default_rng(0).bit_generator.state})
     b = LocalSGD(init_lenet_params(seed=2), cpus(2), "adam", 2, "nesterov", 0.7, 0.9)
     b.load_state_dict(checkpoint.load(tmp_path)[0])
     for step in range(3, 6):

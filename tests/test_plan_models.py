@@ -157,7 +157,7 @@ BAD = [(["--model", "lenet", "--layers", "2"], "--layers applies only to --model
        (["--model", "transformer", "--width", "2"], "--width applies only to --model lenet or mlp or resnet"),
        (["--model", "transformer", "--heads", "0"], "--heads must be >= 1, got 0"),
        (["--model", "transformer", "--patch", "5"], "--patch must be 0 (rows) or divide 28, got 5"),
-       (["--model", "vgg"], "--model vgg: choose lenet, mlp, transformer, resnet, lstm or PATH.py:FUNCTION")]
+       (["--model", "vgg"], "--model vgg: choose lenet, mlp, transformer, resnet, lstm, gpt or PATH.py:FUNCTION")]
 
 
 @pytest.mark.parametrize("argv, says", BAD, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
