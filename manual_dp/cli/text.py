@@ -1,6 +1,9 @@
 """What a run of a language model (--model gpt) prints besides every run's lines: the share of the
 machine's peak its step reaches (MFU) and a few lines of text sampled at the end."""
+import os
+
 from .. import flops
+from ..fast.runtime import usable_cores
 from ..sample import decode, encode, generate, PROMPT
 
 SAMPLE = dict(tokens=200, temperature=0.8, top_k=20, seed=0)    # the text printed at the end of a run
@@ -12,8 +15,11 @@ def is_language_model(net):
 
 
 def gemm_peak():
-    """The best float32 GEMM GFLOP/s of MXNet's two kernels on this machine (flops.gemm_peak)."""
-    return max(flops.gemm_peak(**PEAK).values())
+    """This machine's float32 GEMM peak in GFLOP/s: the best of MXNet's two kernels (flops.gemm_peak)
+    on this process's threads per operator (OMP_NUM_THREADS: one context's share of the cores),
+    times the cores they share out (as the benchmark's "one thread x cores" peak)."""
+    threads = max(int(os.environ.get("OMP_NUM_THREADS") or 1), 1)
+    return max(flops.gemm_peak(**PEAK).values()) * max(usable_cores() // threads, 1)
 
 
 def with_mfu(record, net, peak_gflops):
