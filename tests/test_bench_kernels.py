@@ -74,6 +74,16 @@ def test_a_real_run_of_the_transformer_lists_its_operators_and_dense_layers():
     assert "--model transformer" in out[0] and "commit" in out[0]
 
 
+def test_a_real_run_of_the_gpt_reads_byte_windows():
+    done = subprocess.run([sys.executable, "-m", "manual_dp.bench.kernels", "--model", "gpt", "--layers", "1",
+                           "--batch", "4", "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout.splitlines()
+    assert any(line.endswith("log_softmax") for line in out), out               # the next token's loss
+    # the query projection's forward on 4 windows of 64 tokens: (256, 128) x (128, 128)
+    assert any("inner_product" in line and line.endswith("forward_training  mb256ic128oc128") for line in out), out
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("def net():\n    return 42\n")

@@ -17,7 +17,7 @@ import numpy as np
 from ..checks import check_model
 from ..cli.options import OneLineParser
 from ..cli.output import ends_on_signals, parsed_or_exit
-from ..config import TRANSFORMER, RunConfig
+from ..config import CORPUS_SEQ_LEN, NEXT_TOKEN_MODELS, TRANSFORMER, RunConfig
 from ..errors import UsageError
 from ..fast.runtime import configure, machine
 
@@ -119,7 +119,7 @@ def model_parser(prog, doc, output):
 
 def add_model_flags(parser):
     """--model and its sizes, as the trainer takes them."""
-    parser.add_argument("--model", default=RunConfig.model, help="lenet, mlp, transformer, resnet or PATH.py:FUNCTION")
+    parser.add_argument("--model", default=RunConfig.model, help="lenet, mlp, transformer, resnet, gpt (on byte windows) or PATH.py:FUNCTION")
     parser.add_argument("--width", type=int, default=RunConfig.width, help="lenet, mlp, resnet: width")
     for flag, help in (("--layers", "transformer: blocks"), ("--d-model", "transformer: token width"),
                        ("--heads", "transformer: heads"), ("--patch", "transformer: P x P patch tokens")):
@@ -134,17 +134,22 @@ def checked(parser, args):
 
 
 def checked_model(args):
-    """args, or UsageError (one line) if the model flags name no model the trainer would take."""
+    """args, or UsageError (one line) if the model flags name no model the trainer would take (a
+    language model on Debian's fortunes as a corpus)."""
+    data = "fortunes" if args.model in NEXT_TOKEN_MODELS else RunConfig.data
     check_model(dataclasses.replace(RunConfig(), model=args.model, layers=args.layers, d_model=args.d_model,
-                                    heads=args.heads, patch=args.patch))
+                                    heads=args.heads, patch=args.patch, data=data))
     return args
 
 
 def network(args):
-    """The models.Model the arguments name; UsageError (one line) for sizes it cannot take."""
+    """The models.Model the arguments name (a language model reading byte windows of the corpus's
+    default length); UsageError (one line) for sizes it cannot take."""
+    from ..datasets import Spec
     from ..models import build
+    spec = Spec((CORPUS_SEQ_LEN,), 256, 256, task="next-token", text="bytes") if args.model in NEXT_TOKEN_MODELS else None
     try:
-        return build(args.model, args.width, args.layers, args.d_model, args.heads, args.patch)
+        return build(args.model, args.width, args.layers, args.d_model, args.heads, args.patch, spec=spec)
     except ValueError as e:
         raise UsageError(f"--model {args.model}: {e}") from None
 

@@ -58,11 +58,16 @@ def write_cache(cache):
 
 def graph_steps(conv_pad, batch=128, model=None, timed=False):
     """A function of n that runs n forward and backward passes of `model`'s cached graph (None:
-    the lesson's LeNet, with `conv_pad`) on cpu(0), over `batch` random images, and waits for them.
+    the lesson's LeNet, with `conv_pad`) on cpu(0), over `batch` random examples of what the model
+    reads (its Spec: images, or token ids and their targets), and waits for them.
     timed: every operator its own engine operation (ModelGraph's `timed`)."""
     rng = np.random.RandomState(0)
-    X = nd.array(rng.rand(batch, 1, 28, 28).astype(np.float32))
-    y = nd.array(rng.randint(0, 10, batch).astype(np.float32))
+    spec = getattr(model, "spec", None)
+    if spec is None or not spec.tokens:
+        X = nd.array(rng.rand(batch, *(spec.shape if spec else (1, 28, 28))).astype(np.float32))
+    else:
+        X = nd.array(rng.randint(0, spec.vocab, (batch,) + tuple(spec.shape)).astype(np.float32))
+    y = nd.array(rng.randint(0, spec.classes if spec else 10, (batch,) + (spec.targets if spec else ())).astype(np.float32))
     params = init_lenet_params(0) if model is None else model.init_params(0)
     replica, graph = FlatReplica(params, mx.cpu(0)), ModelGraph(conv_pad, model=model, timed=timed)
 
