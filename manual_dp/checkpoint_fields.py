@@ -9,6 +9,8 @@ written, not that what was written makes sense.
     rng_state   numpy's PCG64 state, as bit_generator.state gives it
     n_params, n_opt, n_extra    how many arrays of each kind the file holds
     model_file  (a run of --model PATH.py:FUNCTION) the file's path and SHA-256
+    cursor      (a checkpoint taken mid-epoch) where epoch `epoch` + 1 stands: batches taken, the
+                sums of their losses and correct predictions, examples seen, seconds
 """
 import json
 import re
@@ -43,7 +45,8 @@ def problem(meta):
     if depth(meta) > MAX_DEPTH:
         return f"damaged: its metadata nests more than {MAX_DEPTH} levels deep"
     return (counts_problem(meta) or history_problem(meta["history"], meta["epoch"])
-            or config_problem(meta["config"]) or rng_problem(meta["rng_state"]) or model_file_problem(meta))
+            or config_problem(meta["config"]) or rng_problem(meta["rng_state"]) or model_file_problem(meta)
+            or cursor_problem(meta.get("cursor")))
 
 
 def counts_problem(meta):
@@ -100,4 +103,17 @@ def model_file_problem(meta):
     if not (isinstance(f, dict) and set(f) == {"path", "sha256"} and isinstance(f["path"], str)
             and len(f["path"]) <= MAX_SETTING and isinstance(f["sha256"], str) and HEX64.fullmatch(f["sha256"])):
         return "damaged: its model file's path and SHA-256 (model_file) are malformed"
+    return None
+
+
+def cursor_problem(cursor):
+    """Whether a mid-epoch checkpoint's cursor is one loop.Cursor wrote."""
+    if cursor is None:
+        return None
+    numbers = ("loss", "correct", "sec")
+    if not (isinstance(cursor, dict) and set(cursor) == {"batches", "seen", *numbers}
+            and whole(cursor["batches"], 1, MAX_T) and whole(cursor["seen"], 1, MAX_T)
+            and all(isinstance(cursor[k], (int, float)) and not isinstance(cursor[k], bool)
+                    and 0 <= cursor[k] < float("inf") for k in numbers)):
+        return "damaged: its place in the epoch (cursor) is not batches, examples and finite sums"
     return None

@@ -5,6 +5,7 @@ import math
 import re
 
 from . import datasets, modes
+from .checkpoint_fields import MAX_T as MAX_UPDATES
 from .config import COMPRESSORS, GATHERED, MAX_LAYERS, MAX_STAGES, MODELS, SEQUENCE_MODELS
 from .errors import UsageError
 
@@ -53,6 +54,11 @@ def check(cfg):
         raise UsageError(f"--seed must be in 0..2**32-1, got {cfg.seed}")
     if cfg.resume and not cfg.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
+    for name in ("checkpoint_every", "max_steps"):
+        if not 0 <= getattr(cfg, name) <= MAX_UPDATES:
+            raise UsageError(f"--{name.replace('_', '-')} must be 0 to 2**53 updates, got {getattr(cfg, name)}")
+    if (cfg.checkpoint_every or cfg.async_checkpoint) and not cfg.checkpoint_dir:
+        raise UsageError("--checkpoint-every and --async-checkpoint need --checkpoint-dir")
     if cfg.deterministic and (cfg.allreduce is not None or cfg.fuse_grads is not None or
                               cfg.bucket_mb is not None or cfg.trace or cfg.compress != "none"):
         raise UsageError("--deterministic adds the gradients in its own fixed order: without "

@@ -252,7 +252,14 @@ class RunConfig:
     checkpoint_dir: Optional[str] = flag(None, "save a checkpoint here at the end of every epoch, and the run's "
                                                "resolved settings in DIR/config.toml (for --config)",
                                          "checkpoints", metavar="DIR")
-    resume: bool = flag(False, "continue from --checkpoint-dir", "checkpoints")
+    resume: bool = flag(False, "continue from --checkpoint-dir (mid-epoch too: from the batch after its last update)",
+                        "checkpoints")
+    checkpoint_every: int = flag(0, "also save a checkpoint after every N updates, mid-epoch (0: at the end of "
+                                    "each epoch only)", "checkpoints", metavar="N")
+    max_steps: int = flag(0, "end the run after N updates in all, its checkpoint written (0: no limit); "
+                             "--resume with a larger N goes on", "checkpoints", metavar="N")
+    async_checkpoint: bool = flag(False, "write checkpoints from a thread of their own: the step copies the "
+                                         "state to the host and training goes on", "checkpoints")
     log_json: Optional[str] = flag(None, "write one JSON object per epoch to this file, and the run's resolved "
                                          "settings to PATH.config.toml (for --config)", "output",
                                    metavar="PATH")
@@ -292,6 +299,10 @@ RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "dropout", "sync_bat
             "scale_window", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
             "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
             "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress", "data", "seq_len", "vocab")
+
+# Settings a checkpoint keeps that only fix the order of --deterministic's sums: --resume goes on
+# when they differ, and says that the bits of the run saved will not be met.
+ORDER_KEYS = ("deterministic", "tensor_pieces", "sequence_pieces")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
 DEFAULTS_OF_NEWER_KEYS = {"model": "lenet", "layers": None, "d_model": None, "heads": None, "patch": None,

@@ -5,6 +5,8 @@ notebook decides what to show. (It was called `train` before the package took it
 command `python -m manual_dp.train` is the module manual_dp.train.)
 """
 import collections
+import dataclasses
+import itertools
 import math
 import time
 
@@ -46,18 +48,45 @@ def validation_loss(model, X, y, batch_size):
     return float(total.asscalar()) / len(X)
 
 
-def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2, check_replicas=0, first_batch=0):
+@dataclasses.dataclass
+class Cursor:
+    """Where an epoch stands: its first `batches` taken, the sums of their losses and correct
+    predictions over `seen` examples (the whole job's), in `sec` seconds. A mid-epoch checkpoint
+    holds one; an epoch resumed from it skips those batches of the same order and goes on."""
+    batches: int = 0
+    loss: float = 0.0
+    correct: float = 0.0
+    seen: int = 0
+    sec: float = 0.0
+
+
+def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2, check_replicas=0, first_batch=0,
+              cursor=None, after_update=None):
     """One pass over (X, y) in `rng`'s order; returns (mean loss, accuracy). With check_replicas N,
     every copy of the parameters is compared every N updates (manual_dp.replicas). The batches are
     the run's first_batch, first_batch + 1, ... (what dropout's masks are drawn for).
+
+    From `cursor` (a Cursor) the epoch's first cursor.batches are skipped and its sums go on from
+    the cursor's. After every update, `after_update(where)` may save (where() is the Cursor now,
+    every loss so far checked) and returns True to end the epoch there: run_epoch returns None.
 
     Metrics stay on the devices until the end of the epoch; the host waits only on the batch
     `lookahead` steps back, so that MXNet's queue stays full but bounded, and reads its running
     loss: DivergedError at the first step whose loss is not finite.
     """
+    cursor, start = cursor or Cursor(), time.perf_counter()
     totals, seen, pending = None, 0, collections.deque()
     n_batches, noise = -(-len(X) // batch_size), model.net.noise if model.net else None
-    for i, (Xb, yb) in enumerate(prefetch(batches(X, y, batch_size, rng))):
+
+    def where():
+        while pending:
+            check_loss(*pending.popleft())
+        loss, correct = sums(model.job_metrics(totals))
+        return Cursor(i + 1, cursor.loss + loss, cursor.correct + correct, cursor.seen + seen,
+                      cursor.sec + time.perf_counter() - start)
+
+    ordered = itertools.islice(batches(X, y, batch_size, rng), cursor.batches, None)
+    for i, (Xb, yb) in enumerate(prefetch(ordered), start=cursor.batches):
         if len(Xb) < model.min_batch:
             break  # a tail smaller than the device count is dropped, never crashes
         t = model.t
@@ -72,13 +101,19 @@ def run_epoch(model, X, y, batch_size, lr, rng, on_batch=None, lookahead=2, chec
             check_loss(*pending.popleft())
         if on_batch:
             on_batch(i + 1, n_batches)
+        if after_update and model.t != t and after_update(where):
+            return None
     for step, running_loss in pending:
         check_loss(step, running_loss)
-    if not seen:
+    if not seen and not cursor.seen:
         return float("nan"), float("nan")
-    totals = model.job_metrics(totals)
-    return (sum(float(l.asscalar()) for l, _ in totals) / seen,
-            sum(float(c.asscalar()) for _, c in totals) / seen)
+    loss, correct = sums(model.job_metrics(totals)) if totals else (0.0, 0.0)
+    return (cursor.loss + loss) / (cursor.seen + seen), (cursor.correct + correct) / (cursor.seen + seen)
+
+
+def sums(totals):
+    """(loss, correct) summed over the per-context pairs, on the host."""
+    return (sum(float(l.asscalar()) for l, _ in totals), sum(float(c.asscalar()) for _, c in totals))
 
 
 def check_loss(step, running_loss):
@@ -115,17 +150,23 @@ def fold(pairs, home):
 
 
 def fit(model, train_data, test_data, epochs, batch_size, lr, rng,
-        start_epoch=0, on_batch=None, check_replicas=0):
-    """Train for epochs start_epoch+1..epochs, yielding one record per epoch (no printing)."""
+        start_epoch=0, on_batch=None, check_replicas=0, cursor=None, after_update=None):
+    """Train for epochs start_epoch+1..epochs, yielding one record per epoch (no printing). The
+    first of them goes on from `cursor` (run_epoch); `after_update(epoch, where)` is called after
+    every update, and ends the run there (no record of that epoch) when it returns True."""
     (Xtr, ytr), (Xte, yte) = train_data, test_data
     for epoch in range(start_epoch + 1, epochs + 1):
-        start = time.perf_counter()
+        start = time.perf_counter() - (cursor.sec if cursor else 0.0)
+        hook = (lambda where, epoch=epoch: after_update(epoch, where)) if after_update else None
         try:
-            train_loss, train_acc = run_epoch(model, Xtr, ytr, batch_size, lr, rng, on_batch,
-                                              check_replicas=check_replicas,
-                                              first_batch=(epoch - 1) * -(-len(Xtr) // batch_size))
+            result = run_epoch(model, Xtr, ytr, batch_size, lr, rng, on_batch, check_replicas=check_replicas,
+                               first_batch=(epoch - 1) * -(-len(Xtr) // batch_size), cursor=cursor,
+                               after_update=hook)
         except DivergedError as e:
             raise DivergedError(f"epoch {epoch}, {e}") from None
+        if result is None:
+            return
+        (train_loss, train_acc), cursor = result, None
         extras = model.end_epoch(lr_at(lr, model.t))   # e.g. an open accumulation window applied
         try:
             extras.update(model.grad_norms())          # the global gradient norm's mean and max (fp16: diverged

@@ -14,12 +14,12 @@ from ..digests import DigestError, DigestFile, header as digest_header
 from ..errors import (PEER_LOST, CheckpointError, DataError, DistributedError, DivergedError, OutputError,
                       ReplicaMismatchError, Terminated, UsageError)
 from ..fast.trace import TRACE_UPDATES
-from ..loop import fit
+from ..loop import Cursor, fit
 from ..multiprocess.agree import agree
 from ..multiprocess.connect import connect
 from ..schedule import updates_per_epoch
 from ..strategies.wrappers.digested import Digested
-from . import config_file, memcheck, text
+from . import config_file, memcheck, saving, text
 from .build import build_model, contexts, dry_run, graph_pad, learning_rate, network, policy_of
 from .output import Progress, describe, fail, format_record, interrupted, write_atomic, write_log
 from .paths import check_outputs
@@ -54,10 +54,13 @@ def resume_from(cfg, world, model, run_config, n_train, source):
     if not saved:
         if cfg.resume:
             print(f"no checkpoint in {cfg.checkpoint_dir} yet: starting from epoch 1")
-        return 0, [], None
+        return 0, [], None, None
     state, meta = saved
     saved_config = dict(config.DEFAULTS_OF_NEWER_KEYS, **meta["config"])    # older checkpoints lack newer keys
-    differ = {k: (saved_config.get(k), v) for k, v in run_config.items() if saved_config.get(k) != v}
+    differ = {k: (saved_config.get(k), v) for k, v in run_config.items()
+              if k not in config.ORDER_KEYS and differs(k, saved_config.get(k), v)}
+    order = [f"--{k.replace('_', '-')} {saved_config[k]} there, {v} here" for k, v in run_config.items()
+             if k in config.ORDER_KEYS and k in saved_config and saved_config[k] != v]
     if differ:
         raise CheckpointError(f"{cfg.checkpoint_dir} holds a run with other settings: " + ", ".join(
             f"{k} {repr(old)[:60]} there, {repr(new)[:60]} here" for k, (old, new) in list(differ.items())[:8]))
@@ -68,13 +71,29 @@ def resume_from(cfg, world, model, run_config, n_train, source):
         model.load_state_dict(state)
     except ValueError as e:
         raise CheckpointError(f"{cfg.checkpoint_dir}: does not fit this run ({e})") from None
-    print(f"resumed from {cfg.checkpoint_dir} after epoch {meta['epoch']}")
+    cursor = Cursor(**meta["cursor"]) if meta.get("cursor") else None
+    print(f"resumed from {cfg.checkpoint_dir} after epoch {meta['epoch']}" + (
+        f" and {cursor.batches} batch(es) of epoch {meta['epoch'] + 1} (update {meta['t']})" if cursor else ""))
+    if order and cfg.deterministic:
+        sys.stderr.write(f"manual_dp.train: warning: {', '.join(order)}: the run goes on, its sums in another "
+                         f"order than the saved run's (so not its bits)\n")
     saved_file = meta.get("model_file")
     if saved_file and source and saved_file["sha256"] != source["sha256"]:
         sys.stderr.write(f"manual_dp.train: warning: {source['path']} changed since the checkpoint in "
                          f"{cfg.checkpoint_dir} was written (its parameters have the same shapes): the run goes "
                          f"on with the edited model\n")
-    return meta["epoch"], meta["history"], meta["rng_state"]
+    return meta["epoch"], meta["history"], meta["rng_state"], cursor
+
+
+def differs(key, old, new):
+    """Whether a saved setting keeps this run from going on with the saved one: the mode only where
+    it computes another algorithm (a layout equal to one context continues any other such), the
+    micro-batches only between two pipelines."""
+    if key == "mode" and old in modes.TABLE:
+        return modes.TABLE[old].algorithm != modes.TABLE[new].algorithm
+    if key == "micro_batches":
+        return None not in (old, new) and old != new
+    return old != new
 
 
 def unfit(meta, n_train):
@@ -83,9 +102,12 @@ def unfit(meta, n_train):
     lacking = [k for k in ("test_acc", "epoch_sec", "images_per_sec") for r in meta["history"] if k not in r]
     if lacking:
         return f"damaged: its history lacks {lacking[0]}"
-    if meta["t"] > meta["epoch"] * n_train:
+    begun = 1 if meta.get("cursor") else 0                 # a mid-epoch checkpoint's epoch under way
+    if meta["t"] > (meta["epoch"] + begun) * n_train:
         return (f"damaged: it counts {meta['t']} updates after {meta['epoch']} epoch(s) of {n_train} examples "
                 f"(an update takes at least one)")
+    if begun and meta["cursor"]["seen"] > n_train:
+        return f"damaged: its epoch under way has seen {meta['cursor']['seen']} of {n_train} examples"
     return None
 
 
@@ -146,8 +168,8 @@ def train_in(cfg, world, ctx):
     if cfg.trace and updates < TRACE_UPDATES:
         raise UsageError(f"--trace records updates 3 to {TRACE_UPDATES}, but this run takes {updates}: "
                          f"use more --epochs or --train-size")
-    run_config, source = {k: getattr(cfg, k) for k in config.RUN_KEYS}, model_file(cfg)
-    start_epoch, history, rng_state = resume_from(cfg, world, model, run_config, len(train_data[0]), source)
+    run_config, source = {k: getattr(cfg, k) for k in config.RUN_KEYS + config.ORDER_KEYS}, model_file(cfg)
+    start_epoch, history, rng_state, cursor = resume_from(cfg, world, model, run_config, len(train_data[0]), source)
     if cfg.digests:                      # after the resume: the file keeps the checkpoint's updates
         model = Digested(model, resume_digests(cfg, world, model.t) if world.is_root else None)
     if history and cfg.log_json and world.is_root:
@@ -166,25 +188,13 @@ def train_in(cfg, world, ctx):
     if policy.precision != "fp32":
         print(f"precision {policy.describe()}")
     peak = text.gemm_peak() if text.is_language_model(net) else None     # MFU's denominator, measured once
-    show = sys.stderr.isatty() and not cfg.no_progress and world.is_root
-    for epoch in range(start_epoch + 1, cfg.epochs + 1):
-        bar = Progress(epoch, cfg.epochs, show)
-        record, = fit(model, train_data, test_data, epoch, cfg.batch_size, lr, rng,
-                      start_epoch=epoch - 1, on_batch=bar, check_replicas=cfg.check_replicas or 0)
-        bar.close()
-        if epoch == cfg.epochs and policy.scaler and policy.scaler.untrained():   # before its checkpoint
-            raise DivergedError(f"epoch {epoch}: {policy.scaler.untrained()}")
-        record = text.with_mfu(record, net, peak) if peak else record
-        history.append(dict(record, mode=cfg.mode, memory=mem, model=net.describe()))
-        state = model.state_dict() if cfg.checkpoint_dir else None   # every rank: it may gather
-        if cfg.checkpoint_dir and world.is_root:
-            checkpoint.save(cfg.checkpoint_dir, state,
-                            {"epoch": epoch, "history": history, "config": run_config,
-                             "rng_state": rng.bit_generator.state, "model": net.describe(),
-                             **({"model_file": source} if source else {})})
-        if cfg.log_json and world.is_root:
-            save_log(cfg, history)
-        print(format_record(record, cfg.epochs), flush=True)
+    writer = saving.Writer(cfg.checkpoint_dir, cfg.async_checkpoint) if cfg.checkpoint_dir else None
+    try:
+        epochs(cfg, world, model, net, (train_data, test_data), lr, rng, history, mem, policy, peak, writer,
+               start_epoch, cursor, {"config": run_config, "model": net.describe(), **({"model_file": source} if source else {})})
+    finally:
+        if writer:
+            writer.wait()
     if history:
         total = sum(r["epoch_sec"] for r in history)
         print(f"done: test acc {history[-1]['test_acc']:.4f} after {len(history)} epochs, "
@@ -196,6 +206,45 @@ def train_in(cfg, world, ctx):
             print(f"sample ({text.SAMPLE['tokens']} tokens, temperature {text.SAMPLE['temperature']}, top-k "
                   f"{text.SAMPLE['top_k']}; python -m manual_dp.sample DIR for more):\n{sample.removeprefix(text.PROMPT)}")
     return history
+
+
+def epochs(cfg, world, model, net, data, lr, rng, history, mem, policy, peak, writer, start_epoch, cursor, about):
+    """train_in's epochs from start_epoch + 1 (the first going on from `cursor`), each with its
+    checkpoint, log record and line; --checkpoint-every's and --max-steps's checkpoints in between
+    (cli/saving.py). `about`: what every checkpoint says of the run besides its state."""
+    def save(epoch, epoch_rng, **where):
+        state = model.state_dict()                      # every rank: it may gather
+        if world.is_root:
+            writer.save(state, {"epoch": epoch, "history": list(history), "rng_state": epoch_rng, **about, **where})
+
+    if cfg.max_steps and model.t >= cfg.max_steps:
+        print(f"--max-steps {cfg.max_steps}: the checkpoint has taken {model.t} updates already; nothing to do")
+        return
+    epoch_rng = None
+    after_update = saving.mid_epoch(cfg, model, lambda e, c, r: save(e, r, cursor=c), lambda: epoch_rng)
+    show = sys.stderr.isatty() and not cfg.no_progress and world.is_root
+    for epoch in range(start_epoch + 1, cfg.epochs + 1):
+        epoch_rng, bar = rng.bit_generator.state, Progress(epoch, cfg.epochs, show)   # before it draws the order
+        records = list(fit(model, *data, epoch, cfg.batch_size, lr, rng, start_epoch=epoch - 1, on_batch=bar,
+                           check_replicas=cfg.check_replicas or 0, cursor=cursor, after_update=after_update))
+        bar.close()
+        cursor = None
+        if not records:
+            print(f"stopped after update {model.t} (--max-steps {cfg.max_steps}) in epoch {epoch}"
+                  + (f"; --resume goes on from {cfg.checkpoint_dir}" if cfg.checkpoint_dir else ""), flush=True)
+            return
+        if epoch == cfg.epochs and policy.scaler and policy.scaler.untrained():   # before its checkpoint
+            raise DivergedError(f"epoch {epoch}: {policy.scaler.untrained()}")
+        record = text.with_mfu(records[0], net, peak) if peak else records[0]
+        history.append(dict(record, mode=cfg.mode, memory=mem, model=net.describe()))
+        if writer:
+            save(epoch, rng.bit_generator.state)
+        if cfg.log_json and world.is_root:
+            save_log(cfg, history)
+        print(format_record(record, cfg.epochs), flush=True)
+        if cfg.max_steps and model.t >= cfg.max_steps:
+            print(f"stopped after update {model.t} (--max-steps {cfg.max_steps}), at the end of epoch {epoch}", flush=True)
+            return
 
 
 def give_up(message):

@@ -46,7 +46,9 @@ class Mode:
     tokens; `splits` whether it splits layers or the sequence itself (its line names the pieces); `deterministic` and `running` why --deterministic, or a model with BatchNorm's running
     statistics, is refused ("" where they are not); `refuses(cfg)` the one line a refusal of cfg's settings says (None: it takes them), checked before
     any device is touched; `refused(cfg)` what a one-line refusal of a layout
-    the build cannot make (a ValueError) starts with (None: the error is no user's)."""
+    the build cannot make (a ValueError) starts with (None: the error is no user's); `algorithm` what
+    it computes: every layout equal to one context computes "one context", and a checkpoint of one
+    resumes in any other (async and local SGD compute algorithms of their own)."""
     name: str
     summary: str
     strategy: str
@@ -64,6 +66,7 @@ class Mode:
     splits: bool = False
     refused: Callable = lambda cfg: None
     refuses: Callable = refuse_nothing
+    algorithm: str = "one context"
 
 
 PP, CP, TP = frozenset({"pp"}), frozenset({"cp"}), frozenset({"tp"})     # --mesh shapes besides dp
@@ -80,7 +83,7 @@ TABLE = {m.name: m for m in (
          ("precision", "deterministic", "staleness"), build_async, lambda cfg: (
              f"async: master on the first context, replicas up to {cfg.staleness} updates stale"),
          deterministic="stale replicas compute other gradients than one context by design; use --mode sync",
-         refuses=refuse_async),
+         refuses=refuse_async, algorithm="async"),
     Mode("model", "the model's stages on consecutive contexts, the activation copied by hand", "PipelineParallel",
          DATA_FLAGS + SUMMED + ("stages", "recompute"), build_pipeline, describe_model,
          one_replica_per_pipeline, pipeline_grid, (PP,), fits_pipeline, stages=True,
@@ -99,7 +102,7 @@ TABLE = {m.name: m for m in (
          ("precision", "check_replicas", "deterministic", "allreduce", "sync_every", "outer_optimizer", "outer_lr",
           "outer_momentum"), build_local, describe_local,
          deterministic="local SGD averages the replicas' parameters, not their gradients, so its rounding differs "
-                       "from one context's even at --sync-every 1; use --mode sync"),
+                       "from one context's even at --sync-every 1; use --mode sync", algorithm="local SGD"),
     Mode("tensor", "Megatron's split layers (--sequence-parallel: Megatron-SP), groups data parallel",
          "TensorParallel", DATA_FLAGS + SUMMED + ("allreduce", "zero_stage", "tensor_parallel", "sequence_parallel",
                                                  "sequence_pieces"),
