@@ -4,7 +4,7 @@ one line; the defaults and tables they read are manual_dp.config's."""
 import math
 import re
 
-from . import datasets, modes
+from . import datasets, modes, perturb
 from .checkpoint_fields import MAX_T as MAX_UPDATES
 from .config import COMPRESSORS, GATHERED, MAX_LAYERS, MAX_STAGES, MODELS, SEQUENCE_MODELS
 from .errors import UsageError
@@ -52,6 +52,8 @@ def check(cfg):
         raise UsageError("--trace records the steps of one process: --backend local only")
     if not 0 <= cfg.seed < 2 ** 32:
         raise UsageError(f"--seed must be in 0..2**32-1, got {cfg.seed}")
+    if cfg.perturb is not None:
+        perturb.parse(cfg.perturb)
     if cfg.resume and not cfg.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
     for name in ("checkpoint_every", "max_steps"):

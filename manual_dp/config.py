@@ -188,6 +188,11 @@ class RunConfig:
                                       "zero, model, pipeline, hybrid, tensor, context (dp x cp x tp) and mesh (dp x pp x tp or dp x pp x cp) alike: every batch cut into pieces of "
                                       f"{PIECE_ROWS} rows whose gradients are added in one fixed tree (a model "
                                       "with BatchNorm: each piece normalised with its own statistics); one thread per op (manual_dp/strategies/sums/fixed_sums.py)", "parallelism")
+    perturb: Optional[str] = flag(None, "nudge the run by as little as floats allow: weights:SEED (every initial "
+                                        "parameter one ulp up or down), inputs:SEED (every input value), order:SEED "
+                                        "(the rows of every batch reshuffled); python -m manual_dp.yardstick runs "
+                                        "several to judge a gap between runs (manual_dp/perturb.py)", "parallelism",
+                                  metavar="KIND:SEED")
     tensor_pieces: Optional[int] = flag(None, "--deterministic: every split layer (channels, heads, hidden units) "
                                               "computed in Q fixed pieces whose partial sums are added in one tree, "
                                               "in every layout: then --mode tensor with any --tensor-parallel dividing "
@@ -302,7 +307,7 @@ RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "dropout", "sync_bat
 
 # Settings a checkpoint keeps that only fix the order of --deterministic's sums: --resume goes on
 # when they differ, and says that the bits of the run saved will not be met.
-ORDER_KEYS = ("deterministic", "tensor_pieces", "sequence_pieces")
+ORDER_KEYS = ("deterministic", "tensor_pieces", "sequence_pieces", "perturb")
 
 # Keys added to RUN_KEYS after checkpoints were written without them: their value in those runs.
 DEFAULTS_OF_NEWER_KEYS = {"model": "lenet", "layers": None, "d_model": None, "heads": None, "patch": None,

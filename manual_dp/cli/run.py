@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import checkpoint, checks, config, datasets, memory, modes
+from .. import checkpoint, checks, config, datasets, memory, modes, perturb
 from ..digests import DigestError, DigestFile, header as digest_header
 from ..errors import (PEER_LOST, CheckpointError, DataError, DistributedError, DivergedError, OutputError,
                       ReplicaMismatchError, Terminated, UsageError)
@@ -155,7 +155,8 @@ def train_in(cfg, world, ctx):
     net = network(cfg)
     params = net.init_params(cfg.seed, cfg.init_scale)
     data = datasets.load(cfg).cut(cfg.train_size, cfg.test_size)
-    train_data, test_data = data.train, data.test
+    params, train_data = perturb.nudge(cfg.perturb, params, data.train, tokens=data.spec.tokens)
+    test_data = data.test
     pad = graph_pad(cfg, world) if world.size == 1 else None       # autotune's timing is no part of a step
     mem = memcheck.run_report(cfg, params, ctx, build_model, world.size, pad)   # before MXNet's own work
     policy = policy_of(cfg)
@@ -174,7 +175,7 @@ def train_in(cfg, world, ctx):
         model = Digested(model, resume_digests(cfg, world, model.t) if world.is_root else None)
     if history and cfg.log_json and world.is_root:
         save_log(cfg, history)           # the log matches the checkpoint again, however the last run ended
-    rng = np.random.default_rng(cfg.seed)
+    rng = perturb.ordered(cfg.perturb, np.random.default_rng(cfg.seed), cfg.batch_size)
     if rng_state is not None:
         rng.bit_generator.state = rng_state
     print(f"training on {', '.join(map(str, ctx))}: {len(train_data[0])} train / "
