@@ -104,3 +104,12 @@ def test_async_checkpoint_killed_mid_run_resumes_to_the_uninterrupted_bits(tmp_p
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr
     assert same_bits(arrays(ck)[0], arrays(tmp_path / "straight")[0])
+
+
+def test_the_bench_times_three_ways_side_by_side(capsys):
+    from manual_dp.bench import checkpoints
+    checkpoints.main(["--repeats", "1", "--every", "2", "--train-size", "96", "--seq-len", "16", "--layers", "1",
+                      "--d-model", "16", "--heads", "2", "--batch-size", "16"])
+    out = capsys.readouterr().out
+    assert all(f"{way:12} epoch" in out for way in ("none", "in the step", "async")), out
+    assert "1.000x no checkpoint" in out

@@ -23,6 +23,7 @@ files marked * run on their own too: `python -m manual_dp.bench.NAME`.
     transformer_models.py the models transformer.py measures (a table) and one measurement of either
     gpt_reference.py *    manual_dp.train's GPT against the same GPT trained in PyTorch: validation losses
     kernels.py *          where the fast step's time goes on any model: MXNet operators, oneDNN kernels
+    checkpoints.py *      a checkpoint every K updates, in the step and --async-checkpoint, against none
     meshes.py *           issue 22's targets for meshes, sequence and context parallelism, side by side
     mesh_runs.py          the measurements of meshes.py, one function a part
 """
