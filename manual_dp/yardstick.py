@@ -95,6 +95,8 @@ def main(argv=None):
         argv = sys.argv[1:] if argv is None else list(argv)
         cut = argv.index("--") if "--" in argv else len(argv)
         try:
+            if cut == len(argv) and not {"-h", "--help"} & set(argv):
+                raise UsageError(f"give the run to measure after --: {USAGE}")
             sys.exit(measure(argv[:cut], argv[cut + 1:]))
         except UsageError as e:
             sys.exit(fail(e, 2, prog="manual_dp.yardstick"))

@@ -41,6 +41,7 @@ def test_a_layouts_gap_is_within_rounding_and_another_lr_is_outside(data_dir):
 
 @pytest.mark.parametrize("argv, message", [
     (["--runs", "0", "--", "--cpus", "1"], "--runs must be 1 to 100"),
+    (["--runs", "2"], "give the run to measure after --"),
     (["--kinds", "weights,bits", "--", "--cpus", "1"], "--kinds weights, inputs and/or order"),
     (["--", "--cpus", "1", "--perturb", "order:1"], "take no --perturb"),
     (["--compare", "/nonexistent/a", "/nonexistent/b", "--", "--cpus", "1"], "--compare /nonexistent/a: not a --log-json"),
