@@ -24,14 +24,15 @@ it would take over the link. The presets, per direction, with where each figure 
 import math
 from collections import namedtuple
 
-from .costmodel import allreduce_time, message_time
+from .costmodel import LINKS, allreduce_time, message_time
 from .errors import UsageError
 
 GB, US = 1e9, 1e-6
 
-# name: (bandwidth in GB/s per direction, latency in us); sources in the module docstring
-LINK_PRESETS = {"pcie3": (12.0, 10.0), "pcie4": (25.0, 10.0), "nvlink": (150.0, 5.0),
-                "eth10": (1.25, 50.0), "eth100": (12.5, 20.0), "ib": (25.0, 1.0)}
+# name: (latency in s, bandwidth in bytes/s per direction), costmodel.LINKS's form, and its very entries
+# where it states the link (the planner's --link reads those): sources in the module docstring
+LINK_PRESETS = {"pcie3": LINKS["PCIe 3.0 x16"], "pcie4": (10 * US, 25 * GB), "nvlink": LINKS["NVLink (V100)"],
+                "eth10": (50 * US, 1.25 * GB), "eth100": LINKS["100 Gb/s Ethernet"], "ib": (1 * US, 25 * GB)}
 
 
 class LinkSpec(namedtuple("LinkSpec", "name bandwidth latency")):
@@ -54,8 +55,8 @@ class LinkSpec(namedtuple("LinkSpec", "name bandwidth latency")):
 def parse_link(text):
     """The LinkSpec `--link` names: a preset of LINK_PRESETS or GBPS,LATENCY_US; UsageError if bad."""
     if text in LINK_PRESETS:
-        gbps, us = LINK_PRESETS[text]
-        return LinkSpec(text, gbps * GB, us * US)
+        latency, bandwidth = LINK_PRESETS[text]
+        return LinkSpec(text, bandwidth, latency)
     try:
         gbps, us = (float(part) for part in text.split(","))
     except ValueError:

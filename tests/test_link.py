@@ -11,6 +11,7 @@ from mxnet import nd
 
 from conftest import run_main
 from manual_dp import checkpoint
+from manual_dp.costmodel import LINKS
 from manual_dp.fast.collectives import make_allreduce
 from manual_dp.fast.link import EmulatedLink, delayed
 from manual_dp.links import LINK_PRESETS, parse_link
@@ -85,9 +86,11 @@ def test_transfers_on_other_ports_overlap_and_on_one_port_queue():
 
 
 def test_the_presets_and_the_cost_model_agree():
-    for name, (gbps, us) in LINK_PRESETS.items():
+    assert set(LINK_PRESETS) == {"pcie3", "pcie4", "nvlink", "eth10", "eth100", "ib"}
+    assert LINK_PRESETS["pcie3"] == LINKS["PCIe 3.0 x16"] and LINK_PRESETS["nvlink"] == LINKS["NVLink (V100)"]
+    for name, (latency, bandwidth) in LINK_PRESETS.items():
         spec = parse_link(name)
-        assert spec.seconds(1e6) == pytest.approx(us * 1e-6 + 1e6 / (gbps * 1e9))
+        assert spec.seconds(1e6) == pytest.approx(latency + 1e6 / bandwidth)
         assert spec.allreduce_seconds("ring", 4, 4e6) == pytest.approx(6 * spec.seconds(1e6))
 
 
