@@ -220,7 +220,7 @@ class RunConfig:
                                  "topk:K, powersgd:R (manual_dp/fast/compress.py)", "parallelism")
     link: Optional[str] = flag(None, "emulate this link between the CPU contexts: every transfer of the "
                                      "all-reduce takes latency + bytes / bandwidth, hop by hop, on the engine: "
-                                     "pcie3, pcie4, nvlink, eth10, eth100, ib or GBPS,LATENCY_US "
+                                     "pcie3, pcie4, nvlink, eth1, eth10, eth100, ib or GBPS,LATENCY_US "
                                      "(manual_dp/links.py states each preset's source)", "parallelism",
                                metavar="NAME|GBPS,LATENCY_US")
     straggler: Optional[str] = flag(None, "sync only: context I's forward and backward take FACTOR times as "

@@ -13,6 +13,8 @@ it would take over the link. The presets, per direction, with where each figure 
                              way (about 80% of raw, as for PCIe 3.0); the same latency
     nvlink  150 GB/s, 5 us   NVIDIA Tesla V100 whitepaper (2017): 6 NVLink 2.0 links x 25 GB/s per
                              direction (300 GB/s both ways); 5 us as costmodel.LINKS states for it
+    eth1    0.125 GB/s, 50 us 1 Gb/s Ethernet (IEEE 802.3ab, 1000BASE-T) line rate; the same latency as
+                             eth10 (a TCP message through the kernel's stack)
     eth10   1.25 GB/s, 50 us 10 Gb/s Ethernet (IEEE 802.3ae) line rate; ~50 us a TCP message through
                              the kernel's stack (as costmodel.LINKS states for 25 Gb/s Ethernet)
     eth100  12.5 GB/s, 20 us 100 Gb/s Ethernet (IEEE 802.3ba) line rate; 20 us as costmodel.LINKS
@@ -32,7 +34,8 @@ GB, US = 1e9, 1e-6
 # name: (latency in s, bandwidth in bytes/s per direction), costmodel.LINKS's form, and its very entries
 # where it states the link (the planner's --link reads those): sources in the module docstring
 LINK_PRESETS = {"pcie3": LINKS["PCIe 3.0 x16"], "pcie4": (10 * US, 25 * GB), "nvlink": LINKS["NVLink (V100)"],
-                "eth10": (50 * US, 1.25 * GB), "eth100": LINKS["100 Gb/s Ethernet"], "ib": (1 * US, 25 * GB)}
+                "eth1": (50 * US, 0.125 * GB), "eth10": (50 * US, 1.25 * GB),
+                "eth100": LINKS["100 Gb/s Ethernet"], "ib": (1 * US, 25 * GB)}
 
 
 class LinkSpec(namedtuple("LinkSpec", "name bandwidth latency")):

@@ -86,7 +86,7 @@ def test_transfers_on_other_ports_overlap_and_on_one_port_queue():
 
 
 def test_the_presets_and_the_cost_model_agree():
-    assert set(LINK_PRESETS) == {"pcie3", "pcie4", "nvlink", "eth10", "eth100", "ib"}
+    assert set(LINK_PRESETS) == {"pcie3", "pcie4", "nvlink", "eth1", "eth10", "eth100", "ib"}
     assert LINK_PRESETS["pcie3"] == LINKS["PCIe 3.0 x16"] and LINK_PRESETS["nvlink"] == LINKS["NVLink (V100)"]
     for name, (latency, bandwidth) in LINK_PRESETS.items():
         spec = parse_link(name)
