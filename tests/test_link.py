@@ -125,3 +125,12 @@ def test_bad_links_are_one_line_and_exit_2(capsys, data_dir, argv, message):
     code, out, err = run_main(capsys, ["--cpus", "2", "--data-dir", str(data_dir), *TINY, *argv])
     assert code == 2 and len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
     assert out == ""
+
+
+def test_the_benchmark_prints_measured_beside_predicted(capsys):
+    from manual_dp.bench.link import main
+    main(["--devices", "2", "--links", "eth1", "0.5,1000", "--algorithms", "ring", "--steps", "1", "--rounds", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:4] == ["devices", "link", "algorithm", "plain"] and len(lines) == 3
+    row = lines[2].split()
+    assert row[0] == "2" and "ring" in row and float(row[-4]) > float(row[-5])      # predicted > plain

@@ -18,6 +18,7 @@ import mxnet as mx
 import numpy as np
 from mxnet import nd
 
+from ..errors import UsageError
 from ..fast.collectives import make_allreduce
 from ..fast.link import EmulatedLink
 from ..lesson import init_lenet_params
@@ -67,10 +68,10 @@ def rows(devices, links, algorithms, steps, rounds):
 
 
 def format_rows(records):
-    lines = [f"{'devices':>7} {'link':8} {'algorithm':13} {'plain':>7} {'predicted':>9} {'linked':>7} "
+    lines = [f"{'devices':>7} {'link':18} {'algorithm':13} {'plain':>7} {'predicted':>9} {'linked':>7} "
              f"{'linked/pred':>11} {'buckets':>8}"]
     for r in records:
-        lines.append(f"{r['devices']:>7} {r['link']:8} {r['algorithm']:13} {r['plain']:>7.1f} {r['predicted']:>9.1f} "
+        lines.append(f"{r['devices']:>7} {r['link']:18} {r['algorithm']:13} {r['plain']:>7.1f} {r['predicted']:>9.1f} "
                      f"{r['linked']:>7.1f} {r['linked'] / r['predicted']:>11.2f} {r['buckets']:>8.1f}")
     return "\n".join(lines)
 
@@ -78,12 +79,18 @@ def format_rows(records):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m manual_dp.bench.link", description=__doc__.split("\n")[0])
     p.add_argument("--devices", default="2,4", help="context counts (default 2,4)")
-    p.add_argument("--links", default="eth1,eth10,pcie3", help="--link values (default eth1,eth10,pcie3)")
+    p.add_argument("--links", nargs="+", default=["eth1", "eth10", "pcie3"], metavar="LINK",
+                   help="--link values, a preset or GBPS,LATENCY_US each (default eth1 eth10 pcie3)")
     p.add_argument("--algorithms", default="reduce_bcast,ring", help="all-reduces (default reduce_bcast,ring)")
     p.add_argument("--steps", type=int, default=10, help="steps a round (default 10)")
     p.add_argument("--rounds", type=int, default=5, help="rounds, the best kept (default 5)")
     a = p.parse_args(argv)
-    print(format_rows(rows([int(k) for k in a.devices.split(",")], a.links.split(","), a.algorithms.split(","),
+    try:
+        for name in a.links:
+            parse_link(name)
+    except UsageError as e:
+        p.error(str(e))
+    print(format_rows(rows([int(k) for k in a.devices.split(",")], a.links, a.algorithms.split(","),
                            a.steps, a.rounds)))
 
 
