@@ -134,3 +134,27 @@ def test_the_benchmark_prints_measured_beside_predicted(capsys):
     assert lines[0].split()[:4] == ["devices", "link", "algorithm", "plain"] and len(lines) == 3
     row = lines[2].split()
     assert row[0] == "2" and "ring" in row and float(row[-4]) > float(row[-5])      # predicted > plain
+
+
+@pytest.mark.parametrize("name", ["all_gather", "reduce_scatter", "all_to_all", "ring_shift"])
+def test_the_mesh_collectives_pay_their_hops_and_keep_their_values(name):
+    from manual_dp.fast import mesh_ops
+    k, n = 4, 1 << 18                                   # a 1 MB piece from each of 4 contexts
+    host = [np.random.RandomState(i).randint(-9, 9, (2, n)).astype(np.float32) for i in range(k)]
+    run = {"all_gather": lambda xs, w: mesh_ops.all_gather(xs, 1, wire=w),
+           "reduce_scatter": lambda xs, w: mesh_ops.reduce_scatter(xs, 1, wire=w),
+           "all_to_all": lambda xs, w: mesh_ops.all_to_all(xs, 1, 0, wire=w),
+           "ring_shift": lambda xs, w: mesh_ops.ring_shift(xs, wire=w)}[name]
+    plain = run([nd.array(h, ctx=mx.cpu(i)) for i, h in enumerate(host)], mesh_ops.DIRECT)
+    xs = [nd.array(h, ctx=mx.cpu(i)) for i, h in enumerate(host)]
+    nd.waitall()
+    start = time.perf_counter()
+    linked = run(xs, EmulatedLink(SLOW))
+    nd.waitall()
+    seconds = time.perf_counter() - start
+    x_bytes = 2 * n * 4
+    # the cost model's half of a ring (k-1 hops of total / k) over the array all of it spans; a shift: one hop
+    total = {"all_gather": k * x_bytes, "reduce_scatter": x_bytes, "all_to_all": x_bytes}.get(name)
+    modelled = SLOW.seconds(x_bytes) if total is None else SLOW.allreduce_seconds("ring", k, total) / 2
+    assert seconds >= 0.85 * modelled, (seconds, modelled)
+    assert all(np.array_equal(a.asnumpy(), b.asnumpy()) for a, b in zip(plain, linked))
