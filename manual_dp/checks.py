@@ -88,6 +88,9 @@ def check_links(cfg):
                              f"{'--deterministic' if cfg.deterministic else '--mode ' + cfg.mode}")
         if cfg.allreduce == "kvstore":
             raise UsageError("--link: --allreduce kvstore moves its data inside MXNet, where no link can be emulated")
+        if cfg.compress.partition(":")[0] in GATHERED:
+            raise UsageError(f"--link: --compress {cfg.compress} gathers its payloads by its own copies, which "
+                             f"no link delays yet (powersgd's all-reduces are delayed)")
     if cfg.straggler is not None:
         parse_straggler(cfg.straggler, n)
         if cfg.mode != "sync" or kind != "cpu" or cfg.deterministic:

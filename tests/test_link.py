@@ -119,6 +119,7 @@ def test_training_is_bit_identical_with_and_without_a_link(capsys, data_dir, tmp
     (["--link", "nan,10"], "must be positive and finite"),
     (["--link", "eth10", "--allreduce", "kvstore"], "kvstore moves its data inside MXNet"),
     (["--link", "eth10", "--mode", "async"], "not --mode async"),
+    (["--link", "eth10", "--compress", "fp16"], "--compress fp16 gathers its payloads"),
     (["--link", "eth10", "--deterministic"], "not --deterministic"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_links_are_one_line_and_exit_2(capsys, data_dir, argv, message):
