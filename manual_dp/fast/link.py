@@ -15,9 +15,12 @@ k-1 copies back another k-1); transfers on disjoint ports run at the same time (
 one step pay one delay). The ports are 1-element arrays given to the operator as auxiliary states,
 which the engine treats as written: that is what orders the operators sharing one.
 
-Custom operators run on MXNet's own thread pool, not the engine's workers
-(MXNET_CUSTOM_OP_NUM_THREADS); measured on MXNet 1.9.1: 24 independent 50 ms delays end together in
-~60 ms, so independent ports are not serialised by the pool (tests/test_link.py measures 2).
+Custom operators run on MXNet's own threads, not the engine's workers. Measured on MXNet 1.9.1 (2 cores):
+8, 16 and 24 independent 50 ms delays end together in 54-65 ms, with MXNET_CUSTOM_OP_NUM_THREADS unset
+or set to 2 alike, so independent ports are not serialised by those threads (tests/test_link.py
+checks 2). Under MXNET_ENGINE_TYPE=NaiveEngine every operator runs as it is issued: the delays then
+block Python and nothing overlaps them. Each delayed transfer costs some 0.3-0.7 ms of its own (the
+Python call on that thread): hops shorter than that are not resolved.
 The operator's registration with MXNet (mx.operator.register, a table MXNet keeps by name) is the
 one piece of global state, made on the first EmulatedLink, not at import.
 """
