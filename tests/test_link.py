@@ -14,6 +14,7 @@ from manual_dp import checkpoint
 from manual_dp.costmodel import LINKS
 from manual_dp.fast.collectives import make_allreduce
 from manual_dp.fast.link import EmulatedLink, delayed
+from manual_dp.lesson import init_lenet_params
 from manual_dp.links import LINK_PRESETS, parse_link
 
 SLOW = parse_link("0.5,1000")        # 0.5 GB/s, 1 ms: a 4 MB hop takes ~9 ms
@@ -94,17 +95,36 @@ def test_the_presets_and_the_cost_model_agree():
         assert spec.allreduce_seconds("ring", 4, 4e6) == pytest.approx(6 * spec.seconds(1e6))
 
 
-@pytest.mark.parametrize("flags", [[], ["--allreduce", "ring", "--bucket-mb", "0.02"]], ids=["fused", "ring-buckets"])
-def test_training_is_bit_identical_with_and_without_a_link(capsys, data_dir, tmp_path, flags):
-    states = []
-    for link in ([], ["--link", "pcie3"]):
-        ck = tmp_path / ("link" if link else "plain")
-        code, _, err = run_main(capsys, ["--cpus", "3", "--data-dir", str(data_dir), "--checkpoint-dir", str(ck),
-                                         *TINY, *flags, *link])
+def counting(monkeypatch):
+    """A list that fills with the modelled seconds of every transfer shipped over a link from now on."""
+    from manual_dp.fast import link
+    calls, real = [], link.delayed
+    monkeypatch.setattr(link, "delayed", lambda x, seconds, *a, **kw: calls.append(seconds) or real(x, seconds, *a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("k,flags,hops", [(2, [], 2), (3, ["--allreduce", "ring", "--bucket-mb", "0.02"], 12)],
+                         ids=["fused-reduce_bcast", "ring-buckets"])
+def test_a_link_delays_every_hop_of_sync_and_changes_no_value(capsys, data_dir, tmp_path, monkeypatch, k, flags, hops):
+    """Every update ships 2(k-1) messages a bucket (a ring: k senders each), the fused gradient's
+    bytes 2(k-1) times in all, as the cost model counts them; the parameters are plain's, bit for
+    bit, and a straggler's too (--straggler 1:2 beside the link, fused)."""
+    runs = {"plain": [], "link": ["--link", "eth10"]} | ({"straggler": ["--link", "pcie3", "--straggler", "1:2"]}
+                                                          if not flags else {})
+    states, calls = {}, []
+    for name, extra in runs.items():
+        ck = tmp_path / name
+        shipped = counting(monkeypatch) if name == "link" else []
+        code, _, err = run_main(capsys, ["--cpus", str(k), "--data-dir", str(data_dir), "--checkpoint-dir", str(ck),
+                                         *TINY, *flags, *extra])
         assert code == 0, err
-        states.append(checkpoint.load(ck)[0])
-    for a, b in zip(states[0]["params"], states[1]["params"]):
-        assert np.array_equal(a, b)
+        states[name], calls = checkpoint.load(ck)[0], calls + shipped
+        monkeypatch.undo()
+    for name in runs:
+        assert all(np.array_equal(a, b) for a, b in zip(states["plain"]["params"], states[name]["params"])), name
+    updates, n, spec = 96 // 32, sum(p.size * 4 for p in init_lenet_params(0)), parse_link("eth10")
+    assert len(calls) % (updates * hops) == 0 and (len(calls) > updates * hops) == bool(flags)   # buckets: several
+    assert sum(calls) == pytest.approx(len(calls) * spec.latency + updates * 2 * (k - 1) * n / spec.bandwidth)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -71,15 +71,3 @@ def test_bad_stragglers_are_one_line_and_exit_2(capsys, data_dir, argv, message)
     code, out, err = run_main(capsys, ["--cpus", "2", "--data-dir", str(data_dir), *TINY, *argv])
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert out == ""
-
-
-def test_a_straggling_run_trains_to_the_same_parameters(capsys, data_dir, tmp_path):
-    from manual_dp import checkpoint
-    states = []
-    for extra in ([], ["--straggler", "1:2"]):
-        ck = tmp_path / ("slow" if extra else "plain")
-        code, _, err = run_main(capsys, ["--cpus", "2", "--data-dir", str(data_dir), "--checkpoint-dir", str(ck),
-                                         *TINY, *extra])
-        assert code == 0, err
-        states.append(checkpoint.load(ck)[0])
-    assert all(np.array_equal(a, b) for a, b in zip(states[0]["params"], states[1]["params"]))
