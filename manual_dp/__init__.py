@@ -41,6 +41,7 @@ Read it in this order (each folder's docstring lists its own files in reading or
     flops.py          how much arithmetic LeNet needs, and how much this machine can do
     costmodel.py      cost model of a data-parallel step: compute, then an all-reduce over links
     costmodel_cpu.py  cost model of an all-reduce over the CPU contexts of one machine
+    links.py          --link's presets (with sources) priced by the cost model, and --straggler's value
     minimax.py        the best fit by the worst error: a small linear programme
     timeline.py       `python -m manual_dp.timeline TRACE -o timeline.png`: a --trace as a Gantt chart
     tracefile.py      a --trace file read back for the timeline, checked before any of it is used

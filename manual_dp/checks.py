@@ -6,8 +6,9 @@ import re
 
 from . import datasets, modes, perturb
 from .checkpoint_fields import MAX_T as MAX_UPDATES
-from .config import COMPRESSORS, GATHERED, MAX_LAYERS, MAX_STAGES, MODELS, SEQUENCE_MODELS
+from .config import COMPRESSORS, GATHERED, MAX_LAYERS, MAX_STAGES, MODELS, SEQUENCE_MODELS, device_request
 from .errors import UsageError
+from .links import parse_link, parse_straggler
 
 
 def check(cfg):
@@ -79,7 +80,30 @@ def check(cfg):
                          "--grad-accum only")
     check_local(cfg)
     check_compress(cfg)
+    check_links(cfg)
     datasets.check_flags(cfg)
+
+
+def check_links(cfg):
+    """UsageError for a --link or --straggler no run can use (manual_dp.links), or where it does not apply."""
+    kind, n = device_request(cfg)
+    if cfg.link is not None:
+        parse_link(cfg.link)
+        if kind != "cpu":
+            raise UsageError(f"--link {cfg.link} emulates links between CPU contexts: GPUs have real ones")
+        if "allreduce" not in modes.of(cfg).flags or cfg.deterministic:
+            raise UsageError(f"--link {cfg.link} delays the all-reduces of --allreduce: not "
+                             f"{'--deterministic' if cfg.deterministic else '--mode ' + cfg.mode}")
+        if cfg.allreduce == "kvstore":
+            raise UsageError("--link: --allreduce kvstore moves its data inside MXNet, where no link can be emulated")
+        if cfg.compress.partition(":")[0] in GATHERED:
+            raise UsageError(f"--link: --compress {cfg.compress} gathers its payloads by its own copies, which "
+                             f"no link delays yet (powersgd's all-reduces are delayed)")
+    if cfg.straggler is not None:
+        parse_straggler(cfg.straggler, n)
+        if cfg.mode != "sync" or kind != "cpu" or cfg.deterministic:
+            raise UsageError(f"--straggler {cfg.straggler} slows one replica of --mode sync on CPU contexts, "
+                             f"without --deterministic")
 
 
 def check_model(cfg):

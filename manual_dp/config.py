@@ -223,6 +223,15 @@ class RunConfig:
     compress: str = flag("none", "sync only: what each replica sends instead of its float32 gradient, "
                                  "with error feedback: none, fp16, 2bit[:T] (MXNet's, T=0.5), 1bit, "
                                  "topk:K, powersgd:R (manual_dp/fast/compress.py)", "parallelism")
+    link: Optional[str] = flag(None, "emulate this link between the CPU contexts: every transfer of the "
+                                     "all-reduce takes latency + bytes / bandwidth, hop by hop, on the engine: "
+                                     "pcie3, pcie4, nvlink, eth1, eth10, eth100, ib or GBPS,LATENCY_US "
+                                     "(manual_dp/links.py states each preset's source)", "parallelism",
+                               metavar="NAME|GBPS,LATENCY_US")
+    straggler: Optional[str] = flag(None, "sync only: context I's forward and backward take FACTOR times as "
+                                          "long (a delay on the engine after its backward, FACTOR - 1 times its "
+                                          "compute as measured on the first steps; manual_dp/strategies/"
+                                          "wrappers/straggler.py)", "parallelism", metavar="I:FACTOR")
     no_autotune: bool = flag(False, "sync only: do not measure which padding "
                                     "of the convolutions' channels is fastest on this CPU "
                                     "(manual_dp/fast/autotune.py); use none ($MANUAL_DP_CONV_PAD names one)",

@@ -48,10 +48,16 @@ def terms(algorithm, k, n):
     raise ValueError(f"no cost model for allreduce {algorithm!r}")
 
 
+def message_time(n, alpha, beta):
+    """Seconds one message of n bytes takes over one link: alpha + beta * n (the all-reduce's terms
+    for a single hop; manual_dp.fast.link delays every emulated transfer by it)."""
+    return alpha + beta * n
+
+
 def allreduce_time(algorithm, k, n, alpha, beta, gamma=0.0):
-    """Seconds to all-reduce n bytes over k devices."""
+    """Seconds to all-reduce n bytes over k devices: its messages' alpha + beta * bytes, plus gamma."""
     m, b, a = terms(algorithm, k, n)
-    return alpha * m + beta * b + gamma * a
+    return m * message_time(b / m, alpha, beta) + gamma * a if m else 0.0
 
 
 def fit(points, algorithm):

@@ -10,6 +10,8 @@ from ..errors import UsageError
 from ..fast import autotune
 from ..fast.collectives import ALLREDUCE_ALGORITHMS, make_allreduce
 from ..fast.compress import make_reducer
+from ..fast.link import EmulatedLink
+from ..links import parse_link, parse_straggler
 from ..models import build as build_network
 from ..models.dropout import Noise
 from ..models.precise import Precise
@@ -24,6 +26,7 @@ from ..strategies.pipeline.stage_costs import priced_lines, relative
 from ..strategies.pipeline.stage_times import stage_times
 from ..strategies.wrappers.accum import GradAccum
 from ..strategies.wrappers.loss_scaled import LossScaled
+from ..strategies.wrappers.straggler import Straggler
 from .output import describe
 
 
@@ -124,10 +127,11 @@ def build_model(cfg, params, ctx, world, policy=None):
     name = cfg.allreduce or config.FAST_STEP["allreduce"]  # model, pipeline: one replica, nothing to sum here
     if name not in ALLREDUCE_ALGORITHMS:
         raise UsageError(f"--allreduce {name}: choose from {', '.join(ALLREDUCE_ALGORITHMS)}")
-    reduce = world.reducer(make_allreduce(name))
-    grad_reduce = world.reducer(policy.reducer(make_allreduce(name), name))   # gradients: in the precision
+    wire = EmulatedLink(parse_link(cfg.link)) if cfg.link else None          # --link: every transfer delayed
+    reduce = world.reducer(make_allreduce(name, wire))
+    grad_reduce = world.reducer(policy.reducer(make_allreduce(name, wire), name))   # gradients: in the precision
     grad_reduce = policy.rounding(grad_reduce) if world.size > 1 else grad_reduce
-    parts = modes.Parts(params, ctx, net, reduce, grad_reduce, make_allreduce(name), name, policy, world,
+    parts = modes.Parts(params, ctx, net, reduce, grad_reduce, make_allreduce(name, wire), name, policy, world,
                         modes.fixed_sums(cfg, world), padding(cfg, world),
                         make_reducer(cfg.compress, reduce, [w.shape for w in params], world))
     mode = modes.of(cfg)
@@ -138,6 +142,7 @@ def build_model(cfg, params, ctx, world, policy=None):
             raise
         raise UsageError(f"{mode.refused(cfg)}{e}") from None
     model = world.wrap(model)
+    model = Straggler(model, *parse_straggler(cfg.straggler, len(ctx))) if cfg.straggler else model
     model = GradAccum(model, cfg.grad_accum) if cfg.grad_accum > 1 else model
     model = LossScaled(model, policy.scaler) if policy.scaler else model
     return model.clip(cfg.clip_norm)          # None: the global gradient norm is only logged

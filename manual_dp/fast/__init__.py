@@ -7,6 +7,7 @@
     graph.py           a model's forward and cross_entropy traced once into a cached symbolic graph
     prefetch.py        batches prepared ahead in a thread, handed to MXNet without waiting
     buckets.py         the flat buffer cut into buckets, each all-reduced as backward writes it (--bucket-mb)
+    link.py            emulated links (--link): every transfer delayed on the engine by the link's time
     compress.py        gradient compression with error feedback: fp16, 2bit, 1bit, top-k (--compress)
     powersgd.py        PowerSGD: each weight gradient sent as two thin matrices, with error feedback
     runtime.py         thread and engine settings, chosen before MXNet loads

@@ -18,6 +18,13 @@ sends what to whom, and transfers between different arrays run at the same time 
 devices. MXNet tracks dependencies per array, not per byte range, so transfers touching chunks of
 the same replica (the ring's, scatter_gather's) wait for each other even when the chunks differ;
 a CPU-to-CPU copy runs on the worker of the context it copies from.
+
+Every algorithm but kvstore takes a `wire` (default DIRECT: nothing added): each transfer between
+contexts goes through wire.ship(src, ctx), so that a manual_dp.fast.link.EmulatedLink (`--link`)
+makes it take the link's time, hop by hop. Under a link, lesson is the lesson's own allreduce run
+between the hops into and out of the first context (lesson_over_wire: manual_dp/lesson.py is not
+touched), prepared is reduce_bcast (the same engine calls, each delayed, not replayed), and kvstore,
+whose transfers happen inside MXNet, is refused (make_allreduce).
 """
 import functools
 
@@ -33,7 +40,7 @@ def any_shape(algorithm):
     MXNet's shape inference refuses them), 0-d ones summed as 1-element views; replicas of
     different shapes are one ValueError. (Each .shape is a call into MXNet: asked once a replica.)"""
     @functools.wraps(algorithm)
-    def run(*args):                 # (arrays) or, for a method, (self, arrays)
+    def run(*args, **kw):           # (arrays) or, for a method, (self, arrays); kw: wire
         arrays = args[-1]
         if not arrays:
             return
@@ -41,7 +48,7 @@ def any_shape(algorithm):
         if any(s != shapes[0] for s in shapes):
             raise ValueError(f"all-reduce of replicas of different shapes: {', '.join(map(str, shapes))}")
         if 0 not in shapes[0]:
-            algorithm(*args[:-1], [a.reshape((1,)) for a in arrays] if shapes[0] == () else arrays)
+            algorithm(*args[:-1], [a.reshape((1,)) for a in arrays] if shapes[0] == () else arrays, **kw)
     return run
 
 
@@ -58,14 +65,35 @@ def fetch(src, ctx):
     return src.copyto(ctx)
 
 
+class Direct:
+    """The wire of a transfer that costs nothing more than the copy itself."""
+
+    def ship(self, src, ctx):
+        """src's values, ready to be carried to `ctx`: src itself."""
+        return src
+
+
+DIRECT = Direct()
+
+
 @any_shape
-def reduce_bcast(arrays):
+def reduce_bcast(arrays, wire=DIRECT):
     """Afterwards every `arrays[i]` holds the sum: added in one add_n on the first context, copied back."""
     home = arrays[0].context
     if len(arrays) > 1:
-        nd.add_n(*[arrays[0]] + [fetch(a, home) for a in arrays[1:]], out=arrays[0])
+        nd.add_n(*[arrays[0]] + [fetch(wire.ship(a, home), home) for a in arrays[1:]], out=arrays[0])
     for a in arrays[1:]:
-        arrays[0].copyto(a)
+        wire.ship(arrays[0], a.context).copyto(a)
+
+
+@any_shape
+def lesson_over_wire(arrays, wire=DIRECT):
+    """Afterwards every `arrays[i]` holds the sum: the lesson's allreduce, unchanged, summing the
+    first replica and what the k-1 others sent it over `wire`, then the sum sent back over it."""
+    home = arrays[0].context
+    lesson_allreduce([arrays[0]] + [wire.ship(a, home) for a in arrays[1:]])
+    for a in arrays[1:]:
+        wire.ship(arrays[0], a.context).copyto(a)
 
 
 def ring_schedule(k):
@@ -91,16 +119,25 @@ def tree_schedule(k):
     return up + down
 
 
-def send(src, dst, phase):
-    """One transfer: `dst` += `src` ("add") or `dst` = `src` ("copy"), on dst's context."""
+def land(src, dst, phase):
+    """One transfer's arrival: `dst` += `src` ("add") or `dst` = `src` ("copy"), on dst's context."""
     if phase == "add":
         nd.elemwise_add(dst, fetch(src, dst.context), out=dst)
     else:
         src.copyto(dst)
 
 
+def send_all(pairs, wire):
+    """Transfers (src, dst, phase) whose sources are disjoint from their destinations: every source
+    shipped first, then every arrival (MXNet orders work per array, not per chunk: shipping chunk c of
+    replica i after an arrival wrote another chunk of it would wait for that arrival)."""
+    shipped = [(wire.ship(src, dst.context), dst, phase) for src, dst, phase in pairs]
+    for src, dst, phase in shipped:
+        land(src, dst, phase)
+
+
 @any_shape
-def ring_allreduce(arrays):
+def ring_allreduce(arrays, wire=DIRECT):
     """Afterwards every `arrays[i]` holds the sum, passed around the ring 0 -> 1 -> ... -> k-1 -> 0
     in k chunks: each link carries 2(k-1)/k of the array (see ring_schedule)."""
     k = len(arrays)
@@ -110,22 +147,20 @@ def ring_allreduce(arrays):
     chunk = [[flat[a:b] if b > a else None for a, b in zip(bounds, bounds[1:])]
              for flat in (x.reshape((-1,)) for x in arrays)]
     for transfers in ring_schedule(k):
-        for src, dst, c, phase in transfers:
-            if chunk[src][c] is not None:
-                send(chunk[src][c], chunk[dst][c], phase)
+        send_all([(chunk[src][c], chunk[dst][c], phase) for src, dst, c, phase in transfers
+                  if chunk[src][c] is not None], wire)
 
 
 @any_shape
-def tree_allreduce(arrays):
+def tree_allreduce(arrays, wire=DIRECT):
     """Afterwards every `arrays[i]` holds the sum, added up a binary tree into rank 0 in
     ceil(log2 k) rounds and copied back down it (see tree_schedule)."""
     for transfers in tree_schedule(len(arrays)):
-        for src, dst, _, phase in transfers:
-            send(arrays[src], arrays[dst], phase)
+        send_all([(arrays[src], arrays[dst], phase) for src, dst, _, phase in transfers], wire)
 
 
 @any_shape
-def scatter_gather_allreduce(arrays):
+def scatter_gather_allreduce(arrays, wire=DIRECT):
     """Afterwards every `arrays[i]` holds the sum. Reduce-scatter in one step: rank i adds up
     chunk i of every replica (one add_n on its own context); all-gather in one step: rank i's
     summed chunk is copied to every other rank. Each rank takes in (k-1)/k of the array per half,
@@ -134,16 +169,15 @@ def scatter_gather_allreduce(arrays):
     bounds = chunk_bounds(arrays[0].size, k)
     flat = [x.reshape((-1,)) for x in arrays]
     owned = [(i, flat[i][a:b]) for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
-    for i, mine in owned:                      # reduce-scatter: chunk i summed on rank i
-        a, b = bounds[i], bounds[i + 1]
-        others = [fetch(flat[j][a:b], mine.context) for j in range(k) if j != i]
-        if others:
-            nd.add_n(mine, *others, out=mine)
-    for i, mine in owned:                      # all-gather: chunk i from rank i to the others
-        a, b = bounds[i], bounds[i + 1]
-        for j in range(k):
-            if j != i:
-                mine.copyto(flat[j][a:b])
+    # reduce-scatter: chunk i summed on rank i, every chunk shipped before any sum (see send_all),
+    # in k-1 rounds in which rank j sends to rank j + r: no port is used twice in a round
+    sent = {(j, i): fetch(wire.ship(flat[j][bounds[i]:bounds[i + 1]], mine.context), mine.context)
+            for r in range(1, k) for i, mine in owned for j in [(i - r) % k]}
+    for i, mine in owned:
+        if k > 1:
+            nd.add_n(mine, *[sent[j, i] for j in range(k) if j != i], out=mine)
+    send_all([(mine, flat[(i + r) % k][bounds[i]:bounds[i + 1]], "copy")   # all-gather: chunk i to the others
+              for r in range(1, k) for i, mine in owned], wire)
 
 
 class KVStoreAllreduce:
@@ -185,11 +219,16 @@ ALLREDUCE_ALGORITHMS = {
 }
 
 
-def make_allreduce(name):
+def make_allreduce(name, wire=None):
     """The all-reduce called `name`, ready for repeated use (kvstore gets a store of its own,
-    prepared a plan cache of its own)."""
+    prepared a plan cache of its own); given a `wire` (an EmulatedLink), every transfer over it."""
     if name not in ALLREDUCE_ALGORITHMS:
         raise ValueError(f"unknown allreduce {name!r}; choose from {', '.join(ALLREDUCE_ALGORITHMS)}")
+    if wire is not None:
+        if name == "kvstore":
+            raise ValueError("allreduce kvstore moves its data inside MXNet, where no link can be emulated")
+        over_wire = {"lesson": lesson_over_wire, "prepared": reduce_bcast}.get(name, ALLREDUCE_ALGORITHMS[name])
+        return functools.partial(over_wire, wire=wire)
     if name == "kvstore":
         return KVStoreAllreduce()
     return PreparedAllreduce() if name == "prepared" else ALLREDUCE_ALGORITHMS[name]

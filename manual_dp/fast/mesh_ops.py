@@ -13,10 +13,16 @@ Each of the first four is differentiable: one mx.autograd.Function over the grou
 and g in tensor_ops), whose backward is the collective's transpose: all-gather's is the
 reduce-scatter of the gradients and the other way round, all-to-all's is the all-to-all back, a
 ring shift's is the shift the other way. tests/test_mesh.py checks each against numpy.
+
+Each takes a `wire` (default collectives.DIRECT): an EmulatedLink (manual_dp.fast.link) delays every
+piece that crosses between contexts, forward and backward, shipped in k-1 rounds in which context i
+sends to i + r, so that no port is used twice in a round (tests/test_link.py). The strategies do
+not pass one yet: under --link the activations' collectives of tensor, context and mesh modes are
+not delayed.
 """
 from mxnet import autograd, nd
 
-from .collectives import chunk_bounds
+from .collectives import DIRECT, chunk_bounds
 
 
 def cut(x, axis, sizes):
@@ -39,24 +45,39 @@ def join(pieces, axis, ctx):
     return nd.concat(*here, dim=axis) if len(here) > 1 else here[0].copy()
 
 
-def gather(xs, axis):
-    return [join(xs, axis, x.context) for x in xs]
+def shipped(piece, xs, wire):
+    """moved[i][j]: piece(i, j) (context i's piece for context j) shipped over `wire` to j's context,
+    in rounds r = 1..k-1 of sends i -> i + r (each port once a round); moved[j][j] stays."""
+    k = len(xs)
+    moved = [[piece(i, i) if j == i else None for j in range(k)] for i in range(k)]
+    for r in range(1, k):
+        for i in range(k):
+            j = (i + r) % k
+            moved[i][j] = wire.ship(piece(i, j), xs[j].context)
+    return moved
 
 
-def scatter_sum(xs, axis, sizes):
+def gather(xs, axis, wire=DIRECT):
+    moved = shipped(lambda i, j: xs[i], xs, wire)
+    return [join([moved[i][j] for i in range(len(xs))], axis, x.context) for j, x in enumerate(xs)]
+
+
+def scatter_sum(xs, axis, sizes, wire=DIRECT):
     pieces = [cut(x, axis, sizes) for x in xs]                  # pieces[i][j]: context i's piece j
-    return [nd.add_n(*[pieces[i][j].as_in_context(x.context) for i in range(len(xs))])
+    moved = shipped(lambda i, j: pieces[i][j], xs, wire)
+    return [nd.add_n(*[moved[i][j].as_in_context(x.context) for i in range(len(xs))])
             for j, x in enumerate(xs)]
 
 
-def exchange(xs, split, join_axis, sizes):
+def exchange(xs, split, join_axis, sizes, wire=DIRECT):
     pieces = [cut(x, split, sizes) for x in xs]
-    return [join([pieces[i][j] for i in range(len(xs))], join_axis, x.context) for j, x in enumerate(xs)]
+    moved = shipped(lambda i, j: pieces[i][j], xs, wire)
+    return [join([moved[i][j] for i in range(len(xs))], join_axis, x.context) for j, x in enumerate(xs)]
 
 
-def shifted(xs, step):
+def shifted(xs, step, wire=DIRECT):
     k = len(xs)
-    return [xs[(j - step) % k].copyto(xs[j].context) for j in range(k)]
+    return [wire.ship(xs[(j - step) % k], xs[j].context).copyto(xs[j].context) for j in range(k)]
 
 
 class Collective(autograd.Function):
@@ -78,32 +99,32 @@ def apply(forward_fn, backward_fn, xs):
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def all_gather(xs, axis):
+def all_gather(xs, axis, wire=DIRECT):
     """Every context's output is every x joined along `axis`, in order; backward: the reduce-scatter."""
     sizes = [x.shape[axis] for x in xs]
-    return apply(lambda a: gather(a, axis), lambda d: scatter_sum(d, axis, sizes), xs)
+    return apply(lambda a: gather(a, axis, wire), lambda d: scatter_sum(d, axis, sizes, wire), xs)
 
 
-def reduce_scatter(xs, axis, sizes=None):
+def reduce_scatter(xs, axis, sizes=None, wire=DIRECT):
     """Context j's output is piece j (of `sizes`, default even) of the sum of every x along `axis`;
     backward: the all-gather."""
     sizes = sizes or even_sizes(xs[0].shape[axis], len(xs))
-    return apply(lambda a: scatter_sum(a, axis, sizes), lambda d: gather(d, axis), xs)
+    return apply(lambda a: scatter_sum(a, axis, sizes, wire), lambda d: gather(d, axis, wire), xs)
 
 
-def all_to_all(xs, split, join_axis, sizes=None):
+def all_to_all(xs, split, join_axis, sizes=None, wire=DIRECT):
     """Context j's output joins (along `join_axis`) piece j of every x, x cut along `split` into
     `sizes` (default even); backward: the all-to-all back, each gradient cut along `join_axis` by
     the sizes the inputs had there."""
     sizes = sizes or even_sizes(xs[0].shape[split], len(xs))
     back = [x.shape[join_axis] for x in xs]
-    return apply(lambda a: exchange(a, split, join_axis, sizes),
-                 lambda d: exchange(d, join_axis, split, back), xs)
+    return apply(lambda a: exchange(a, split, join_axis, sizes, wire),
+                 lambda d: exchange(d, join_axis, split, back, wire), xs)
 
 
-def ring_shift(xs, step=1):
+def ring_shift(xs, step=1, wire=DIRECT):
     """Context j's output is a copy of x_{j - step} (indices round the ring); backward: the shift back."""
-    return apply(lambda a: shifted(a, step), lambda d: shifted(d, -step), xs)
+    return apply(lambda a: shifted(a, step, wire), lambda d: shifted(d, -step, wire), xs)
 
 
 def group_allreduce(arrays, groups, allreduce):

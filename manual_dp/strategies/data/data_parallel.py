@@ -184,6 +184,12 @@ class DataParallel(RunningStats, FixedData, Strategy):
         if self.tracer:
             self.tracer.step_ends()
 
+    def grad_buffers(self, i):
+        """The arrays holding context i's gradients: its flat buffer, one per bucket, or one per parameter."""
+        if self.buckets:
+            return [g.grad for g in self.buckets.replicas[i].groups]
+        return [self.flat[i].grad] if self.flat else [p.grad for p in self.replicas[i]]
+
     def reduced_grads(self):
         """The first replica's gradients (every replica holds the same sums): its one flat
         gradient when fused (one reduction for the norm, not one per parameter); with sums the

@@ -1,0 +1,73 @@
+"""--straggler I:FACTOR: context I's gradients are ready (FACTOR - 1) x its compute later, the other
+contexts' are not, and no value changes. Times as lower bounds (a shared machine is only slower)."""
+import time
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import nd
+
+from conftest import batch, run_main
+from manual_dp.lesson import init_lenet_params
+from manual_dp.strategies.base import innermost
+from manual_dp.strategies.data.data_parallel import DataParallel
+from manual_dp.strategies.wrappers.straggler import MEASURED, Straggler
+
+TINY = ["--train-size", "96", "--test-size", "32", "--batch-size", "32", "--epochs", "1", "--no-progress"]
+
+
+def sync(k=2, **options):
+    return DataParallel(init_lenet_params(0), [mx.cpu(i) for i in range(k)], "sgd", **options)
+
+
+def ready_after(model, X, y, contexts):
+    """Seconds from issuing a backward until each of `contexts`' gradient buffers is ready."""
+    nd.waitall()
+    start, done = time.perf_counter(), {}
+    model.backward(X, y)
+    for c in contexts:
+        for g in innermost(model).grad_buffers(c):
+            g.wait_to_read()
+        done[c] = time.perf_counter() - start
+    return done
+
+
+@pytest.mark.parametrize("options", [{}, {"bucket_mb": 0.05}], ids=["fused", "buckets"])
+def test_only_the_named_context_is_late(options):
+    X, y = batch(64, 0)
+    slow = Straggler(sync(**options), 1, 4.0)
+    for _ in range(MEASURED):
+        slow.step(X, y, 0.01)
+    nd.waitall()
+    assert 0 < slow.compute_s < 1 and slow.delay_s == pytest.approx(3 * slow.compute_s)
+    times = ready_after(slow, X, y, [0, 1])        # context 0 first: waiting on it does not wait on 1
+    assert times[1] >= times[0] + 0.85 * slow.delay_s, (times, slow.delay_s)
+    slow.update(0.01, len(X))
+
+
+def test_a_straggler_changes_no_value():
+    X, y = batch(64, 0)
+    plain, slow = sync(), Straggler(sync(), 0, 2.0)
+    for _ in range(MEASURED + 2):
+        plain.step(X, y, 0.01)
+        slow.step(X, y, 0.01)
+    for a, b in zip(plain.state_dict()["params"], slow.state_dict()["params"]):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--straggler", "1"], "--straggler 1: give CONTEXT:FACTOR"),
+    (["--straggler", "a:2"], "--straggler a:2: give CONTEXT:FACTOR"),
+    (["--straggler", "1:2:3"], "give CONTEXT:FACTOR"),
+    (["--straggler", "2:2"], "context 2 is not one of the 2 contexts"),
+    (["--straggler=-1:2"], "context -1 is not one of the 2 contexts"),
+    (["--straggler", "1:0.5"], "the factor must be >= 1 and finite"),
+    (["--straggler", "1:inf"], "the factor must be >= 1 and finite"),
+    (["--straggler", "1:nan"], "the factor must be >= 1 and finite"),
+    (["--straggler", "1:2", "--mode", "pipeline"], "slows one replica of --mode sync"),
+    (["--straggler", "1:2", "--deterministic"], "without --deterministic"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_stragglers_are_one_line_and_exit_2(capsys, data_dir, argv, message):
+    code, out, err = run_main(capsys, ["--cpus", "2", "--data-dir", str(data_dir), *TINY, *argv])
+    assert code == 2 and len(err) == 1 and message in err[0], err
+    assert out == ""
