@@ -243,7 +243,9 @@ def summary(state, meta):
     shapes, last = described_shapes(meta), (meta["history"] or [{}])[-1]
     sizes = ", ".join(f"{k} {v}" for k, v in model.get("config", {}).items() if not isinstance(v, (dict, list)))
     opt = [s for st in state["opt_state"] for s in st]
-    lines = [f"epoch {meta['epoch']}, update {meta['t']}, sha256 {meta['sha256'][:16]} (checked)",
+    cursor = meta.get("cursor")
+    within = f" and {cursor['batches']} batch(es) of epoch {meta['epoch'] + 1} (saved mid-epoch)" if cursor else ""
+    lines = [f"epoch {meta['epoch']}{within}, update {meta['t']}, sha256 {meta['sha256'][:16]} (checked)",
              f"model {model.get('name')} ({sizes}): {sum(int(np.prod(s)) for _, s in shapes):,} parameters "
              f"in {len(shapes)} tensors",
              f"saved by --mode {last.get('mode', run.get('mode', 'sync'))} on {', '.join(last.get('devices', [])) or '?'}"

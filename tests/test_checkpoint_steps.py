@@ -58,6 +58,9 @@ def test_checkpoint_every_saves_mid_epoch_and_the_tool_reads_it(capsys, data_dir
     _, meta = arrays(ck)
     assert meta["epoch"] == 0 and meta["history"] == [] and meta["cursor"]["batches"] == 8
     assert 0 < meta["cursor"]["loss"] and 0 <= meta["cursor"]["correct"] <= 256
+    from manual_dp.checkpoint import main as tool
+    tool([str(ck)])
+    assert "epoch 0 and 8 batch(es) of epoch 1 (saved mid-epoch), update 8" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
