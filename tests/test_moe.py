@@ -1,0 +1,244 @@
+"""The GPT's mixture-of-experts MLP (manual_dp/models/moe.py): routing against a numpy reference
+(top-k, ties to the lower index, capacity, slots in GShard's order, drops), the experts' output
+against a numpy MoE, the aux loss in the gradient, every data/ZeRO/pipeline layout against one
+context (1e-5 of the largest parameter after 2 momentum steps; --deterministic bit for bit), the
+same tokens dropped in every split of a batch by rows, the cached graph against the eager forward,
+the token ledger and the refusals of the command line."""
+import hashlib
+import json
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, nd
+
+from conftest import assert_trained_as, cpus, params_after_steps, run_main
+from manual_dp import models
+from manual_dp.datasets import Spec
+from manual_dp.models.contract import example_loss
+from manual_dp.models.moe import Experts, choices, dispatch_combine, experts_forward, routing
+from manual_dp.strategies.data.data_parallel import DataParallel
+from manual_dp.strategies.pipeline.pipeline import PipelineParallel
+from manual_dp.strategies.sums.fixed_sums import FixedSums
+from manual_dp.strategies.zero.zero import ZeroRedundancy
+
+TOL = 1e-5
+SPEC = Spec((8,), 11, 11, task="next-token")
+
+
+def small(E=4, K=2, factor=1.0, coef=0.01, layers=1):
+    return models.build("gpt", layers=layers, d_model=16, heads=2, spec=SPEC,
+                        experts=Experts(E, K, factor, coef) if E is not None else None)
+
+
+def tokens(n, seed=0):
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(0, SPEC.vocab, size=(n, SPEC.shape[0] + 1))
+    return ids[:, :-1].astype(np.float32), ids[:, 1:].astype(np.int32)
+
+
+def reference_routing(probs, K, C):
+    """(expert, slot, kept) (B, T, K) of probabilities (B, T, E), written as loops: choice k the
+    largest p not chosen yet (np.argmax: the lowest index of ties); slots per expert counted over
+    every first choice in position order, then, after the first choices it kept, every second."""
+    B, T, E = probs.shape
+    expert, slot, kept = (np.zeros((B, T, K), dtype=int) for _ in range(3))
+    for b in range(B):
+        chosen, offset = np.zeros((T, E), dtype=bool), np.zeros(E, dtype=int)
+        for k in range(K):
+            seen = np.zeros(E, dtype=int)
+            for t in range(T):
+                e = int(np.where(chosen[t], -np.inf, probs[b, t]).argmax())
+                chosen[t, e] = True
+                expert[b, t, k], slot[b, t, k] = e, offset[e] + seen[e]
+                kept[b, t, k] = slot[b, t, k] < C
+                seen[e] += 1
+            offset += np.minimum(seen, C - offset)
+    return expert, slot, kept
+
+
+def tied_probs(B=3, T=8, E=4, seed=0):
+    """Probabilities with forced ties: whole rows equal, pairs equal at the top, and random rows."""
+    rng = np.random.RandomState(seed)
+    p = rng.dirichlet(np.ones(E), size=(B, T))
+    p[0, :4] = 1.0 / E                                            # every expert tied
+    p[1, ::2] = [0.4, 0.1, 0.4, 0.1]                              # the top two tied: 0 then 2
+    p[1, 1::2] = [0.1, 0.3, 0.3, 0.3]                             # three tied for first
+    return p.astype(np.float32)
+
+
+@pytest.mark.parametrize("K, factor", [(1, 1.0), (2, 1.0), (1, 0.5), (2, 0.5), (2, None)])
+def test_routing_equals_the_reference(K, factor):
+    p = tied_probs()
+    cfg = Experts(4, K, factor)
+    C = cfg.capacity(8)
+    picked = choices(nd.array(p), cfg, 8, 4, nd)
+    got = [np.stack([v.asnumpy() for v in vs], axis=-1)
+           for vs in zip(*[(m.argmax(axis=-1), s, k) for m, s, k in picked])]
+    want = reference_routing(p, K, C)
+    for g, w, what in zip(got, want, ("expert", "slot", "kept")):
+        assert np.array_equal(g.astype(int), w), what
+    assert np.array_equal(picked[0][0].asnumpy().sum(-1), np.ones((3, 8)))   # one-hot: one expert per choice
+    if factor == 0.5:
+        assert not want[2].all()                                  # the case drops tokens
+
+
+def test_dispatch_and_combine_are_the_references():
+    p, K, E, T = tied_probs(), 2, 4, 8
+    cfg = Experts(E, K, 1.0)
+    C = cfg.capacity(T)
+    dispatch, combine = (x.asnumpy().reshape(3, T, E, C) for x in dispatch_combine(nd.array(p), cfg, T, E, nd))
+    expert, slot, kept = reference_routing(p, K, C)
+    want_d, want_c = np.zeros_like(dispatch), np.zeros_like(combine)
+    for b, t, k in zip(*np.nonzero(kept)):
+        e = expert[b, t, k]
+        total = sum(p[b, t, expert[b, t, j]] for j in range(K))   # GShard: renormalised over the two
+        want_d[b, t, e, slot[b, t, k]] = 1
+        want_c[b, t, e, slot[b, t, k]] = p[b, t, e] / total
+    assert np.array_equal(dispatch, want_d)
+    assert np.allclose(combine, want_c, atol=1e-6)
+
+
+def numpy_experts(x, p, K, C):
+    """The MoE's output (B, T, d) and aux loss (B,) of x, written per token from the reference routing."""
+    wr, w1, b1, w2, b2 = (a.asnumpy().astype(np.float64) for a in p)
+    logits = x @ wr.T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    expert, slot, kept = reference_routing(probs.astype(np.float32), K, C)
+    out = np.zeros_like(x)
+    for b, t in np.ndindex(*x.shape[:2]):
+        es = expert[b, t]
+        gates = probs[b, t, es] / (probs[b, t, es].sum() if K == 2 else 1)
+        for k in range(K):
+            if kept[b, t, k]:
+                e = es[k]
+                out[b, t] += gates[k] * (np.maximum(x[b, t] @ w1[e].T + b1[e], 0) @ w2[e].T + b2[e])
+    E = wr.shape[0]
+    share = np.eye(E)[expert[..., 0]].mean(1)
+    return out, E * (share * probs.mean(1)).sum(-1)
+
+
+@pytest.mark.parametrize("K, factor", [(1, 1.0), (2, 0.5)])
+def test_the_experts_output_is_the_per_token_reference(K, factor):
+    net = small(K=K, factor=factor)
+    P = net.init_params(1)[-9:-4]                                  # the router and the experts' weights
+    for i in (2, 4):
+        P[i] = nd.array(np.random.RandomState(i).normal(0, 0.5, P[i].shape))   # biases not zero
+    x = np.random.RandomState(2).normal(size=(3, 8, 16)).astype(np.float32)
+    cfg = Experts(4, K, factor)
+    out, aux = experts_forward(nd.array(x), P, cfg, 8, 4, nd)
+    want, want_aux = numpy_experts(x.astype(np.float64), P, K, cfg.capacity(8))
+    assert np.allclose(out.asnumpy(), want, atol=1e-5) and np.allclose(aux.asnumpy(), want_aux, atol=1e-6)
+
+
+def test_no_experts_is_todays_gpt_bit_for_bit():
+    X, y = tokens(6)
+    dense, zero = small(E=None), small(E=0)
+    assert dense.describe() == zero.describe() and not zero.aux
+    P = dense.init_params(0)
+    a, b = (net.forward(nd.array(X), P).asnumpy() for net in (dense, zero))
+    assert a.shape == (6, 8, 11) and np.array_equal(a, b)
+
+
+def router_grad_and_loss(coef, X, y):
+    net = small(coef=coef)
+    P = net.init_params(0)
+    for p in P:
+        p.attach_grad()
+    with autograd.record():
+        loss = example_loss(net.forward(nd.array(X), P), nd.array(y)).sum()
+    loss.backward()
+    return P[net.names().index("block0_router")].grad.asnumpy(), float(loss.asscalar())
+
+
+def test_the_aux_loss_reaches_the_router_s_gradient():
+    X, y = tokens(6)
+    (g0, l0), (g1, l1), (g2, l2) = (router_grad_and_loss(c, X, y) for c in (0.0, 0.5, 1.0))
+    net = small()
+    P = net.init_params(0)
+    h = net.layers[0].forward(nd.array(X), P[:2])
+    x = routing_input(net, h, P)
+    _, aux = experts_forward(x, P[14:19], net.experts, 8, 4, nd)
+    assert abs((l1 - l0) - 0.5 * float(aux.sum().asscalar())) <= 1e-5 * l0   # the loss gains coef * aux
+    assert np.abs(g1 - g0).max() > 1e-3 * np.abs(g0).max()                 # the coefficient moves the gradient
+    assert np.allclose(g2 - g0, 2 * (g1 - g0), atol=1e-6)                  # linearly
+
+
+def routing_input(net, h, P):
+    """The MoE's input LN2(x + attention(LN1(x))) of block 0 (no dropout)."""
+    from manual_dp.models.moe import attended
+    from manual_dp.models.transformer import layer_norm
+    x, _ = attended(h, P[2:19], nd, [p.shape for p in P[2:19]], 8, 1, 8)
+    return layer_norm(x, P[12], P[13], nd)
+
+
+def test_a_batch_split_by_rows_routes_and_drops_the_same_tokens():
+    net, (X, _) = small(factor=1.0), tokens(12)
+    P = net.init_params(0)
+    h = net.layers[0].forward(nd.array(X), P[:2])
+    layer, p = net.layers[1], P[2:19]
+    whole = routing(h, p, 8, net.experts, 8)
+    assert not whole[2].all()                                     # capacity 1.0 drops some tokens
+    for parts in ((6, 6), (3, 3, 3, 3), (5, 7), (1,) * 12):      # 2 and 4 contexts, uneven, micro-batches of 1
+        ends = np.cumsum((0,) + parts)
+        pieces = [routing(h[a:b], p, 8, net.experts, 8) for a, b in zip(ends, ends[1:])]
+        for got, want in zip(zip(*pieces), whole):
+            assert np.array_equal(np.concatenate(got), want)
+
+
+def test_the_cached_graph_computes_the_eager_loss():
+    from manual_dp.fast.graph import ModelGraph
+    net, (X, y) = small(), tokens(6)
+    P = net.init_params(0)
+    loss, correct = ModelGraph(model=net)(nd.array(X), nd.array(y), P)
+    scores = net.forward(nd.array(X), P)
+    want = example_loss(scores, nd.array(y)).sum()
+    assert abs(float(loss.asscalar()) - float(want.asscalar())) <= TOL * float(want.asscalar())
+    right = (scores.asnumpy()[:, :8].argmax(-1) == y).sum() / 8
+    assert abs(float(correct.asscalar()) - right) <= 1e-6
+
+
+LAYOUTS = {
+    "sync fast 2 (graph)": lambda P, m: DataParallel(P, cpus(2), "momentum", model=m),
+    "sync fast 4": lambda P, m: DataParallel(P, cpus(4), "momentum", model=m),
+    "zero3 2": lambda P, m: ZeroRedundancy(P, cpus(2), "momentum", 3, model=m),
+    "pipeline 2 1f1b": lambda P, m: PipelineParallel(P, cpus(2), "momentum", 4, stages=2, schedule="1f1b", model=m),
+}
+
+
+def after(strategy, steps=2, n=24):
+    X, y = tokens(n)
+    first = strategy.step(X, y, 0.05)
+    return params_after_steps(strategy, X, y, steps - 1), first
+
+
+@pytest.fixture(scope="module")
+def reference():
+    net = small(layers=2)
+    P = net.init_params(0)
+    return net, P, after(DataParallel(P, cpus(1), "momentum", lesson=True, model=net))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_equals_one_context(reference, layout):
+    net, P, (want, first) = reference
+    got, metrics = after(LAYOUTS[layout](P, net))
+    assert_trained_as(got, want, P, TOL)
+    loss, want_loss = (sum(float(m[0].asscalar()) for m in ms) for ms in (metrics, first))
+    assert abs(loss - want_loss) <= 1e-4 * want_loss
+
+
+def digest(params):
+    return hashlib.sha256(b"".join(np.ascontiguousarray(p).tobytes() for p in params)).hexdigest()
+
+
+def test_deterministic_bits_in_every_layout(reference):
+    net, P, _ = reference
+    want = digest(after(DataParallel(P, cpus(1), "momentum", model=net, sums=FixedSums()), n=70)[0])
+    for make in (lambda: DataParallel(P, cpus(2), "momentum", model=net, sums=FixedSums()),
+                 lambda: DataParallel(P, cpus(4), "momentum", model=net, sums=FixedSums()),
+                 lambda: ZeroRedundancy(P, cpus(2), "momentum", 3, model=net, sums=FixedSums()),
+                 lambda: PipelineParallel(P, cpus(2), "momentum", 2, stages=2, schedule="1f1b", model=net,
+                                          sums=FixedSums())):
+        assert digest(after(make(), n=70)[0]) == want
