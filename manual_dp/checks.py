@@ -129,9 +129,11 @@ def check_experts(cfg):
         raise UsageError(f"--aux-loss-coef must be >= 0 and finite, got {cfg.aux_loss_coef}")
     if cfg.ledger and not cfg.experts:
         raise UsageError("--ledger records an MoE's routing: give --experts too")
-    if cfg.ledger and (cfg.dropout or cfg.backend != "local"):
-        raise UsageError("--ledger recomputes the routing in this one process without dropout: not with "
-                         + (f"--backend {cfg.backend}" if cfg.backend != "local" else "--dropout"))
+    apart = [f for f, on in (("--dropout", cfg.dropout), (f"--backend {cfg.backend}", cfg.backend != "local"),
+                             (f"--precision {cfg.precision}", cfg.precision != "fp32"), ("--resume", cfg.resume)) if on]
+    if cfg.ledger and apart:
+        raise UsageError(f"--ledger recomputes the routing in float32 in this one process, without dropout, from "
+                         f"the run's start: not with {apart[0]}")
     if not cfg.experts:
         return
     if cfg.model != "gpt":

@@ -4,4 +4,5 @@
     loss_scaled.py  LossScaled: fp16's dynamic loss scale
     compressed.py   Compressed: --compress's error feedback around data parallelism
     digested.py     Digested: --digests, every tensor's digest after each update
+    ledgered.py     Ledgered: --ledger, an MoE GPT's routing of every token after each update
 """
