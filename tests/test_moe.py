@@ -242,3 +242,92 @@ def test_deterministic_bits_in_every_layout(reference):
                  lambda: PipelineParallel(P, cpus(2), "momentum", 2, stages=2, schedule="1f1b", model=net,
                                           sums=FixedSums())):
         assert digest(after(make(), n=70)[0]) == want
+
+
+# -- the command line: layouts, the ledger, refusals ------------------------------------------------
+def corpus(tmp_path):
+    """A small text file (a few kB of bytes, its own, no download)."""
+    words = np.random.RandomState(0).choice(["the ", "moe ", "routes ", "tokens ", "per ", "window. ", "\n"], 1500)
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(words))
+    return path
+
+
+def moe_run(capsys, tmp_path, name, flags):
+    """(stdout, ledger path, digests path) of a short MoE GPT run on the corpus."""
+    ledger, digests = tmp_path / f"{name}.ledger", tmp_path / f"{name}.digests"
+    argv = ["--model", "gpt", "--data", f"text:{corpus(tmp_path)}", "--layers", "2", "--d-model", "16", "--heads", "2",
+            "--seq-len", "8", "--experts", "4", "--top-k", "2", "--capacity-factor", "1.0", "--train-size", "96",
+            "--test-size", "16", "--batch-size", "32", "--epochs", "1", "--no-progress", "--ledger", str(ledger),
+            "--digests", str(digests)] + flags
+    code, out, err = run_main(capsys, argv)
+    assert code == 0, err
+    return out, ledger, digests
+
+
+def diverge(capsys, a, b):
+    from manual_dp.diverge import main
+    with pytest.raises(SystemExit) as e:
+        main([str(a), str(b)])
+    return e.value.code, capsys.readouterr().out
+
+
+def test_deterministic_layouts_write_the_same_ledger_and_digests(capsys, tmp_path):
+    _, ledger, digests = moe_run(capsys, tmp_path, "one", ["--cpus", "1", "--deterministic"])
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert lines[0]["ledger"]["capacity"] == 4 and [r["update"] for r in lines[1:]] == [1, 2, 3]
+    assert sum(layer["dropped"] for r in lines[1:] for layer in r["layers"]) > 0     # capacity 1.0 drops some
+    for name, flags in (("sync2", ["--cpus", "2"]), ("sync4", ["--cpus", "4"]),
+                        ("zero3", ["--cpus", "2", "--mode", "zero", "--zero-stage", "3"]),
+                        ("1f1b", ["--cpus", "2", "--mode", "pipeline", "--schedule", "1f1b"])):
+        _, other, other_digests = moe_run(capsys, tmp_path, name, flags + ["--deterministic"])
+        assert diverge(capsys, ledger, other)[0] == 0, name
+        assert diverge(capsys, digests, other_digests)[0] == 0, name
+
+
+def test_diverge_names_the_first_token_routed_differently(capsys, tmp_path):
+    _, a, _ = moe_run(capsys, tmp_path, "a", ["--cpus", "1"])
+    _, b, _ = moe_run(capsys, tmp_path, "b", ["--cpus", "1", "--aux-loss-coef", "1", "--lr", "0.1"])
+    code, out = diverge(capsys, a, b)
+    assert code == 1 and "the ledgers part at update 2: block" in out and "example" in out, out
+
+
+def test_a_truncated_ledger_is_refused_in_one_line(capsys, tmp_path):
+    bad = tmp_path / "bad.ledger"
+    bad.write_text('{"ledger": {"experts": 4}}\nnot json\n{"update": 1}\n')
+    from manual_dp.diverge import main
+    with pytest.raises(SystemExit) as e:
+        main([str(bad), str(bad)])
+    assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+GPT = ["--model", "gpt", "--data", "fortunes", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8",
+       "--cpus", "2", "--experts", "4"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "tensor"], "--experts with --mode tensor"),
+    (["--mode", "tensor", "--sequence-parallel"], "--experts with --mode tensor"),
+    (["--mode", "context"], "--experts with --mode context"),
+    (["--mesh", "dp=1,tp=2"], "--experts with --mode tensor"),
+    (["--cpus", "4", "--mesh", "dp=2,pp=1,tp=2"], "--experts with"),
+    (["--mesh", "cp=2"], "--experts with --mode context"),
+    (["--capacity-factor", "abc"], "--capacity-factor must be a positive number or none"),
+    (["--capacity-factor", "-1"], "--capacity-factor must be a positive number or none"),
+    (["--top-k", "3"], "--top-k"),
+    (["--experts", "-1"], "--experts must be >= 0"),
+    (["--experts", "1", "--top-k", "2"], "--experts must be >= 0 and at least --top-k 2"),
+    (["--aux-loss-coef", "nan"], "--aux-loss-coef must be >= 0"),
+    (["--ledger", "/nonexistent/dir/l.jsonl"], "--ledger /nonexistent/dir/l.jsonl: the directory"),
+    (["--ledger", "/tmp"], "--ledger /tmp is a directory"),
+    (["--ledger", "l.jsonl", "--dropout", "0.1"], "--ledger recomputes the routing"),
+    (["--experts", "0", "--ledger", "l.jsonl"], "--ledger records an MoE's routing: give --experts too"),
+])
+def test_bad_moe_flags_and_layouts_are_refused_in_one_line(capsys, argv, message):
+    code, _, err = run_main(capsys, GPT + argv)
+    assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_experts_on_another_model_are_refused(capsys):
+    code, _, err = run_main(capsys, ["--model", "transformer", "--experts", "4", "--cpus", "1"])
+    assert code == 2 and err == ["manual_dp.train: error: --experts: --model gpt only, not --model transformer"]
