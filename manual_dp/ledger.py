@@ -11,6 +11,8 @@ A header line first, then one JSON line per update:
 expert (int16), slot (int32) and kept (uint8) are (B, T, K) arrays, base64 of their little-endian
 bytes, example b the update's b-th in batch order (its accumulated batches one after the other),
 then the position, then the choice; digest the SHA-256 of every layer's three arrays in order.
+`python -m manual_dp.ledger FILE...` prints each block's balance: the most-loaded expert's share of
+the first choices and the share of choices dropped, at update 1 and over the last 10 updates.
 
 The routing is recomputed eagerly, in float32, on one context, from the parameters before the
 update and the update's examples (strategies/wrappers/ledgered.py): the routing those parameters give the batch. A
@@ -30,8 +32,8 @@ from .errors import OutputError
 ARRAYS = (("expert", np.int16), ("slot", np.int32), ("kept", np.uint8))
 
 
-def record(t, routes):
-    """The line of update t from its batches' route_batch lists, in batch order."""
+def record(t, routes, E):
+    """The line of update t from its batches' route_batch lists, in batch order, of E experts."""
     digest, layers = hashlib.sha256(), []
     for parts in zip(*routes):
         arrays = [np.ascontiguousarray(np.concatenate([p[1 + j] for p in parts]), dtype=kind)
@@ -40,7 +42,6 @@ def record(t, routes):
             digest.update(a.astype(a.dtype.newbyteorder("<")).tobytes())
         entry = {"name": parts[0][0]}
         entry.update({name: base64.b64encode(a.tobytes()).decode() for (name, _), a in zip(ARRAYS, arrays)})
-        E = int(arrays[0].max()) + 1 if arrays[0].size else 0
         entry.update(dropped=int((arrays[2] == 0).sum()), load=np.bincount(arrays[0][..., 0].ravel(), minlength=E).tolist())
         layers.append(entry)
     return {"update": int(t), "examples": sum(len(r[0][1]) for r in routes), "digest": digest.hexdigest(), "layers": layers}
@@ -132,3 +133,36 @@ def compare(path_a, path_b):
             return 1, (f"the ledgers part at update {ra['update']}: {name}, example {i} position {t} went to {got} "
                        f"in A, {want} in B; every token before it routed alike")
     return 0, f"identical: {len(common)} updates in common, every routing digest equal"
+
+
+def balance(path, last=10):
+    """Per MoE block of a ledger: (name, the most-loaded expert's share of first choices and the
+    share of choices dropped, each the mean over the first update and over the last `last`)."""
+    head, lines = read(path)
+    out = []
+    for i, name in enumerate(head["layers"]):
+        loads = np.zeros((len(lines), head["experts"]))
+        for row, r in zip(loads, lines):
+            row[:len(r["layers"][i]["load"])] = r["layers"][i]["load"]
+        share = loads.max(1) / loads.sum(1)
+        dropped = np.array([r["layers"][i]["dropped"] / (r["examples"] * head["tokens"] * head["top_k"]) for r in lines])
+        out.append((name, share[0], share[-last:].mean(), dropped[0], dropped[-last:].mean()))
+    return out
+
+
+def main(argv=None):
+    """`python -m manual_dp.ledger FILE...`: each ledger's balance, a line per MoE block."""
+    import sys
+    for path in (sys.argv[1:] if argv is None else argv):
+        try:
+            rows = balance(path)
+        except LedgerError as e:
+            sys.stderr.write(f"manual_dp.ledger: error: {e}\n")
+            sys.exit(2)
+        for name, first, late, drop_first, drop_late in rows:
+            print(f"{path} {name}: most-loaded expert {first:.3f} of first choices at update 1, {late:.3f} over the "
+                  f"last 10 updates; dropped {drop_first:.3f}, then {drop_late:.3f}")
+
+
+if __name__ == "__main__":
+    main()

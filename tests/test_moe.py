@@ -15,6 +15,7 @@ from mxnet import autograd, nd
 from conftest import assert_trained_as, cpus, params_after_steps, run_main
 from manual_dp import models
 from manual_dp.datasets import Spec
+from manual_dp.ledger import arrays_of, balance
 from manual_dp.models.contract import example_loss
 from manual_dp.models.moe import Experts, choices, dispatch_combine, experts_forward, routing
 from manual_dp.strategies.data.data_parallel import DataParallel
@@ -277,6 +278,11 @@ def test_deterministic_layouts_write_the_same_ledger_and_digests(capsys, tmp_pat
     lines = [json.loads(line) for line in ledger.read_text().splitlines()]
     assert lines[0]["ledger"]["capacity"] == 4 and [r["update"] for r in lines[1:]] == [1, 2, 3]
     assert sum(layer["dropped"] for r in lines[1:] for layer in r["layers"]) > 0     # capacity 1.0 drops some
+    first = lines[1]["layers"][0]
+    expert, slot, kept = arrays_of(first, (-1, 8, 2))
+    assert expert.shape == (32, 8, 2) and first["dropped"] == int((kept == 0).sum())
+    assert first["load"] == np.bincount(expert[..., 0].ravel(), minlength=4).tolist()
+    assert balance(ledger)[0][1] == max(first["load"]) / 256
     for name, flags in (("sync2", ["--cpus", "2"]), ("sync4", ["--cpus", "4"]),
                         ("zero3", ["--cpus", "2", "--mode", "zero", "--zero-stage", "3"]),
                         ("1f1b", ["--cpus", "2", "--mode", "pipeline", "--schedule", "1f1b"])):

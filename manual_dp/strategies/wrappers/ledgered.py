@@ -42,7 +42,8 @@ class Ledgered(Wrapper):
 
     def after(self, t0):
         if self.model.t != t0 and self.routes:
-            self.out.write(record(self.model.t, self.routes))
+            E = moe_layers(self.model.net)[0][1].extra["experts"].experts
+            self.out.write(record(self.model.t, self.routes, E))
             self.routes = []
 
     def step(self, X, y, lr):
