@@ -48,7 +48,7 @@ from .transformer import attention, layer_norm
 @dataclass(frozen=True)
 class Experts:
     """An MoE MLP's settings: E experts, top-K routing, capacity factor (None: dropless), the aux
-    loss's coefficient, hidden units per expert."""
+    loss's coefficient (each expert d -> 4d -> d, as the dense MLP)."""
     experts: int
     top_k: int = 1
     capacity_factor: Optional[float] = 1.0
