@@ -337,3 +337,14 @@ def test_bad_moe_flags_and_layouts_are_refused_in_one_line(capsys, argv, message
 def test_experts_on_another_model_are_refused(capsys):
     code, _, err = run_main(capsys, ["--model", "transformer", "--experts", "4", "--cpus", "1"])
     assert code == 2 and err == ["manual_dp.train: error: --experts: --model gpt only, not --model transformer"]
+
+
+def test_the_validation_loss_is_the_task_s_without_the_aux_term():
+    from manual_dp.loop import validation_loss
+    net, (X, y) = small(coef=1.0), tokens(6)
+    P = net.init_params(0)
+    scores = net.forward(nd.array(X), P)
+    task = float(example_loss(scores[:, :8], nd.array(y)).mean().asscalar())
+    with_aux = float(example_loss(scores, nd.array(y)).mean().asscalar())
+    got = validation_loss(DataParallel(P, cpus(1), "momentum", model=net), X, y, 4)
+    assert abs(got - task) <= 1e-6 * task and with_aux > task + 0.1
