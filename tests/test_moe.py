@@ -18,6 +18,7 @@ from manual_dp.datasets import Spec
 from manual_dp.ledger import arrays_of, balance
 from manual_dp.models.contract import example_loss
 from manual_dp.models.moe import Experts, choices, dispatch_combine, experts_forward, routing
+from manual_dp.strategies.data.async_dp import AsyncDataParallel
 from manual_dp.strategies.data.data_parallel import DataParallel
 from manual_dp.strategies.pipeline.pipeline import PipelineParallel
 from manual_dp.strategies.sums.fixed_sums import FixedSums
@@ -205,6 +206,10 @@ LAYOUTS = {
     "sync fast 4": lambda P, m: DataParallel(P, cpus(4), "momentum", model=m),
     "zero3 2": lambda P, m: ZeroRedundancy(P, cpus(2), "momentum", 3, model=m),
     "pipeline 2 1f1b": lambda P, m: PipelineParallel(P, cpus(2), "momentum", 4, stages=2, schedule="1f1b", model=m),
+    "pipeline 4 gpipe recompute": lambda P, m: PipelineParallel(P, cpus(4), "momentum", 3, stages=4, recompute=True,
+                                                                model=m),
+    "sync lesson 3": lambda P, m: DataParallel(P, cpus(3), "momentum", lesson=True, model=m),
+    "async S=0 2": lambda P, m: AsyncDataParallel(P, cpus(2), "momentum", 0, model=m),
 }
 
 
