@@ -7,7 +7,6 @@ the token ledger and the refusals of the command line."""
 import hashlib
 import json
 
-import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import autograd, nd
@@ -179,7 +178,7 @@ def test_a_batch_split_by_rows_routes_and_drops_the_same_tokens():
     net, (X, _) = small(factor=1.0), tokens(12)
     P = net.init_params(0)
     h = net.layers[0].forward(nd.array(X), P[:2])
-    layer, p = net.layers[1], P[2:19]
+    p = P[2:19]                                                   # block 0's parameters
     whole = routing(h, p, 8, net.experts, 8)
     assert not whole[2].all()                                     # capacity 1.0 drops some tokens
     for parts in ((6, 6), (3, 3, 3, 3), (5, 7), (1,) * 12):      # 2 and 4 contexts, uneven, micro-batches of 1

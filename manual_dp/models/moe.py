@@ -40,7 +40,7 @@ import numpy as np
 from mxnet import nd
 
 from ..lesson import relu
-from .contract import Param, fc
+from .contract import Param
 from .dropout import dropout
 from .transformer import attention, layer_norm
 
