@@ -69,11 +69,12 @@ class LedgerError(Exception):
 
 
 def is_ledger(path):
-    """Whether the file at `path` starts with a ledger's header line."""
+    """Whether the file at `path` starts as a ledger's header line does (its first bytes only: a
+    damaged or huge file is the digest reader's to refuse)."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.readline()).get("ledger") is not None
-    except (OSError, ValueError, AttributeError):
+            return f.read(len(b'{"ledger": ')) == b'{"ledger": '
+    except OSError:
         return False
 
 
@@ -86,11 +87,11 @@ def read(path):
     try:
         head = json.loads(lines[0])["ledger"]
         body = [json.loads(line) for line in lines[1:-1]]
-    except (IndexError, ValueError, KeyError, TypeError):
+    except (IndexError, ValueError, KeyError, TypeError, RecursionError):
         raise LedgerError(f"{path}: not a --ledger file") from None
     try:
         body.append(json.loads(lines[-1])) if len(lines) > 1 else None
-    except ValueError:
+    except (ValueError, RecursionError):
         pass                                        # a run killed mid-write
     return head, body
 
@@ -115,10 +116,18 @@ def first_difference(ra, rb, K, T):
 
 
 def compare(path_a, path_b):
-    """(status, message): 0 where both ledgers route every common update alike, 1 where they part."""
+    """(status, message): 0 where both ledgers route every common update alike, 1 where they part;
+    LedgerError (one line) for files that are not ledgers, or damaged ones."""
     (ha, a), (hb, b) = read(path_a), read(path_b)
     if ha != hb:
-        raise LedgerError(f"the ledgers are of different MoEs ({ha} against {hb})")
+        raise LedgerError(f"the ledgers are of different MoEs ({str(ha)[:200]} against {str(hb)[:200]})")
+    try:
+        return compare_lines(a, b, ha)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise LedgerError(f"a ledger line is damaged ({type(e).__name__}: {str(e)[:100]})") from None
+
+
+def compare_lines(a, b, head):
     by_update = {r["update"]: r for r in b}
     common = [r for r in a if r["update"] in by_update]
     if not common:
@@ -126,7 +135,7 @@ def compare(path_a, path_b):
     for ra in common:
         rb = by_update[ra["update"]]
         if ra["digest"] != rb["digest"]:
-            where = first_difference(ra, rb, ha["top_k"], ha["tokens"])
+            where = first_difference(ra, rb, head["top_k"], head["tokens"])
             if where is None:
                 return 1, f"the ledgers part at update {ra['update']}: {ra['examples']} against {rb['examples']} examples"
             name, i, t, got, want = where

@@ -274,7 +274,8 @@ def diverge(capsys, a, b):
     from manual_dp.diverge import main
     with pytest.raises(SystemExit) as e:
         main([str(a), str(b)])
-    return e.value.code, capsys.readouterr().out
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err.strip().splitlines()
 
 
 def test_deterministic_layouts_write_the_same_ledger_and_digests(capsys, tmp_path):
@@ -298,7 +299,7 @@ def test_deterministic_layouts_write_the_same_ledger_and_digests(capsys, tmp_pat
 def test_diverge_names_the_first_token_routed_differently(capsys, tmp_path):
     _, a, _ = moe_run(capsys, tmp_path, "a", ["--cpus", "1"])
     _, b, _ = moe_run(capsys, tmp_path, "b", ["--cpus", "1", "--aux-loss-coef", "1", "--lr", "0.1"])
-    code, out = diverge(capsys, a, b)
+    code, out, _ = diverge(capsys, a, b)
     assert code == 1 and "the ledgers part at update 2: block" in out and "example" in out, out
 
 
@@ -352,3 +353,14 @@ def test_the_validation_loss_is_the_task_s_without_the_aux_term():
     with_aux = float(example_loss(scores, nd.array(y)).mean().asscalar())
     got = validation_loss(DataParallel(P, cpus(1), "momentum", model=net), X, y, 4)
     assert abs(got - task) <= 1e-6 * task and with_aux > task + 0.1
+
+
+@pytest.mark.parametrize("second", ['{"update": 1}\n', '{"update": 1, "digest": "x", "layers": [{"name": "b"}]}\n',
+                                    "[" * 100000 + "]" * 100000 + "\n"])
+def test_damaged_ledgers_are_refused_in_one_line(capsys, tmp_path, second):
+    head = '{"ledger": {"experts": 4, "top_k": 1, "capacity": 2, "tokens": 8, "layers": ["block0"]}}\n'
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text(head + '{"update": 1, "digest": "y", "examples": 1, "layers": [{"name": "b", "expert": "!"}]}\n')
+    b.write_text(head + second)
+    code, _, err = diverge(capsys, a, b)
+    assert code == 2 and len(err) == 1 and err[0].startswith("manual_dp.diverge: error:"), err
