@@ -364,3 +364,11 @@ def test_damaged_ledgers_are_refused_in_one_line(capsys, tmp_path, second):
     b.write_text(head + second)
     code, _, err = diverge(capsys, a, b)
     assert code == 2 and len(err) == 1 and err[0].startswith("manual_dp.diverge: error:"), err
+
+
+def test_the_model_refuses_split_layouts_of_an_moe_and_not_of_the_dense_gpt():
+    moe, dense = small(), small(E=None)
+    assert "--experts" in moe.tensor_refusal(2) and "--experts" in moe.sequence_refusal(2, "ring")
+    assert "--experts" in moe.grid_refusal(2, 2, "ring")
+    assert dense.tensor_refusal(2) is None and dense.sequence_refusal(2, "ring") is None
+    assert dense.grid_refusal(2, 2, "ring") is None

@@ -164,12 +164,14 @@ class GPT(Transformer):
         return out
 
     def tensor_refusal(self, T):
+        """The vision transformer's (heads a context); an MoE GPT's experts are not split."""
         if self.experts:
             return "--experts: tensor parallelism of the MoE block is not built (its experts are not split)"
         return super().tensor_refusal(T)
 
     def grid_refusal(self, C, T, attention):
-        return self.tensor_refusal(T) or super().grid_refusal(C, T, attention)
+        """The vision transformer's; an MoE GPT's as tensor_refusal."""
+        return self.tensor_refusal(T) if self.experts else super().grid_refusal(C, T, attention)
 
     def sequence_refusal(self, C, attention):
         """Megatron-SP (attention None) cuts the tokens between split layers: a token a context at
