@@ -313,7 +313,7 @@ def test_a_truncated_ledger_is_refused_in_one_line(capsys, tmp_path):
 
 
 GPT = ["--model", "gpt", "--data", "fortunes", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8",
-       "--cpus", "2", "--experts", "4"]
+       "--cpus", "2", "--experts", "4", "--train-size", "64", "--test-size", "16"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -329,14 +329,14 @@ GPT = ["--model", "gpt", "--data", "fortunes", "--layers", "1", "--d-model", "16
     (["--experts", "-1"], "--experts must be >= 0"),
     (["--experts", "1", "--top-k", "2"], "--experts must be >= 0 and at least --top-k 2"),
     (["--aux-loss-coef", "nan"], "--aux-loss-coef must be >= 0"),
-    (["--ledger", "/nonexistent/dir/l.jsonl"], "--ledger /nonexistent/dir/l.jsonl: the directory"),
+    (["--ledger", "{tmp}/missing/l.jsonl"], "--ledger {tmp}/missing/l.jsonl: the directory"),
     (["--ledger", "/tmp"], "--ledger /tmp is a directory"),
     (["--ledger", "l.jsonl", "--dropout", "0.1"], "--ledger recomputes the routing"),
     (["--experts", "0", "--ledger", "l.jsonl"], "--ledger records an MoE's routing: give --experts too"),
 ])
-def test_bad_moe_flags_and_layouts_are_refused_in_one_line(capsys, argv, message):
-    code, _, err = run_main(capsys, GPT + argv)
-    assert code == 2 and len(err) == 1 and message in err[0], err
+def test_bad_moe_flags_and_layouts_are_refused_in_one_line(capsys, tmp_path, argv, message):
+    code, _, err = run_main(capsys, GPT + [a.format(tmp=tmp_path) for a in argv])
+    assert code == 2 and len(err) == 1 and message.format(tmp=tmp_path) in err[0], err
 
 
 def test_experts_on_another_model_are_refused(capsys):
