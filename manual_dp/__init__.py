@@ -28,8 +28,12 @@ Read it in this order (each folder's docstring lists its own files in reading or
     memory.py         bytes per context: the peak one training step holds on each context, by kind
     digests.py        --digests FILE: per update, a fingerprint of every gradient, parameter and state
     diverge.py        `python -m manual_dp.diverge A B`: where two runs part, from their --digests files
+<<<<<<< HEAD
     perturb.py        --perturb KIND:SEED: a run nudged by one ulp, or its batches' rows reshuffled
     yardstick.py      `python -m manual_dp.yardstick -- FLAGS`: how far rounding alone moves a run; a gap judged
+=======
+    ledger.py         --ledger FILE: per update, where an MoE GPT routed every token; diverge compares two
+>>>>>>> moe
     replay/           `diverge A B --replay`: where inside one update two runs part
     cli/              the command line around the library: flags, one run, its output
     train.py          `python -m manual_dp.train [flags]`: train from the command line

@@ -118,6 +118,7 @@ def check_model(cfg):
         raise UsageError(f"--patch must be 0 (rows) or divide 28, got {cfg.patch}")
     if cfg.heads and cfg.d_model and cfg.d_model % cfg.heads:
         raise UsageError(f"--heads {cfg.heads} does not divide --d-model {cfg.d_model}")
+    check_experts(cfg)
     refusal = modes.of(cfg).refuses(cfg)             # what the mode itself cannot take
     if refusal:
         raise UsageError(refusal)
@@ -135,6 +136,47 @@ def check_model(cfg):
                          f"one, --model {cfg.model} does not")
     if cfg.deterministic and modes.of(cfg).deterministic:
         raise UsageError(f"--deterministic --mode {cfg.mode}: {modes.of(cfg).deterministic}")
+
+
+def capacity_factor(text):
+    """--capacity-factor as a float > 0, or None for "none" (dropless); UsageError otherwise."""
+    if str(text).lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and math.isfinite(value)):
+        raise UsageError(f"--capacity-factor must be a positive number or none, got {text}")
+    return value
+
+
+def check_experts(cfg):
+    """UsageError for MoE flags (models/moe.py) no run can take, or layouts that would cut a routing
+    group or split the experts."""
+    capacity_factor(cfg.capacity_factor)
+    if cfg.experts < 0 or (cfg.experts and cfg.top_k > cfg.experts):
+        raise UsageError(f"--experts must be >= 0 and at least --top-k {cfg.top_k}, got {cfg.experts}")
+    if not (cfg.aux_loss_coef >= 0 and math.isfinite(cfg.aux_loss_coef)):
+        raise UsageError(f"--aux-loss-coef must be >= 0 and finite, got {cfg.aux_loss_coef}")
+    if cfg.ledger and not cfg.experts:
+        raise UsageError("--ledger records an MoE's routing: give --experts too")
+    apart = [f for f, on in (("--dropout", cfg.dropout), (f"--backend {cfg.backend}", cfg.backend != "local"),
+                             (f"--precision {cfg.precision}", cfg.precision != "fp32"), ("--resume", cfg.resume)) if on]
+    if cfg.ledger and apart:
+        raise UsageError(f"--ledger recomputes the routing in float32 in this one process, without dropout, from "
+                         f"the run's start: not with {apart[0]}")
+    if not cfg.experts:
+        return
+    if cfg.model != "gpt":
+        raise UsageError(f"--experts: --model gpt only, not --model {cfg.model}")
+    split = [name for name, on in (("--mode tensor", cfg.mode == "tensor"), ("--mode context", cfg.mode == "context"),
+                                   ("tp > 1", (cfg.tensor_parallel or 1) > 1), ("cp > 1", (cfg.context_parallel or 1) > 1),
+                                   ("--sequence-parallel", cfg.sequence_parallel),
+                                   ("--tensor-pieces", (cfg.tensor_pieces or 1) > 1)) if on]
+    if split:
+        raise UsageError(f"--experts with {split[0]}: an MoE block is routed per whole window and its experts are "
+                         f"not split; data, ZeRO and pipeline layouts only")
 
 
 def check_running(cfg, running):

@@ -102,6 +102,17 @@ class RunConfig:
                                "units at every dropout site while training, with masks drawn per (batch, "
                                "example), the same in every layout, micro-batching, recompute and resume "
                                "(manual_dp/models/dropout.py)", "model")
+    experts: int = flag(0, "gpt: E experts in every block's MLP, routed per window (a mixture of experts, "
+                           "models/moe.py); 0: the dense MLP", "model")
+    top_k: int = flag(1, "gpt --experts: experts per token, 1 (Switch) or 2 (GShard's renormalised gates)",
+                      "model", choices=(1, 2))
+    capacity_factor: str = flag("1.25", "gpt --experts: slots per expert and window ceil(F x tokens x top-k / "
+                                        "experts), the tokens past them dropped; none: dropless", "model")
+    aux_loss_coef: float = flag(0.01, "gpt --experts: weight of the load-balancing loss E x sum_e f_e P_e",
+                                "model")
+    ledger: Optional[str] = flag(None, "gpt --experts: write, per update, every token's expert(s), slot and "
+                                       "dropped flag in each MoE block, with a digest, to this file; compare two "
+                                       "runs with python -m manual_dp.diverge A B", "output")
     init_scale: Optional[float] = flag(None, "std of normal(0, s) weights; default He init; "
                                              "0.01 is the lesson's", "model")
     data: str = flag("fashion-mnist", "the data set: fashion-mnist (28x28 images, 10 classes); fortunes[:DIR] "
@@ -312,7 +323,8 @@ MODEL_APPLIES = {"width": ("lenet", "mlp", "resnet"), "layers": ("transformer", 
 RUN_KEYS = ("model", "layers", "d_model", "heads", "patch", "dropout", "sync_batchnorm", "clip_norm", "precision",
             "scale_window", "batch_size", "lr", "optimizer", "init_scale", "seed", "width", "train_size", "test_size",
             "mode", "staleness", "micro_batches", "grad_accum", "scale_lr", "warmup_epochs",
-            "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress", "data", "seq_len", "vocab")
+            "sync_every", "outer_optimizer", "outer_lr", "outer_momentum", "compress", "data", "seq_len", "vocab",
+            "experts", "top_k", "capacity_factor", "aux_loss_coef")
 
 # Settings a checkpoint keeps that only fix the order of --deterministic's sums: --resume goes on
 # when they differ, and says that the bits of the run saved will not be met.
@@ -324,7 +336,7 @@ DEFAULTS_OF_NEWER_KEYS = {"model": "lenet", "layers": None, "d_model": None, "he
                           "sync_batchnorm": False, "clip_norm": None, "precision": "fp32", "scale_window": None,
                           "width": 1, "sync_every": None, "outer_optimizer": None, "outer_lr": None,
                           "outer_momentum": None, "compress": "none", "data": "fashion-mnist", "seq_len": None,
-                          "vocab": None}
+                          "vocab": None, "experts": 0, "top_k": 1, "capacity_factor": "1.25", "aux_loss_coef": 0.01}
 
 
 def fields():

@@ -69,7 +69,7 @@ def record(t, names, shapes, grads, state):
 
 
 # RunConfig fields that neither change a run's numbers nor say where its state is: left out of the header.
-NOT_IN_HEADER = ("log_json", "digests", "resume", "no_progress", "dry_run", "trace", "flight_record", "timeout",
+NOT_IN_HEADER = ("log_json", "digests", "ledger", "resume", "no_progress", "dry_run", "trace", "flight_record", "timeout",
                  "memory_per_device", "check_replicas")
 
 

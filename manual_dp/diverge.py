@@ -1,4 +1,5 @@
-"""`python -m manual_dp.diverge A B`: where two runs part, from their `--digests` files.
+"""`python -m manual_dp.diverge A B`: where two runs part, from their `--digests` files (from two
+`--ledger` files: the first update, MoE block and token routed differently, manual_dp/ledger.py).
 
 Walks the updates both files hold, in order, and each update's tensors in the order a step computes
 them (gradients from the last layer back, then parameters and optimiser state), and names the first
@@ -17,6 +18,7 @@ from .cli.options import OneLineParser
 from .cli.output import ends_on_signals
 from .digests import DigestError, compare, read, settings_apart
 from .errors import UsageError
+from .ledger import LedgerError, compare as compare_ledgers, is_ledger
 
 USAGE = "python -m manual_dp.diverge A B [--replay] [--update T]"
 
@@ -44,6 +46,8 @@ def compare_files(argv):
         sys.exit(2)
     if args.replay or args.update is not None:
         sys.exit(replay_status(args))
+    if is_ledger(args.a) or is_ledger(args.b):
+        sys.exit(ledger_status(args))
     try:
         notes, heads, runs = {}, [], []
         for label, path in (("A", args.a), ("B", args.b)):
@@ -62,6 +66,17 @@ def compare_files(argv):
     apart = settings_apart(*heads) if status else []
     print((f"the runs differ in {', '.join(apart)}; " if apart else "") + message)
     sys.exit(status)
+
+
+def ledger_status(args):
+    """The exit status of comparing two --ledger files (manual_dp.ledger), after its line."""
+    try:
+        status, message = compare_ledgers(args.a, args.b)
+    except LedgerError as e:
+        sys.stderr.write(f"manual_dp.diverge: error: {e}\n")
+        return 2
+    print(message)
+    return status
 
 
 def replay_status(args):

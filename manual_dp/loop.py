@@ -40,11 +40,15 @@ def evaluate(model, X, y, batch_size):
 def validation_loss(model, X, y, batch_size):
     """The mean per-example loss (for a language model: per token, in nats) on (X, y) of the
     parameters `model` holds, gathered whole (Strategy.state_dict: any layout) and run on its first
-    context, outside any training batch (no dropout)."""
+    context, outside any training batch (no dropout); an MoE GPT's without its aux term (the
+    scores' last row, models/moe.py): the task's loss alone."""
     net, home = model.net, model.ctx[0]
     params = [nd.array(p, ctx=home) for p in model.state_dict()["params"]]
-    total = sum(example_loss(net.forward(nd.array(Xb, ctx=home), params), nd.array(yb, ctx=home)).sum()
-                for Xb, yb in batches(X, y, batch_size))
+
+    def scores(Xb, yb):
+        s = net.forward(nd.array(Xb, ctx=home), params)
+        return s[:, :yb.shape[1]] if net.aux else s
+    total = sum(example_loss(scores(Xb, yb), nd.array(yb, ctx=home)).sum() for Xb, yb in batches(X, y, batch_size))
     return float(total.asscalar()) / len(X)
 
 

@@ -67,6 +67,7 @@ def from_checkpoint(directory):
     from . import checkpoint
     from .datasets import Spec
     from .models.gpt import GPT
+    from .models.moe import Experts
     state, meta = checkpoint.load(directory)
     model = meta.get("model", {})
     tokens, config = model.get("tokens"), model.get("config", {})
@@ -75,7 +76,9 @@ def from_checkpoint(directory):
     try:
         spec = Spec((config["seq_len"],), config["vocab"], config["vocab"], "next-token", tuple(tokens["names"]),
                     tokens["text"])
-        net = GPT(config["layers"], config["d_model"], config["heads"], spec)
+        moe = Experts(config["experts"], config["top_k"], config["capacity_factor"], config["aux_loss_coef"]) \
+            if config.get("experts") else None
+        net = GPT(config["layers"], config["d_model"], config["heads"], spec, moe)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{directory}: its model description is damaged ({e})") from None
     return net, [nd.array(p, ctx=mx.cpu(0)) for p in state["params"]]

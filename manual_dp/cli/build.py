@@ -14,6 +14,7 @@ from ..fast.link import EmulatedLink
 from ..links import parse_link, parse_straggler
 from ..models import build as build_network
 from ..models.dropout import Noise
+from ..models.moe import Experts
 from ..models.precise import Precise
 from ..models.room import room
 from ..planner.predict import OPT_COPIES
@@ -63,9 +64,9 @@ def graph_pad(cfg, world):
 
 
 @functools.lru_cache(maxsize=4)
-def network_of(model, width, layers, d_model, heads, patch, seed, dropout=0.0, spec=None, room=None):
+def network_of(model, width, layers, d_model, heads, patch, seed, dropout=0.0, spec=None, room=None, experts=None):
     try:
-        net = build_network(model, width, layers, d_model, heads, patch, seed, spec, room)
+        net = build_network(model, width, layers, d_model, heads, patch, seed, spec, room, experts)
         if dropout:
             net.drop(Noise(dropout, seed))
         return net
@@ -76,9 +77,17 @@ def network_of(model, width, layers, d_model, heads, patch, seed, dropout=0.0, s
 def network(cfg):
     """The models.Model that cfg names, reading cfg's data (datasets.spec_of), built once per process
     (a user's block is loaded once), with cfg's dropout; refused in one line if the run would not
-    fit in this machine's memory (models/room.py)."""
+    fit in this machine's memory (models/room.py); --experts: every block's MLP a mixture of experts."""
     return network_of(cfg.model, cfg.width, cfg.layers, cfg.d_model, cfg.heads, cfg.patch, cfg.seed, cfg.dropout,
-                      datasets.spec_of(cfg), room_of(cfg.optimizer, recorded(cfg), config.device_request(cfg)[0] == "gpu"))
+                      datasets.spec_of(cfg), room_of(cfg.optimizer, recorded(cfg), config.device_request(cfg)[0] == "gpu"),
+                      experts_of(cfg))
+
+
+def experts_of(cfg):
+    """The models.moe.Experts of --experts, --top-k, --capacity-factor, --aux-loss-coef; None for 0."""
+    if not cfg.experts:
+        return None
+    return Experts(cfg.experts, cfg.top_k, checks.capacity_factor(cfg.capacity_factor), cfg.aux_loss_coef)
 
 
 def recorded(cfg):

@@ -63,7 +63,7 @@ def check_output_paths(cfg):
     if cfg.checkpoint_dir:
         check_checkpoint_dir(cfg)
     files = {flag: Path(path) for flag, path in (("--log-json", cfg.log_json), ("--trace", cfg.trace),
-                                                 ("--digests", cfg.digests)) if path}
+                                                 ("--digests", cfg.digests), ("--ledger", cfg.ledger)) if path}
     seen = {}
     for flag, path in files.items():
         target = path.resolve()                          # where the file is written, through any symlink

@@ -19,6 +19,8 @@ from ..multiprocess.agree import agree
 from ..multiprocess.connect import connect
 from ..schedule import updates_per_epoch
 from ..strategies.wrappers.digested import Digested
+from ..strategies.wrappers.ledgered import Ledgered, header as ledger_header
+from ..ledger import LedgerFile
 from . import config_file, memcheck, saving, text
 from .build import build_model, contexts, dry_run, graph_pad, learning_rate, network, policy_of
 from .output import Progress, describe, fail, format_record, interrupted, write_atomic, write_log
@@ -173,6 +175,8 @@ def train_in(cfg, world, ctx):
     start_epoch, history, rng_state, cursor = resume_from(cfg, world, model, run_config, len(train_data[0]), source)
     if cfg.digests:                      # after the resume: the file keeps the checkpoint's updates
         model = Digested(model, resume_digests(cfg, world, model.t) if world.is_root else None)
+    if cfg.ledger:                       # an MoE GPT's routing per update (manual_dp/ledger.py)
+        model = Ledgered(model, LedgerFile(cfg.ledger, ledger_header(net)))
     if history and cfg.log_json and world.is_root:
         save_log(cfg, history)           # the log matches the checkpoint again, however the last run ended
     rng = perturb.ordered(cfg.perturb, np.random.default_rng(cfg.seed), cfg.batch_size)

@@ -53,7 +53,9 @@ def loss_symbol(model, conv_pad=1, shapes=None, F=mx.sym):
     params, shapes = model.graph_params(params, shapes or [shape for _, shape in model.shapes()], conv_pad)
     scores = model.forward(X, params, F=F, shapes=shapes)                  # (B, 10) or (B, T, vocab)
     T = model.spec.targets[0] if model.spec.targets else None              # next-token: T positions an example
-    loss_sum = mx.sym.sum(example_loss(scores, y, F=mx.sym, tokens=T))     # (1,)
+    loss_sum = mx.sym.sum(example_loss(scores, y, F=mx.sym, tokens=T, aux=model.aux))     # (1,)
+    if model.aux:                                                          # the aux row is no position
+        scores = mx.sym.slice_axis(scores, axis=1, begin=0, end=T)
     correct = mx.sym.sum(mx.sym.argmax(scores, axis=-1) == mx.sym.cast(y, "float32")) * (1 / (T or 1))
     stats = [s for per_norm in (moments_of(F).batch if moments_of(F) else []) for s in per_norm[0]]
     return mx.sym.Group([mx.sym.make_loss(loss_sum), mx.sym.BlockGrad(correct)] + stats)

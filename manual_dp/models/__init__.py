@@ -8,6 +8,7 @@ model they were handed (or, when none was, the lesson's LeNet of the parameters'
     transformer.py  a small vision transformer for Fashion-MNIST, written with MXNet operators
     lstm.py         seed 000's text classifier: an embedding, an LSTM read to its last step, the classes
     gpt.py          a causal language model in nanoGPT's shape: the next token at every position
+    moe.py          its MLP as a mixture of experts, routed per window (GShard's dispatch and combine)
     batchnorm.py    batch normalisation by hand: the statistics a forward uses, the running ones it leaves
     resnet.py       d2l's ResNet-18 with BatchNorm, channels scaled to train on CPU contexts
     dropout.py      dropout whose masks no layout changes: drawn per (batch, example), never per context
@@ -19,19 +20,20 @@ from ..config import MODELS          # or PATH.py:FUNCTION, the user's own Gluon
 from .contract import Model
 
 
-def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=None, seed=0, spec=None, room=None):
+def build(name="lenet", width=1, layers=None, d_model=None, heads=None, patch=None, seed=0, spec=None, room=None,
+          experts=None):
     """The model `name` of these sizes reading examples of `spec` (a datasets.Spec; default
     Fashion-MNIST's images); a "PATH.py:FUNCTION" name loads the user's block (models.gluon_block).
     ValueError (one line) for sizes or data it cannot take, or, given a models.room.Room, for a run
     that would not fit in it (checked before the transformer makes its blocks and before a user's
-    block allocates its parameters)."""
-    net = made(name, width, layers, d_model, heads, patch, seed, spec, room)
+    block allocates its parameters). `experts`: a models.moe.Experts, the GPT's MLPs a mixture of experts."""
+    net = made(name, width, layers, d_model, heads, patch, seed, spec, room, experts)
     if room is not None:
         room.check(net.n_params(), net.layers[0].inputs + sum(layer.acts for layer in net.layers))
     return net
 
 
-def made(name, width, layers, d_model, heads, patch, seed, spec, room):
+def made(name, width, layers, d_model, heads, patch, seed, spec, room, experts=None):
     """build's model, made (the transformer and a user's block check `room` as they are made)."""
     from ..datasets import IMAGES
     spec = spec or IMAGES
@@ -46,7 +48,7 @@ def made(name, width, layers, d_model, heads, patch, seed, spec, room):
             raise ValueError("predicts one class an example; the data holds the next token at every position "
                              "(--model gpt)")
         from .gpt import GPT
-        return GPT(layers, d_model, heads, spec)
+        return GPT(layers, d_model, heads, spec, experts)
     if name not in MODELS:                              # the user's block: it reads what the data holds
         from .gluon_block import GluonModel
         return GluonModel(name, seed, room, spec)

@@ -114,6 +114,8 @@ class Model:
     noise = None               # models.dropout.Noise of a model with dropout sites
     causal = False             # attention only to earlier tokens (the GPT's): a context-parallel group
                                # then cuts the sequence in balanced chunks (fast/causal_attention.py)
+    aux = False                # its scores (B, T + 1, vocab) end in a row of each example's auxiliary loss
+                               # (an MoE GPT's load balancing, models/moe.py): example_loss adds it
     largest = float("inf")     # the largest magnitude its products hold: a parameter past it has diverged
                                # (models/precise.py: fp16's 65504)
 
@@ -388,12 +390,17 @@ def split_pairs(hs, shards, join, layers, slices, roles, column, row, F=nd):
     return hs
 
 
-def example_loss(scores, y, F=nd, tokens=None):
+def example_loss(scores, y, F=nd, tokens=None, aux=False):
     """Each example's loss (B,): the lesson's cross-entropy of class scores (B, classes) and labels
     (B,); of next-token scores (B, T, vocab) and tokens y (B, T) (the data contract's two tasks),
     the mean of the T positions' cross-entropies, a product with ones / T (MXNet 1.9's mean over
     an axis differentiates through a slow reduce). `tokens`: T, for symbols, whose shape F cannot
-    read."""
+    read. Scores of T + 1 rows (a Model with `aux`; `aux` says so for symbols) end in a row whose
+    column 0 is the example's auxiliary loss, added to it (models/moe.py)."""
+    if aux or carries_aux(scores, y):
+        T = tokens or y.shape[1]
+        extra = F.reshape(F.slice(scores, begin=(None, T, 0), end=(None, T + 1, 1)), shape=(-1,))   # (B,)
+        return example_loss(F.slice_axis(scores, axis=1, begin=0, end=T), y, F, T) + extra
     T = tokens or (scores.shape[1] if isinstance(scores, nd.NDArray) and scores.ndim == 3 else None)
     per = cross_entropy(scores, y, F)                                     # (B,) or (B, T)
     if not T:
@@ -403,12 +410,19 @@ def example_loss(scores, y, F=nd, tokens=None):
     return F.reshape(mean, shape=(-1,))
 
 
+def carries_aux(scores, y):
+    """Whether next-token scores (NDArrays) hold one row more than the tokens y: the aux row."""
+    return isinstance(scores, nd.NDArray) and scores.ndim == 3 and y.ndim == 2 and scores.shape[1] == y.shape[1] + 1
+
+
 def count_correct(scores, y):
     """Correct predictions, a 1-element NDArray: examples whose class scores' argmax is y; for
     next-token scores (B, T, vocab), the tokens predicted right over T (per-token accuracy, counted
-    in examples)."""
+    in examples); the aux row of an MoE GPT's scores not counted."""
     if scores.ndim != 3:
         return n_correct(scores, y)
+    if carries_aux(scores, y):
+        scores = scores[:, :y.shape[1]]
     return (scores.argmax(axis=-1) == y.astype(scores.dtype)).sum() * (1 / scores.shape[1])
 
 

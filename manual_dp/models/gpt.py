@@ -23,6 +23,11 @@ attention (seq.attend). The head's scores of each context's chunks are put in th
 zeros and summed over the group (seq.sum: an all-gather whose backward hands each context its own
 rows' gradient back), so every context holds the whole window's scores, as the vision
 transformer's pooled head leaves them, and the strategies take the loss as they do there.
+
+Mixture of experts (`experts`, a models.moe.Experts): every block's MLP is E experts routed per
+window (models/moe.py); the hidden state then carries one extra row, the examples' aux loss, and
+the scores are (B, T + 1, vocab) (example_loss adds the last row's column 0). Tensor and context
+parallelism are refused for it (the routing groups and experts are not split).
 """
 import dataclasses
 
@@ -31,6 +36,7 @@ from mxnet import nd
 from ..config import GPT as DEFAULTS
 from .contract import Layer, Param, fc
 from .dropout import dropout, dropout_at
+from .moe import make_moe_block, moe_costs, moe_params, split_carry, with_carry
 from .transformer import Transformer, add_positions, layer_norm, make_grid_block, mlp_output, qkv
 
 MLP_RATIO = 4               # nanoGPT's: hidden units of a block's MLP per unit of d_model
@@ -94,6 +100,33 @@ def head_layer(T, d, vocab):
                  sequence_forward=sequence_head)
 
 
+def moe_layers(layers, T, d, H, V, cfg):
+    """The GPT's layers with each block's MLP an MoE (models/moe.py), the aux loss's row carried from
+    the embedding (zeros) through the blocks to the head, whose scores gain it as row T."""
+    embed, *blocks, head = layers
+    dh, hidden = d // H, MLP_RATIO * d
+
+    def moe_embed(X, p, F=nd, shapes=None):
+        return with_carry(embed.forward(X, p, F, shapes), F)                     # (B, T + 1, d)
+
+    def moe_head(h, p, F=nd, shapes=None):
+        x, carry = split_carry(h, T, F)
+        scores = head.forward(x, p, F, shapes)                                   # (B, T, vocab)
+        aux = F.slice_axis(carry, axis=2, begin=0, end=1)                        # (B, 1, 1)
+        pad = F.zeros_like(F.slice_axis(F.slice_axis(scores, axis=1, begin=0, end=1), axis=2, begin=1, end=V))
+        return F.concat(scores, F.concat(aux, pad, dim=2), dim=1)                # (B, T + 1, vocab)
+
+    def moe_block(l, b):
+        flops, acts = moe_costs(T, d, hidden, H, cfg)
+        return dataclasses.replace(b, params=b.params[:12] + moe_params(l, d, hidden, cfg.experts),
+                                   forward=make_moe_block(dh, 2 * l + 1, cfg, T), flops=flops, inputs=(T + 1) * d,
+                                   acts=acts, extra={"head_dim": dh, "experts": cfg}, split_forward=None,
+                                   sequence_forward=None, grid_forward=None)
+    return ((dataclasses.replace(embed, forward=moe_embed, acts=embed.acts + d, sequence_forward=None),)
+            + tuple(moe_block(l, b) for l, b in enumerate(blocks))
+            + (dataclasses.replace(head, forward=moe_head, inputs=(T + 1) * d, sequence_forward=None),))
+
+
 class GPT(Transformer):
     """`layers` causal blocks of width `d_model` and `heads` heads over windows of spec.shape[0]
     tokens of spec.vocab (a datasets.Spec of the task "next-token"). Its blocks are the vision
@@ -102,7 +135,7 @@ class GPT(Transformer):
     name = "gpt"
     causal = True              # its attention: a context-parallel group cuts its windows in balanced chunks
 
-    def __init__(self, layers, d_model, heads, spec):
+    def __init__(self, layers, d_model, heads, spec, experts=None):
         if spec.task != "next-token":
             raise ValueError(f"predicts the next token of a text; the data holds {spec.describe()}: give --data "
                              f"fortunes, text:PATH or npz:PATH of token ids and next tokens")
@@ -115,6 +148,12 @@ class GPT(Transformer):
         self.config = {"layers": L, "d_model": d, "heads": H, "seq_len": T, "vocab": V}
         self.layers = (embed_layer(T, V, d),) + tuple(block_layer(l, T, d, H) for l in range(L)) + (
             head_layer(T, d, V),)
+        self.experts = experts if experts and experts.experts else None
+        if self.experts:
+            self.aux = True                     # its scores carry the aux loss's row (models/moe.py)
+            self.config.update(experts=experts.experts, top_k=experts.top_k,
+                               capacity_factor=experts.capacity_factor, aux_loss_coef=experts.aux_loss_coef)
+            self.layers = moe_layers(self.layers, T, d, H, V, self.experts)
 
     def describe(self):
         """Model.describe, and the text of its tokens (a corpus's), so that a checkpoint can be
@@ -124,9 +163,22 @@ class GPT(Transformer):
             out["tokens"] = {"text": self.spec.text, "names": "".join(self.spec.names)}
         return out
 
+    def tensor_refusal(self, T):
+        """The vision transformer's (heads a context); an MoE GPT's experts are not split."""
+        if self.experts:
+            return "--experts: tensor parallelism of the MoE block is not built (its experts are not split)"
+        return super().tensor_refusal(T)
+
+    def grid_refusal(self, C, T, attention):
+        """The vision transformer's; an MoE GPT's as tensor_refusal."""
+        return self.tensor_refusal(T) if self.experts else super().grid_refusal(C, T, attention)
+
     def sequence_refusal(self, C, attention):
         """Megatron-SP (attention None) cuts the tokens between split layers: a token a context at
-        least; ring and Ulysses the balanced cut: two chunks a context, and Ulysses whole heads."""
+        least; ring and Ulysses the balanced cut: two chunks a context, and Ulysses whole heads; an MoE
+        GPT none (its routing group is the whole window)."""
+        if self.experts:
+            return "--experts: a window is the MoE routing group; cutting it over contexts is not built"
         if C > self.tokens or attention is not None and 2 * C > self.tokens:
             return (f"{C} contexts cannot each take {'two chunks' if attention else 'a block'} of the GPT's "
                     f"{self.tokens} tokens")

@@ -33,7 +33,7 @@ class Precise(Model):
         self.largest = float(np.finfo(np.float16).max) if policy.precision == "fp16" else float("inf")
         self.name, self.config, self.noise, self.spec = model.name, model.config, model.noise, model.spec
         last = len(model.layers) - 1
-        self.tokens, self.causal = getattr(model, "tokens", None), model.causal
+        self.tokens, self.causal, self.aux = getattr(model, "tokens", None), model.causal, model.aux
         self.layers = tuple(dataclasses.replace(
             layer, forward=self.lowered(layer.forward, i == last), kind="block" if layer.kind == "dense" else layer.kind,
             split_forward=layer.split_forward and self.lowered_group(layer.split_forward, i == last),
