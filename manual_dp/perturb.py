@@ -52,15 +52,26 @@ class WithinBatches:
 def nudge(text, params, train, tokens):
     """(params, train data) of a run under --perturb `text` (None: as they are). `params`: MXNet
     arrays; `train`: (X, y); `tokens`: whether X holds token ids (then inputs:SEED is refused)."""
+    return nudged_params(text, params), nudged_inputs(text, train, tokens)
+
+
+def nudged_params(text, params):
+    """`params` (MXNet arrays), under --perturb weights:SEED each value one ulp up or down."""
     kind, seed = parse(text) if text is not None else (None, 0)
-    if kind == "weights":
-        from mxnet import nd
-        params = [nd.array(one_ulp(p.asnumpy(), seed + i), ctx=p.context, dtype=p.dtype) for i, p in enumerate(params)]
-    if kind == "inputs":
-        if tokens:
-            raise UsageError("--perturb inputs: this model reads token ids, which are integers: use weights or order")
-        train = (one_ulp(train[0], seed), train[1])
-    return params, train
+    if kind != "weights":
+        return params
+    from mxnet import nd
+    return [nd.array(one_ulp(p.asnumpy(), seed + i), ctx=p.context, dtype=p.dtype) for i, p in enumerate(params)]
+
+
+def nudged_inputs(text, train, tokens):
+    """The training data (X, y), under --perturb inputs:SEED every input value one ulp up or down."""
+    kind, seed = parse(text) if text is not None else (None, 0)
+    if kind != "inputs":
+        return train
+    if tokens:
+        raise UsageError("--perturb inputs: this model reads token ids, which are integers: use weights or order")
+    return one_ulp(train[0], seed), train[1]
 
 
 def ordered(text, rng, batch_size):

@@ -158,3 +158,15 @@ def test_bad_input_exits_2_with_one_line(runs, tmp_path):
     for args, message in cases:
         code, out, err = diverge(*args, "--replay")
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, (args, out, err)
+
+
+def test_a_gpt_replays_through_the_data_contract(tmp_path):
+    """The replay reads the run's data as the run did (--data fortunes: windows of bytes), not images."""
+    gpt = ["--model", "gpt", "--data", "fortunes", "--seq-len", 16, "--layers", 1, "--d-model", 16, "--heads", 2,
+           "--train-size", 64, "--test-size", 32, "--batch-size", 32, "--epochs", 1, "--deterministic"]
+    for cpus in (1, 2):
+        code, text = run_job(train_cmd(*gpt, "--cpus", cpus, "--digests", tmp_path / f"{cpus}.jsonl"),
+                             tmp_path / f"{cpus}.txt")
+        assert code == 0, text
+    code, out, err = diverge(tmp_path / "1.jsonl", tmp_path / "2.jsonl", "--replay")
+    assert code == 0 and out.strip().splitlines()[-1].startswith("identical: update 1 replayed in both layouts"), (out, err)

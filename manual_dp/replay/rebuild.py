@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import checkpoint, config
+from .. import checkpoint, config, datasets, perturb
 from ..cli.build import build_model, contexts, learning_rate, network
 from ..datasets.contract import batches
-from ..datasets.fashion_mnist import load_fashion_mnist, locate_data
 from ..errors import CheckpointError
 from ..multiprocess.world import World
 from ..schedule import lr_at
@@ -32,9 +31,10 @@ MAX_RETRAIN = 200     # updates A is retrained for in this process, at most
 
 
 def load_data(cfg):
-    """(X, y) of cfg's training set."""
-    train, _ = load_fashion_mnist(locate_data(cfg.data_dir)[0], cfg.train_size, cfg.test_size or 1)
-    return train
+    """(X, y) of cfg's training set, through the data contract as the run read it (--data, and
+    --perturb's nudge of the inputs)."""
+    data = datasets.load(cfg).cut(cfg.train_size, cfg.test_size)
+    return perturb.nudged_inputs(cfg.perturb, data.train, data.spec.tokens)
 
 
 def build(cfg, params):
@@ -44,7 +44,8 @@ def build(cfg, params):
 
 
 def initial_params(cfg):
-    return network(cfg).init_params(cfg.seed, cfg.init_scale)
+    """The run's initial parameters (--perturb's nudge of the weights too)."""
+    return perturb.nudged_params(cfg.perturb, network(cfg).init_params(cfg.seed, cfg.init_scale))
 
 
 def epoch_batches(X, y, cfg, rng, min_batch):
@@ -53,7 +54,8 @@ def epoch_batches(X, y, cfg, rng, min_batch):
 
 
 def saved_state(cfg, t):
-    """(state, rng state, what) of A's checkpoint if it holds exactly update t; None otherwise."""
+    """(state, rng state, what, batches of its epoch taken) of A's checkpoint if it holds exactly
+    update t (a mid-epoch one: its rng state is the epoch's, cursor batches of it taken); None otherwise."""
     if not cfg.checkpoint_dir or not (Path(cfg.checkpoint_dir) / checkpoint.NAME).is_file():
         return None
     try:
@@ -63,14 +65,16 @@ def saved_state(cfg, t):
     same = all(meta["config"].get(k) == getattr(cfg, k) for k in config.RUN_KEYS if k in meta["config"])
     if meta["t"] != t or not same:
         return None
-    return state, meta["rng_state"], f"A's checkpoint in {cfg.checkpoint_dir} (epoch {meta['epoch']}, update {t})"
+    taken = meta["cursor"]["batches"] if meta.get("cursor") else 0
+    return state, meta["rng_state"], f"A's checkpoint in {cfg.checkpoint_dir} (epoch {meta['epoch']}, update {t})", taken
 
 
 def state_before(cfg, t, X, y):
     """(state after update t-1 or None for the initial one, the batch (Xb, yb) of update t, what the
     state came from); ReplayError if A would have to be retrained longer than MAX_RETRAIN."""
     model = build(cfg, initial_params(cfg))
-    rng, saved = np.random.default_rng(cfg.seed), saved_state(cfg, t - 1) if t > 1 else None
+    rng = perturb.ordered(cfg.perturb, np.random.default_rng(cfg.seed), cfg.batch_size)
+    saved = saved_state(cfg, t - 1) if t > 1 else None
     if saved:
         model.load_state_dict(saved[0])
         rng.bit_generator.state = saved[1]
@@ -78,10 +82,10 @@ def state_before(cfg, t, X, y):
         raise ReplayError(f"update {t}: A would be retrained for {t - 1} updates here (at most {MAX_RETRAIN}); "
                           f"run A with --checkpoint-dir so that it holds a checkpoint at update {t - 1}, "
                           f"the end of an epoch")
-    lr, done = learning_rate(cfg, len(X)), model.t
+    lr, done, skip = learning_rate(cfg, len(X)), model.t, saved[3] if saved else 0
     while True:
         epoch = epoch_batches(X, y, cfg, rng, model.min_batch)
-        for i, (Xb, yb) in enumerate(epoch):
+        for i, (Xb, yb) in enumerate(epoch[skip:]):
             if done == t - 1:
                 what = saved[2] if saved else (f"A retrained from its start for {t - 1} updates" if t > 1 else
                                                "the initial parameters")
@@ -91,6 +95,7 @@ def state_before(cfg, t, X, y):
         if not epoch:
             raise ReplayError(f"--train-size {cfg.train_size}: no batch of at least {model.min_batch} rows")
         model.end_epoch(lr_at(lr, model.t))
+        skip = 0
 
 
 def without_graph(cfg):
