@@ -116,3 +116,9 @@ def test_the_bench_times_three_ways_side_by_side(capsys):
     out = capsys.readouterr().out
     assert all(f"{way:12} epoch" in out for way in ("none", "in the step", "async")), out
     assert "1.000x no checkpoint" in out
+
+
+def test_the_resume_matrix_bench_prints_its_cells(capsys):
+    from manual_dp.bench import resume
+    resume.main(["--layouts", "1 context", "--stop", "3"])
+    assert "1 context      same bits" in capsys.readouterr().out

@@ -25,6 +25,7 @@ files marked * run on their own too: `python -m manual_dp.bench.NAME`.
     gpt_reference.py *    manual_dp.train's GPT against the same GPT trained in PyTorch: validation losses
     kernels.py *          where the fast step's time goes on any model: MXNet operators, oneDNN kernels
     checkpoints.py *      a checkpoint every K updates, in the step and --async-checkpoint, against none
+    resume.py *           issue 39's A x B matrix: stopped mid-epoch in layout A, resumed in B, one context's bits
     meshes.py *           issue 22's targets for meshes, sequence and context parallelism, side by side
     mesh_runs.py          the measurements of meshes.py, one function a part
 """
