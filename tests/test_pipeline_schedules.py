@@ -105,7 +105,8 @@ def test_bad_orders_are_refused_naming_the_first_stuck_action():
 def test_dry_run_text():
     text = dry_run("interleaved", 4, 8, 2).splitlines()
     assert len(text) == 7 and text[1].startswith("device 0: F0c0 F1c0 F2c0 F3c0 F0c1")
-    assert text[-1].startswith("bubble: 0.188 of ideal compute simulated, formula 0.188")
+    assert text[-1].startswith("bubble (idle share of the step): 0.158 simulated, formula 0.158; "
+                               "the papers' ratio, idle over compute: 0.188 simulated, formula 0.188")
     zb = dry_run("zb-h1", 4, 8).splitlines()
     assert zb[4].split()[2:9] == [".", ".", ".", "F0", "B0", "F1", "B1"]
     assert "[4, 4, 4, 4] until W, [4, 3, 2, 1] until B" in zb[5]

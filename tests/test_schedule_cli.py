@@ -20,12 +20,13 @@ def test_dry_run_prints_the_schedule_and_trains_nothing(capsys, tmp_path):
     lines = out.splitlines()
     assert "mesh pp=4 (pipeline): [cpu(0) cpu(1) cpu(2) cpu(3)]" in out
     assert sum(l.startswith("device ") for l in lines) == 4
-    assert "bubble: 0.125 of ideal compute simulated, formula 0.125" in out
+    assert "bubble (idle share of the step): 0.111 simulated, formula 0.111" in out
+    assert "the papers' ratio, idle over compute: 0.125 simulated, formula 0.125" in out
     assert "peak held (micro-batches): [4, 4, 4, 4] until W, [4, 3, 2, 1] until B" in out
     priced = next(l for l in lines if l.startswith("priced with the model's FLOPs"))
     assert "; B 0.00 " in priced and "; W " in priced          # stage 0's input is the images: no B
     timed = next(l for l in lines if l.startswith("priced with its actions timed here, one micro-batch of 4 alone"))
-    assert "; W " in timed and lines[lines.index(timed) + 1].startswith("bubble: ")
+    assert "; W " in timed and lines[lines.index(timed) + 1].startswith("bubble (idle share of the step): ")
     assert lines[-1] == "dry run: nothing trained" and not log.exists()
 
 
@@ -36,8 +37,9 @@ def test_dry_run_bubbles_at_p4_m8(capsys, schedule, extra):
     code, out, err = run_main(capsys, [*SMALL, "--layers", "6", "--cpus", "4", "--mode", "pipeline", "--stages", "4",
                                        "--schedule", schedule, *extra, "--micro-batches", "8", "--dry-run"])
     assert code == 0, err
-    bubble = float(out.split("bubble: ")[1].split()[0])
-    assert bubble == pytest.approx({"gpipe": 0.375, "1f1b": 0.375, "interleaved": 0.1875, "zb-h1": 0.125}[schedule], abs=1e-3)
+    bubble = float(out.split("bubble (idle share of the step): ")[1].split()[0])
+    ratio = {"gpipe": 0.375, "1f1b": 0.375, "interleaved": 0.1875, "zb-h1": 0.125}[schedule]    # idle over compute
+    assert bubble == pytest.approx(ratio / (1 + ratio), abs=1e-3)
 
 
 @pytest.mark.parametrize("argv", [["--mode", "pipeline", "--schedule", "interleaved", "--micro-batches", "4"],

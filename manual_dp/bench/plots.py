@@ -14,6 +14,17 @@ def _plt():
     return plt
 
 
+def log_ticks(axis, values):
+    """Plain labels at 1, 2, 5 x 10^n on a log axis spanning `values`, none on the minor ticks."""
+    import math
+    import matplotlib.ticker as mticker
+    lo, hi = min(values), max(values)
+    ticks = [m * 10.0 ** e for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1) for m in (1, 2, 5)]
+    axis.set_major_locator(mticker.FixedLocator([t for t in ticks if lo / 1.05 <= t <= hi * 1.05]))
+    axis.set_major_formatter(mticker.FuncFormatter(lambda v, _: f"{v:,.6g}"))
+    axis.set_minor_formatter(mticker.NullFormatter())
+
+
 def allreduce_plots(records, out):
     """allreduce_us.png (time vs payload) and allreduce_bw.png (bus bandwidth vs the copy bound
     and the memory floor), one panel per context count."""

@@ -248,6 +248,13 @@ def formula(p):
     return {"interleaved": (S - 1) / (V * M), "zb-h1": (S - 1) / (3 * M)}.get(p.name, (S - 1) / M)
 
 
+def formula_share(p):
+    """The bubble as this package states it, the idle share of the step (idle device time over all
+    device time), for unit durations: formula(p) r as r / (1 + r), (p-1)/(m+p-1) for GPipe and 1F1B."""
+    r = formula(p)
+    return r / (1 + r)
+
+
 def held(p, sizes=None, per="device", until=None, since="F"):
     """Per device (per="device") or stage ("stage"), the most micro-batches (or examples, micro-batch
     m counting sizes[m]) held at once: `since` done, `until` not yet (default: from the forward to the
@@ -293,8 +300,8 @@ def dry_run(name, n_devices, n_micro, virtual=1):
     return "\n".join([head] + timeline(p, times) + [
         f"peak held (micro-batches{' x chunks' if virtual > 1 else ''}): {held(p)}" +
         (f" until W, {held(p, until='B')} until B" if p.split else ""),
-        f"bubble: {ratio:.3f} of ideal compute simulated, formula {formula(p):.3f}; "
-        f"idle share of device time {share:.3f}"])
+        f"bubble (idle share of the step): {share:.3f} simulated, formula {formula_share(p):.3f}; "
+        f"the papers' ratio, idle over compute: {ratio:.3f} simulated, formula {formula(p):.3f}"])
 
 
 def clock(orders):

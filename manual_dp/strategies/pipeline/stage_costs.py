@@ -77,4 +77,4 @@ def priced_lines(net, p, recompute=False, costs=None, how="the model's FLOPs"):
     per_stage = "; ".join(f"{ph} " + " ".join(f"{costs[(ph, k)]:.2f}" for k in range(p.n_stages))
                           for ph in "FBW" if (ph, 0) in costs)
     return [f"priced with {how} (a stage's average forward = 1; {per_stage}):",
-            f"bubble: {ratio:.3f} of compute, idle share of device time {share:.3f}"]
+            f"bubble (idle share of the step): {share:.3f}; the papers' ratio, idle over compute: {ratio:.3f}"]
