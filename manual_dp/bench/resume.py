@@ -2,9 +2,10 @@
 stopped mid-epoch in layout A (`--max-steps T`) and resumed in layout B ends, under `--deterministic`,
 with the bits of one context's uninterrupted run, for every pair.
 
-Every run is `python -m manual_dp.train` in a child process on the same small LeNet run (2 epochs of
-10 updates, --deterministic --tensor-pieces 2: the pieces tensor parallelism sums in, so that every
-layout adds in one order); a cell is "same bits" when B's final checkpoint holds one context's
+Every run is `python -m manual_dp.train` in a child process on the same small vision transformer (2
+blocks of width 16; 2 epochs of 10 updates; --deterministic --tensor-pieces 2: the pieces tensor
+parallelism sums in, so that every layout adds in one order; a pipeline takes the pieces of a model
+whose layers split one by one, which LeNet's do not); a cell is "same bits" when B's final checkpoint holds one context's
 parameters and optimiser state exactly, else the largest difference relative to the largest value.
 """
 import argparse
@@ -19,7 +20,7 @@ from .. import checkpoint
 from .command import commit
 from ..fast.runtime import machine
 
-RUN = ["--train-size", "320", "--test-size", "64", "--batch-size", "32", "--epochs", "2", "--no-progress",
+RUN = ["--model", "transformer", "--layers", "2", "--d-model", "16", "--heads", "2", "--train-size", "320", "--test-size", "64", "--batch-size", "32", "--epochs", "2", "--no-progress",
        "--deterministic", "--tensor-pieces", "2"]
 LAYOUTS = {"1 context": ["--cpus", "1"], "sync x3": ["--cpus", "3"],
            "zero-3 x2": ["--cpus", "2", "--mode", "zero", "--zero-stage", "3"],
@@ -58,7 +59,7 @@ def main(argv=None):
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown or not 1 <= a.stop < 20:
         p.error(f"--layouts takes {', '.join(LAYOUTS)}; --stop 1 to 19 (got {', '.join(unknown) or a.stop})")
-    print(f"python -m manual_dp.bench.resume: {machine()}, commit {commit()}; LeNet {' '.join(RUN)}; "
+    print(f"python -m manual_dp.bench.resume: {machine()}, commit {commit()}; {' '.join(RUN)}; "
           f"A stops after update {a.stop}, B resumes to the end", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         train(LAYOUTS["1 context"], Path(tmp) / "straight")
