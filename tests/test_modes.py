@@ -129,12 +129,15 @@ def test_bad_mode_input_is_one_line_and_exit_2(capsys, data_dir, argv, message):
     assert re.search(message, lines[0]), lines[0]
 
 
-def test_resume_refuses_another_mode(capsys, tmp_path, data_dir):
+def test_resume_refuses_a_mode_of_another_algorithm(capsys, tmp_path, data_dir):
+    """A layout equal to one context continues any other (Mode.algorithm: tests/test_checkpoint_steps.py);
+    async and local SGD compute other algorithms, so a model-parallel checkpoint does not go on as them."""
     train(capsys, tmp_path, data_dir, "run", *MODES["model"], "--epochs", "1")
-    with pytest.raises(SystemExit) as e:
-        main(["--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "run"), *TINY,
-              *MODES["pipeline"], "--epochs", "2", "--resume"])
-    assert e.value.code == 1 and "holds a run with" in capsys.readouterr().err
+    for other in ("async2", "local1"):
+        with pytest.raises(SystemExit) as e:
+            main(["--data-dir", str(data_dir), "--checkpoint-dir", str(tmp_path / "run"), *TINY,
+                  *MODES[other], "--epochs", "2", "--resume"])
+        assert e.value.code == 1 and "holds a run with other settings: mode 'model' there" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", ["zero1", "zero3"])
