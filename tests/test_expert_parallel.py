@@ -117,3 +117,55 @@ def test_the_strategy_refuses_what_it_cannot_lay_out():
     dense = models.build("gpt", layers=1, d_model=16, heads=2, spec=SPEC)
     with pytest.raises(ValueError, match="has none"):
         ExpertParallel(dense.init_params(0), cpus(2), "momentum", 2, model=dense)
+
+
+def test_each_context_holds_its_share_of_the_experts(reference):
+    net, P, _ = reference
+    whole = sum(p.size for p in P)
+    experts = sum(P[i].size for i in net.expert_params())
+    for n, ep in ((2, 2), (4, 4), (4, 2)):
+        model = ExpertParallel(P, cpus(n), "momentum", ep, model=net)
+        held = [sum(p.size for p in W) for W in model.params]
+        assert held == [whole - experts + experts // ep] * n
+
+
+# -- the command line ---------------------------------------------------------------------------------
+def corpus(tmp_path):
+    """A small text file of its own (no download)."""
+    words = np.random.RandomState(0).choice(["the ", "moe ", "routes ", "tokens ", "per ", "window. ", "\n"], 1500)
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(words))
+    return path
+
+
+def argv_of(tmp_path, *flags):
+    return ["--model", "gpt", "--data", f"text:{corpus(tmp_path)}", "--layers", "1", "--d-model", "16", "--heads", "2",
+            "--seq-len", "8", "--train-size", "64", "--test-size", "16", "--batch-size", "16", "--epochs", "1",
+            "--no-progress", *flags]
+
+
+def test_the_command_line_trains_with_the_experts_sharded(capsys, tmp_path):
+    code, out, err = run_main(capsys, argv_of(tmp_path, "--experts", "4", "--mode", "expert", "--expert-parallel", "2",
+                                              "--cpus", "4", "--check-replicas", "1"))
+    assert code == 0, err
+    assert "mode expert: the 4 experts of every MoE block sharded over 2 context(s) per group (2 experts a context" \
+        in out
+    assert "memory per context: cpu(0)" in out and "done: test acc" in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mode", "expert", "--cpus", "2"], "--mode expert shards the experts of an MoE"),
+    (["--experts", "4", "--mode", "expert", "--cpus", "3"], "--expert-parallel 3 does not divide --experts 4"),
+    (["--experts", "4", "--mode", "expert", "--expert-parallel", "2", "--cpus", "3"], "does not divide the 3 contexts"),
+    (["--experts", "4", "--mode", "expert", "--cpus", "2", "--deterministic"], "--deterministic --mode expert: "),
+    (["--experts", "4", "--mode", "sync", "--expert-parallel", "2"], "--expert-parallel applies only to --mode expert"),
+    (["--experts", "4", "--mode", "expert", "--zero-stage", "1"], "--zero-stage applies only to"),
+    (["--experts", "4", "--mode", "expert", "--stages", "2"], "--stages applies only to"),
+    (["--experts", "4", "--mode", "expert", "--tensor-parallel", "2"], "--experts with tp > 1"),
+    (["--experts", "4", "--mode", "expert", "--context-parallel", "2"], "--experts with cp > 1"),
+    (["--experts", "4", "--mode", "expert", "--precision", "bf16"], "--precision applies only to"),
+])
+def test_what_expert_parallelism_does_not_take_is_refused_in_one_line(capsys, tmp_path, flags, message):
+    code, out, err = run_main(capsys, argv_of(tmp_path, *flags))
+    assert code == 2 and len(err) == 1 and message in err[0], err
+    assert "epoch" not in out

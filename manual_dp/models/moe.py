@@ -20,8 +20,10 @@ runs eagerly (F=nd) and in the cached symbolic graph (F=sym, fast/graph.py).
 loss are computed within each window, from that window's tokens alone. Every data, ZeRO and
 pipeline layout splits a batch by rows, so by windows: each routes every token as one context
 does and drops the same tokens, by construction, with no counts exchanged. Layouts that cut a
-window (context parallelism, Megatron-SP) or split the experts (tensor, expert parallelism) are
-refused (GPT.tensor_refusal, sequence_refusal, checks.check_experts).
+window (context parallelism, Megatron-SP) or split an expert's weights (tensor parallelism) are
+refused (GPT.tensor_refusal, sequence_refusal, checks.check_experts). Expert parallelism shards whole
+experts over a group of contexts (experts_group, make_expert_block; strategies/expert/): each context
+routes its own rows as here, so it drops the same tokens too.
 
 **How the aux loss reaches the gradient.** The hidden state of an MoE GPT carries one extra row:
 (B, T + 1, d), row T holding coef * (the sum of the blocks' aux losses so far) of its example in

@@ -19,7 +19,7 @@ from ...errors import CheckpointError
 from ...fast.collectives import make_allreduce
 from ...fast.prefetch import host
 from ...lesson import shard_sizes, split_and_load
-from ...models import stateless
+from ...models import as_model, stateless
 from ...models.contract import count_correct, example_loss
 from ...optim import apply_update_and_clear, init_states
 from ...replicas import fingerprint
@@ -36,12 +36,13 @@ class ExpertParallel(Strategy):
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, expert_parallel=None, allreduce_fn=None,
                  model=None):
         self.ctx, self.optimizer, self.t = list(ctx), optimizer, 0
-        self.net = stateless(model, "--mode expert")
+        self.net = as_model(model, params)
         N = self.N = expert_parallel or len(self.ctx)
         E = getattr(self.net, "experts", None)
         if not E:
             raise ValueError(f"--mode expert shards the experts of an MoE: --model {self.net.name} has none "
                              f"(give --model gpt --experts E)")
+        stateless(self.net, "--mode expert")
         if len(self.ctx) % N:
             raise ValueError(f"--expert-parallel {N} does not divide {len(self.ctx)} contexts")
         self.groups = [ExpertGroup(self.ctx[r:r + N], E.experts) for r in range(0, len(self.ctx), N)]
