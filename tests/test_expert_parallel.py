@@ -169,3 +169,24 @@ def test_what_expert_parallelism_does_not_take_is_refused_in_one_line(capsys, tm
     code, out, err = run_main(capsys, argv_of(tmp_path, *flags))
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert "epoch" not in out
+
+
+def test_dropout_draws_the_masks_of_one_context():
+    """Dropout's masks depend on the batch and the example (models/dropout.py), not on the context
+    that computes a row: ep = 2 on 4 contexts trains as one context with dropout on."""
+    from manual_dp.models.dropout import Noise, training_batch
+    got = []
+    for make in (lambda P, m: DataParallel(P, cpus(1), "momentum", lesson=True, model=m),
+                 lambda P, m: ExpertParallel(P, cpus(4), "momentum", 2, model=m)):
+        net = small().drop(Noise(0.3, seed=5))
+        P = net.init_params(0)
+        model, (X, y) = make(P, net), tokens(24)
+        for i in range(2):
+            with training_batch(net.noise, i):
+                model.step(X, y, 0.05)
+        got.append(model.state_dict()["params"])
+    assert_trained_as(got[1], got[0], P, TOL)
+    plain = ExpertParallel(P, cpus(2), "momentum", 2, model=small())
+    for _ in range(2):
+        plain.step(X, y, 0.05)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(plain.state_dict()["params"], got[0])) > 1e-3  # it dropped
