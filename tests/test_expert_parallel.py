@@ -190,3 +190,36 @@ def test_dropout_draws_the_masks_of_one_context():
     for _ in range(2):
         plain.step(X, y, 0.05)
     assert max(float(np.abs(a - b).max()) for a, b in zip(plain.state_dict()["params"], got[0])) > 1e-3  # it dropped
+
+
+PROBE = """
+import json
+import manual_dp
+import mxnet as mx
+from manual_dp import memory, models
+from manual_dp.datasets import Spec
+from manual_dp.models.moe import Experts
+from manual_dp.strategies.expert.expert_parallel import ExpertParallel
+spec = Spec((8,), 11, 11, task="next-token")
+net = models.build("gpt", layers=1, d_model=16, heads=2, spec=spec, experts=Experts(4, 2, 1.0, 0.01))
+ctx = [mx.cpu(i) for i in range(4)]
+report = memory.measure(lambda: ExpertParallel(net.init_params(0), ctx, "momentum", 2, model=net), ctx, 32, spec=spec)
+print(json.dumps({c: [r["activation_bytes"], r["method"]] for c, r in report.items()}))
+"""
+
+
+def test_every_context_computes_its_share():
+    """As tests/test_placement.py: MXNet's profiler counts what each context allocates in a step;
+    every context of dp 2 x ep 2 allocates at least a third of what the busiest one does (work for
+    one context run on another would show as an idle context)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", PROBE], env=dict(os.environ, MXNET_CPU_TEMP_COPY="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 4 and {method for _, method in report.values()} == {"profiler"}, report
+    busiest = max(b for b, _ in report.values())
+    assert busiest > 0 and all(b >= busiest / 3 for b, _ in report.values()), report
