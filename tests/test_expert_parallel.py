@@ -223,3 +223,14 @@ def test_every_context_computes_its_share():
     assert len(report) == 4 and {method for _, method in report.values()} == {"profiler"}, report
     busiest = max(b for b, _ in report.values())
     assert busiest > 0 and all(b >= busiest / 3 for b, _ in report.values()), report
+
+
+def test_clipping_reads_the_whole_gradient(reference):
+    """--clip-norm's global norm counts every expert once (reduced_grads joins the shards): clipped
+    hard, dp 2 x ep 2 still trains as one context."""
+    net, P, _ = reference
+    want, _ = after(DataParallel(P, cpus(1), "momentum", lesson=True, model=net).clip(0.05))
+    model = ExpertParallel(P, cpus(4), "momentum", 2, model=net).clip(0.05)
+    got, _ = after(model)
+    assert_trained_as(got, want, P, TOL)
+    assert model.grad_norms()["grad_norm_max"] > 0.05                       # the clip did bite
