@@ -234,3 +234,15 @@ def test_clipping_reads_the_whole_gradient(reference):
     got, _ = after(model)
     assert_trained_as(got, want, P, TOL)
     assert model.grad_norms()["grad_norm_max"] > 0.05                       # the clip did bite
+
+
+def test_mesh_ep_lays_out_expert_parallelism(capsys, tmp_path):
+    code, out, err = run_main(capsys, argv_of(tmp_path, "--experts", "4", "--cpus", "4", "--mesh", "dp=2,ep=2",
+                                              "--dry-run"))
+    assert code == 0, err
+    assert "mode expert: the 4 experts of every MoE block sharded over 2 context(s) per group" in out
+    assert "ep groups [cpu(0) cpu(1)] [cpu(2) cpu(3)]: all-to-alls" in out
+    for mesh, message in (("ep=2,tp=2", "no mode lays out ep x tp"), ("ep=2,pp=2", "no mode lays out ep x pp"),
+                          ("dp=1,ep=4", "--expert-parallel 4 does not divide --experts 6")):
+        code, _, err = run_main(capsys, argv_of(tmp_path, "--experts", "6", "--cpus", "4", "--mesh", mesh, "--dry-run"))
+        assert code == 2 and len(err) == 1 and message in err[0], err

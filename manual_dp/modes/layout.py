@@ -54,6 +54,11 @@ def hybrid_grid(cfg, n):
     return {"dp": n // stages_of(cfg), "pp": stages_of(cfg)}
 
 
+def expert_grid(cfg, n):
+    N = cfg.expert_parallel or n
+    return {"dp": n // N, "ep": N}
+
+
 def tensor_grid(cfg, n):
     T = cfg.tensor_parallel or n
     return {"dp": n // T, "tp": T}

@@ -103,8 +103,9 @@ def describe_mesh(cfg):
 
 def describe_expert(cfg):
     E, N = cfg.experts, cfg.expert_parallel
-    per = f"{E // N} experts a context, context j of a group holding experts {E // N}j to {E // N}j + {E // N - 1}" \
-        if N else "one group of every context, E/n experts each, n the contexts"
+    per = ("one group of every context, E/n experts each, n the contexts" if not N else
+           "one expert a context, context j of a group holding expert j" if E == N else
+           f"{E // N} experts a context, context j of a group holding experts {E // N}j to {E // N}j + {E // N - 1}")
     return (f"expert: the {E} experts of every MoE block sharded over {N or 'all'} context(s) per group ({per}), "
             f"the rest replicated; each context routes its rows, an all-to-all sends every expert's slots to its "
             f"context and one brings the outputs back; groups data parallel ({cfg.allreduce})")

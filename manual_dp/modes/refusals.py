@@ -46,6 +46,7 @@ def refuse_mesh(cfg):
 def refuse_expert(cfg):
     """Expert parallelism shards an MoE GPT's experts, in one process."""
     if not cfg.experts:
-        return f"--mode expert shards the experts of an MoE: give --model gpt --experts E (--model {cfg.model} has none)"
+        return (f"--mode expert shards the experts of an MoE: give --model gpt --experts E (--model {cfg.model} "
+                f"has none)")
     if cfg.backend != "local":
         return f"--mode expert runs in one process: not --backend {cfg.backend} yet"

@@ -130,7 +130,8 @@ class ExpertParallel(Strategy):
         """The replicated parameters on every context; each expert shard on each group."""
         names, P = self.net.names(), self.params
         rest = [i for i in range(len(P[0])) if i not in self.sharded]
-        out = {"replicas": [fingerprint(c, [W[i] for i in rest], [names[i] for i in rest]) for c, W in zip(self.ctx, P)]}
+        out = {"replicas": [fingerprint(c, [W[i] for i in rest], [names[i] for i in rest])
+                            for c, W in zip(self.ctx, P)]}
         for j, g in enumerate(self.groups[0].ctx):
             out[f"expert shard {j}"] = [fingerprint(c, [W[i] for i in sorted(self.sharded)],
                                                     [names[i] for i in sorted(self.sharded)])
