@@ -153,7 +153,7 @@ def capacity_factor(text):
 
 def check_experts(cfg):
     """UsageError for MoE flags (models/moe.py) no run can take, or layouts that would cut a routing
-    group or split the experts."""
+    group or split the experts' weights (--mode expert shards whole experts: modes/refusals.py)."""
     capacity_factor(cfg.capacity_factor)
     if cfg.experts < 0 or (cfg.experts and cfg.top_k > cfg.experts):
         raise UsageError(f"--experts must be >= 0 and at least --top-k {cfg.top_k}, got {cfg.experts}")
@@ -176,7 +176,7 @@ def check_experts(cfg):
                                    ("--tensor-pieces", (cfg.tensor_pieces or 1) > 1)) if on]
     if split:
         raise UsageError(f"--experts with {split[0]}: an MoE block is routed per whole window and its experts are "
-                         f"not split; data, ZeRO and pipeline layouts only")
+                         f"not split by tensor parallelism; data, ZeRO, pipeline and expert (--mode expert) layouts only")
 
 
 def check_running(cfg, running):

@@ -191,6 +191,10 @@ class RunConfig:
     context_parallel: Optional[int] = flag(None, "context and mesh: contexts per context-parallel group, each "
                                                  "holding a 1/C block of every sequence; the groups are data "
                                                  "parallel (default: every context, one group)", "parallelism")
+    expert_parallel: Optional[int] = flag(None, "expert, --model gpt --experts E: contexts per expert-parallel "
+                                                "group, each holding E/N of every block's experts (the rest "
+                                                "replicated); the groups are data parallel (default: every "
+                                                "context, one group)", "parallelism")
     attention: Optional[str] = flag(None, "context and mesh: how the blocks of a sequence attend to each other: ring "
                                           "(key and value blocks passed round, online softmax) or ulysses "
                                           "(all-to-all to head groups and back) (default ring)",

@@ -3,6 +3,8 @@
     dp   data: replicas of everything, each on its share of the batch; gradients all-reduced
     pp   pipeline: runs of layers (stages), activations sent forwards, gradients backwards
     cp   context: the sequence cut into blocks; attention joins them (ring or all-to-all)
+    ep   expert: an MoE's experts sharded, the rest replicated (its ranks data parallel too: each
+         takes its own rows); all-to-alls send each expert's slots to its rank and back
     tp   tensor: every split layer's weights cut (Megatron's f and g join the shards)
 
 `--mesh dp=2,tp=2` on 4 contexts: rank r (ctx[r]) has coordinates that count in that order, tp
@@ -13,16 +15,17 @@ agree on every other coordinate: each collective of that kind of parallelism run
 
 The modes of the command line are meshes: sync dp=N, tensor dp=N/T x tp=T, hybrid dp=N/S x pp=S,
 model and pipeline pp=N, context dp=N/C x cp=C (or dp x cp x tp with --tensor-parallel), mesh dp x
-pp x tp (Megatron's 3-D), dp x pp x cp or dp x pp x cp x tp: each mode's entry in manual_dp/modes.py
-says which mesh it lays out (`grid`) and which --mesh shapes it is (`shapes`).
+pp x tp (Megatron's 3-D), dp x pp x cp or dp x pp x cp x tp, expert dp=N/E x ep=E: each mode's entry
+in manual_dp/modes.py says which mesh it lays out (`grid`) and which --mesh shapes it is (`shapes`).
 """
 import math
 from dataclasses import dataclass
 
-DIMS = ("dp", "pp", "cp", "tp")             # outermost first
-KINDS = {"dp": "data", "pp": "pipeline", "cp": "context", "tp": "tensor"}
+DIMS = ("dp", "pp", "cp", "ep", "tp")       # outermost first
+KINDS = {"dp": "data", "pp": "pipeline", "cp": "context", "ep": "expert", "tp": "tensor"}
 COLLECTIVES = {"dp": "gradient all-reduce", "pp": "activations and gradients sent stage to stage",
                "cp": "attention's ring (key and value blocks) or all-to-all (Ulysses)",
+               "ep": "all-to-alls of the experts' slots and outputs; every gradient but the experts' all-reduced",
                "tp": "Megatron's f and g (all-reduces; with --sequence-parallel all-gathers and reduce-scatters)"}
 FIXED = {"dp": "pieces of the batch, their gradients added in --deterministic's one tree",   # --deterministic's sums
          "tp": "Megatron's f and g, the partial products of --tensor-pieces' pieces added in one fixed tree"}
@@ -30,11 +33,12 @@ FIXED = {"dp": "pieces of the batch, their gradients added in --deterministic's 
 
 @dataclass(frozen=True)
 class Mesh:
-    """Sizes of the four dimensions, in DIMS order; 1 for a dimension not used."""
+    """Sizes of the five dimensions (DIMS orders them, outermost first); 1 for a dimension not used."""
     dp: int = 1
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
 
     @classmethod
     def parse(cls, text, n_contexts):

@@ -402,7 +402,9 @@ BAD_LAYOUT = {     # a mode whose layout can refuse: flags on --cpus 3 that its 
     "tensor": (["--tensor-parallel", "2"], "--tensor-parallel 2 does not divide the 3 contexts"),
     "context": (["--context-parallel", "2", "--model", "transformer"], "--context-parallel 2 does not divide the 3"),
     "mesh": (["--model", "transformer"], "--mode mesh needs a multiple of --stages 2 x --tensor-parallel 2"),
+    "expert": (["--expert-parallel", "2"], "--expert-parallel 2 does not divide the 3 contexts"),
 }
+MODEL_OF = {"expert": ["--model", "gpt", "--data", "fortunes", "--experts", "4"]}   # a mode for some models only
 
 
 def test_the_command_line_accepts_exactly_the_tables_modes():
@@ -423,7 +425,8 @@ def refusing_modes():
 @pytest.mark.parametrize("name", refusing_modes())
 def test_every_entrys_refusals_are_the_command_lines(capsys, data_dir, name):
     from manual_dp.modes import TABLE
-    entry, base = TABLE[name], ["--data-dir", str(data_dir), *TINY, "--mode", name, "--dry-run"]
+    data = MODEL_OF.get(name, ["--data-dir", str(data_dir)])
+    entry, base = TABLE[name], [*data, *TINY, "--mode", name, "--dry-run"]
     if entry.deterministic:
         code, lines = run(capsys, [*base, "--cpus", "2", "--deterministic"])
         assert code == 2 and lines == [f"manual_dp.train: error: --deterministic --mode {name}: {entry.deterministic}"]

@@ -26,7 +26,7 @@ TOL = 1e-5
 
 def test_groups_partition_the_ranks_and_vary_one_coordinate():
     mesh = Mesh.parse("tp=2,dp=2,pp=2", 8)
-    assert mesh.shape == (2, 2, 1, 2) and str(mesh) == "dp=2 x pp=2 x tp=2"
+    assert mesh.shape == (2, 2, 1, 1, 2) and str(mesh) == "dp=2 x pp=2 x tp=2"
     assert mesh.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]      # tp innermost: neighbours
     assert mesh.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert mesh.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -38,6 +38,8 @@ def test_groups_partition_the_ranks_and_vary_one_coordinate():
             assert all(o == others[0] for o in others)
             assert [mesh.coords(r)[dim] for r in g] == list(range(getattr(mesh, dim)))
     assert all(mesh.rank(**mesh.coords(r)) == r for r in range(8))
+    experts = Mesh.parse("ep=2,dp=2", 4)                # --mode expert: ep groups of neighbours, ep0 with ep0
+    assert experts.groups("ep") == [[0, 1], [2, 3]] and experts.groups("dp") == [[0, 2], [1, 3]]
 
 
 def test_the_modes_are_meshes_with_the_strategies_placement():
@@ -65,7 +67,7 @@ def test_the_header_names_every_context_and_group():
 
 
 @pytest.mark.parametrize("text,n,message", [
-    ("dp=3", 4, "multiplies to 3 contexts, not the 4"), ("xx=2", 2, "NAME one of dp, pp, cp, tp"),
+    ("dp=3", 4, "multiplies to 3 contexts, not the 4"), ("xx=2", 2, "NAME one of dp, pp, cp, ep, tp"),
     ("dp=2,dp=1", 2, "dp given twice"), ("tp=0", 1, "tp=0 is not a positive"), ("dp=two", 2, "not a positive"),
     ("", 1, "NAME=SIZE")])
 def test_bad_meshes_are_one_line(text, n, message):

@@ -32,6 +32,7 @@ def strategies(ctx, net=None):
     from ..strategies.data.data_parallel import DataParallel
     from ..strategies.sums.fixed_sums import FixedSums
     from ..strategies.data.local_sgd import LocalSGD
+    from ..strategies.expert.expert_parallel import ExpertParallel
     from ..strategies.pipeline.pipeline import PipelineParallel
     from ..strategies.tensor.tensor import TensorParallel
     from ..strategies.zero.zero import ZeroRedundancy
@@ -55,6 +56,7 @@ def strategies(ctx, net=None):
         modes[f"hybrid 2x{k // 2} M=4"] = lambda p: PipelineParallel(p, ctx, opt, 4, **m)
         modes[f"mesh dp={k // 4 or 1} x pp=2 x tp=2 1f1b M=4"] = lambda p: MeshParallel(p, ctx, opt, 2, 2, 4, **m)
     modes[f"context cp={k} ring"] = lambda p: ContextParallel(p, ctx, opt, k, **m)    # models with a sequence
+    modes[f"expert ep={k}"] = lambda p: ExpertParallel(p, ctx, opt, k, **m)          # models with experts
     return modes
 
 

@@ -28,6 +28,10 @@ parameter list and declares:
     grid_forward   grid_forward(hs, params, join, seq, F=nd) -> hs: a split layer on a grid of C x T
               contexts, hs[c][t] block c of the tokens on tensor rank t (params[c][t] its shards):
               each row a tensor group (join), each column a context-parallel group (seq)
+    expert_forward   expert_forward(hs, params, group, Fs) -> hs: an MoE layer on the N contexts of
+              an expert-parallel group, hs[j] context j's own rows, params[j] its parameters with
+              those of Layer.extra["expert_params"] cut along axis 0 (its E/N experts), Fs[j] its
+              namespace; group.send and group.back are the all-to-alls (strategies/expert/)
 
 A model with dropout holds `noise` (models.dropout.Noise): its layers call dropout(h, site, F), whose
 masks depend on the batch and the example, never on the layout; the model's forward and its group
@@ -86,6 +90,7 @@ class Layer:
     stats: Tuple[Param, ...] = ()
     sequence_forward: Optional[Callable] = None
     grid_forward: Optional[Callable] = None
+    expert_forward: Optional[Callable] = None
 
 
 def draw(param, rng, scale=None):
@@ -264,6 +269,21 @@ class Model:
         for layer, s in zip(self.layers, self.slices()):
             hs = grid_layer(layer, hs, [[P[s] for P in row] for row in params], join, seq, F)
         return hs
+
+    def expert_forward(self, Xs, params, group):
+        """Scores on every context of an expert-parallel group, each of its own rows Xs[j], from
+        params[j], context j's parameters (its shards of the experts): each layer's
+        expert_forward, or the layer on each context alone."""
+        hs, Fs = Xs, [self.noisy(nd, X) for X in Xs]
+        for layer, s in zip(self.layers, self.slices()):
+            own = [P[s] for P in params]
+            hs = layer.expert_forward(hs, own, group, Fs) if layer.expert_forward else \
+                [layer.forward(h, q, F, [p.shape for p in q]) for h, q, F in zip(hs, own, Fs)]
+        return hs
+
+    def expert_params(self):
+        """Flat indices of the parameters expert parallelism cuts along axis 0 (an MoE's experts)."""
+        return [s.start + i for layer, s in zip(self.layers, self.slices()) for i in layer.extra.get("expert_params", ())]
 
     def grid_refusal(self, C, T, attention):
         """Why the model cannot run on a C x T grid, or None: every split layer needs a grid_forward."""

@@ -27,7 +27,8 @@ transformer's pooled head leaves them, and the strategies take the loss as they 
 Mixture of experts (`experts`, a models.moe.Experts): every block's MLP is E experts routed per
 window (models/moe.py); the hidden state then carries one extra row, the examples' aux loss, and
 the scores are (B, T + 1, vocab) (example_loss adds the last row's column 0). Tensor and context
-parallelism are refused for it (the routing groups and experts are not split).
+parallelism are refused for it (the routing groups and experts are not split); expert parallelism
+(strategies/expert/) runs each block's expert_forward, the experts sharded over a group.
 """
 import dataclasses
 
@@ -36,7 +37,7 @@ from mxnet import nd
 from ..config import GPT as DEFAULTS
 from .contract import Layer, Param, fc
 from .dropout import dropout, dropout_at
-from .moe import make_moe_block, moe_costs, moe_params, split_carry, with_carry
+from .moe import EXPERT_PARAMS, make_expert_block, make_moe_block, moe_costs, moe_params, split_carry, with_carry
 from .transformer import Transformer, add_positions, layer_norm, make_grid_block, mlp_output, qkv
 
 MLP_RATIO = 4               # nanoGPT's: hidden units of a block's MLP per unit of d_model
@@ -120,8 +121,9 @@ def moe_layers(layers, T, d, H, V, cfg):
         flops, acts = moe_costs(T, d, hidden, H, cfg)
         return dataclasses.replace(b, params=b.params[:12] + moe_params(l, d, hidden, cfg.experts),
                                    forward=make_moe_block(dh, 2 * l + 1, cfg, T), flops=flops, inputs=(T + 1) * d,
-                                   acts=acts, extra={"head_dim": dh, "experts": cfg}, split_forward=None,
-                                   sequence_forward=None, grid_forward=None)
+                                   acts=acts, extra={"head_dim": dh, "experts": cfg, "expert_params": EXPERT_PARAMS},
+                                   split_forward=None, sequence_forward=None, grid_forward=None,
+                                   expert_forward=make_expert_block(dh, 2 * l + 1, cfg, T))
     return ((dataclasses.replace(embed, forward=moe_embed, acts=embed.acts + d, sequence_forward=None),)
             + tuple(moe_block(l, b) for l, b in enumerate(blocks))
             + (dataclasses.replace(head, forward=moe_head, inputs=(T + 1) * d, sequence_forward=None),))

@@ -20,8 +20,10 @@ runs eagerly (F=nd) and in the cached symbolic graph (F=sym, fast/graph.py).
 loss are computed within each window, from that window's tokens alone. Every data, ZeRO and
 pipeline layout splits a batch by rows, so by windows: each routes every token as one context
 does and drops the same tokens, by construction, with no counts exchanged. Layouts that cut a
-window (context parallelism, Megatron-SP) or split the experts (tensor, expert parallelism) are
-refused (GPT.tensor_refusal, sequence_refusal, checks.check_experts).
+window (context parallelism, Megatron-SP) or split an expert's weights (tensor parallelism) are
+refused (GPT.tensor_refusal, sequence_refusal, checks.check_experts). Expert parallelism shards whole
+experts over a group of contexts (experts_group, make_expert_block; strategies/expert/): each context
+routes its own rows as here, so it drops the same tokens too.
 
 **How the aux loss reaches the gradient.** The hidden state of an MoE GPT carries one extra row:
 (B, T + 1, d), row T holding coef * (the sum of the blocks' aux losses so far) of its example in
@@ -123,22 +125,50 @@ def dispatch_combine(p, cfg, T, E, F):
     return F.reshape(F.BlockGrad(dispatch), shape=(0, 0, -3)), F.reshape(combine, shape=(0, 0, -3))
 
 
-def experts_forward(x, p, cfg, T, E, F):
-    """The experts' output (B, T, d) of x (B, T, d) and the window's aux loss (B,); p: router
-    weight, w1 (E, H, d), b1 (E, H), w2 (E, d, H), b2 (E, d)."""
-    wr, w1, b1, w2, b2 = p
+def routed(x, wr, cfg, T, E, F):
+    """(probs (B, T, E), combine (B, T, E*C), slots (E, B*C, d)) of x (B, T, d) and the router wr:
+    each expert's C slots of every window, filled by the dispatch tensor."""
     C = cfg.capacity(T)
     probs = F.softmax(F.FullyConnected(x, wr, no_bias=True, num_hidden=E, flatten=False), axis=-1)  # (B, T, E)
     dispatch, combine = dispatch_combine(probs, cfg, T, E, F)                    # (B, T, E*C)
     slots = F.batch_dot(dispatch, x, transpose_a=True)                           # (B, E*C, d)
     slots = F.reshape(F.transpose(F.reshape(slots, shape=(0, -4, E, C, 0)), axes=(1, 0, 2, 3)), shape=(0, -3, 0))
+    return probs, combine, slots                                                 # slots (E, B*C, d)
+
+
+def expert_mlps(slots, w1, b1, w2, b2, F):
+    """Each expert's MLP on its slots (E', S, d), E' the experts whose weights are given: (E', S, d)."""
     hidden = relu(F.broadcast_add(F.batch_dot(slots, w1, transpose_b=True), F.expand_dims(b1, axis=1)), F)
-    y = F.broadcast_add(F.batch_dot(hidden, w2, transpose_b=True), F.expand_dims(b2, axis=1))   # (E, B*C, d)
+    return F.broadcast_add(F.batch_dot(hidden, w2, transpose_b=True), F.expand_dims(b2, axis=1))
+
+
+def combined(y, combine, probs, C, T, E, F):
+    """(out (B, T, d), aux (B,)): the experts' outputs y (E, B*C, d) back on their tokens, times
+    their gates, and the window's aux loss."""
     y = F.reshape(F.transpose(F.reshape(y, shape=(0, -4, -1, C, 0)), axes=(1, 0, 2, 3)), shape=(0, -3, 0))
     out = F.batch_dot(combine, y)                                                # (B, T, d)
     first = F.BlockGrad(first_max(F.BlockGrad(probs), E, F))
     share, mean_p = (F.sum(v, axis=1) * (1 / T) for v in (first, probs))         # (B, E) f and P
     return out, E * F.sum(share * mean_p, axis=-1)
+
+
+def experts_forward(x, p, cfg, T, E, F):
+    """The experts' output (B, T, d) of x (B, T, d) and the window's aux loss (B,); p: router
+    weight, w1 (E, H, d), b1 (E, H), w2 (E, d, H), b2 (E, d)."""
+    probs, combine, slots = routed(x, p[0], cfg, T, E, F)
+    return combined(expert_mlps(slots, *p[1:], F), combine, probs, cfg.capacity(T), T, E, F)
+
+
+def experts_group(xs, ps, cfg, T, E, group, F=nd):
+    """experts_forward on the contexts of an expert-parallel group, context j holding experts
+    j E/N .. (j + 1) E/N - 1 (ps[j][1:] their weights): each routes its own rows, group.send
+    (an all-to-all) brings every context's slots of its experts to it, group.back takes the
+    outputs home for each context's combine."""
+    C, routes = cfg.capacity(T), [routed(x, p[0], cfg, T, E, F) for x, p in zip(xs, ps)]
+    received = group.send([slots for _, _, slots in routes])                   # [(E/N, sum_i B_i*C, d)]
+    ys = group.back([expert_mlps(s, *p[1:], F) for s, p in zip(received, ps)],
+                    [slots.shape[1] for _, _, slots in routes])                # [(E, B_j*C, d)]
+    return [combined(y, combine, probs, C, T, E, F) for y, (probs, combine, _) in zip(ys, routes)]
 
 
 def split_carry(h, T, F):
@@ -169,6 +199,23 @@ def make_moe_block(head_dim, site, cfg, T):
         carry = F.broadcast_add(carry, F.reshape(aux * cfg.aux_loss_coef, shape=(-1, 1, 1)))
         return F.concat(x + dropout(out, site + 1, F), carry, dim=1)
     return moe_block
+
+
+def make_expert_block(head_dim, site, cfg, T):
+    def expert_block(hs, own, group, Fs):
+        """moe_block on the contexts of an expert-parallel group (experts_group): hs[j] context j's
+        rows, own[j] its parameters (its experts' alone), Fs[j] its namespace (its dropout masks)."""
+        shapes = [[x.shape for x in p] for p in own]
+        xs, carries = zip(*[attended(h, p, F, s, head_dim, site, T) for h, p, F, s in zip(hs, own, Fs, shapes)])
+        normed = [layer_norm(x, p[10], p[11], F, s[10][0]) for x, p, F, s in zip(xs, own, Fs, shapes)]
+        outs = experts_group(normed, [p[12:] for p in own], cfg, T, cfg.experts, group)
+        return [F.concat(x + dropout(out, site + 1, F), F.broadcast_add(carry, F.reshape(aux * cfg.aux_loss_coef,
+                                                                                        shape=(-1, 1, 1))), dim=1)
+                for x, carry, (out, aux), F in zip(xs, carries, outs, Fs)]
+    return expert_block
+
+
+EXPERT_PARAMS = (13, 14, 15, 16)      # an MoE block's parameters cut by expert (axis 0): w1, b1, w2, b2
 
 
 def moe_params(l, d, hidden, E):

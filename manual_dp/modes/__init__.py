@@ -23,13 +23,14 @@ from ..config import (DEFAULT_ONLY_IN, FAST_STEP, LOSS_SCALE, MODE_DEFAULTS, MOD
 from ..errors import UsageError
 from ..mesh import Mesh
 from .build import (Parts, build_async, build_context, build_local, build_mesh, build_pipeline, build_sync,
-                    build_tensor, build_zero)
+                    build_tensor, build_zero, build_expert)
 from .layout import (check_tensor_layout, context_degree, context_grid, data_grid, every_context_a_replica,
-                     fits_anywhere, fits_context, fits_hybrid, fits_mesh, fits_pipeline, fits_tensor, hybrid_grid,
+                     expert_grid, fits_anywhere, fits_context, fits_expert, fits_hybrid, fits_mesh, fits_pipeline,
+                     fits_tensor, hybrid_grid,
                      mesh_grid, mesh_group, mesh_replicas, mesh_tp, one_replica_per_pipeline, pipeline_grid,
                      stages_of, tensor_grid, tensor_split_sizes, virtual_stages)
-from .refusals import refuse_async, refuse_context, refuse_mesh, refuse_nothing, refuse_tensor
-from .lines import (SCHEDULE_NAMES, SHARDED, describe_context, describe_hybrid, describe_local, describe_mesh,
+from .refusals import refuse_async, refuse_context, refuse_expert, refuse_mesh, refuse_nothing, refuse_tensor
+from .lines import (SCHEDULE_NAMES, SHARDED, describe_context, describe_expert, describe_hybrid, describe_local, describe_mesh,
                     describe_model, describe_pipeline, describe_sync, describe_tensor, describe_zero)
 
 PIPELINE_FLAGS = ("stages", "schedule", "virtual_stages", "micro_batches")
@@ -69,7 +70,7 @@ class Mode:
     algorithm: str = "one context"
 
 
-PP, CP, TP = frozenset({"pp"}), frozenset({"cp"}), frozenset({"tp"})     # --mesh shapes besides dp
+PP, CP, TP, EP = frozenset({"pp"}), frozenset({"cp"}), frozenset({"tp"}), frozenset({"ep"})   # --mesh shapes besides dp
 DATA_FLAGS = ("precision", "check_replicas", "deterministic")
 SUMMED = ("clip_norm", "loss_scale", "scale_window", "tensor_pieces")     # one reduced gradient per update
 
@@ -117,6 +118,11 @@ TABLE = {m.name: m for m in (
          running="it cuts a sequence of tokens, which only the transformer (no BatchNorm) has",
          refused=lambda cfg: f"--deterministic --sequence-pieces {cfg.sequence_pieces}: " if cfg.deterministic
          else "" if (cfg.tensor_parallel or 1) > 1 else None, refuses=refuse_context),
+    Mode("expert", "an MoE's experts sharded over a group, all-to-all to them and back", "ExpertParallel",
+         ("check_replicas", "deterministic", "clip_norm", "allreduce", "expert_parallel"), build_expert,
+         describe_expert, grid=expert_grid, shapes=(EP,), fits=fits_expert,
+         deterministic="the experts' sums are not cut in the fixed pieces yet; use --mode sync, zero or a pipeline",
+         refuses=refuse_expert),
     Mode("mesh", "data x pipeline x tensor (or context) at once", "MeshParallel",
          DATA_FLAGS + SUMMED + PIPELINE_FLAGS + ("allreduce", "zero_stage", "tensor_parallel", "sequence_parallel",
                                                  "context_parallel", "attention", "sequence_pieces"),
@@ -130,7 +136,8 @@ MODES = tuple(TABLE)
 
 
 FLAGS = tuple(dict.fromkeys(f for mode in TABLE.values() for f in mode.flags))   # every mode-specific flag
-MESH_FLAGS = {"pp": "stages", "cp": "context_parallel", "tp": "tensor_parallel"}   # --mesh's sizes as flags
+MESH_FLAGS = {"pp": "stages", "cp": "context_parallel", "tp": "tensor_parallel",
+              "ep": "expert_parallel"}                                # --mesh's sizes as flags
 
 
 def mode_of(mesh, given="sync"):

@@ -101,3 +101,9 @@ def build_mesh(cfg, p):
         virtual_stages(cfg), p.grad_reduce, p.local, model=p.net, sequence_parallel=cfg.sequence_parallel,
         context_parallel=cfg.context_parallel or 1, attention=cfg.attention or "ring", zero_stage=cfg.zero_stage or 0,
         sums=p.sums, sequence_pieces=cfg.sequence_pieces)
+
+
+def build_expert(cfg, p):
+    # the experts sharded over each group (their all-to-alls inside it); `grad_reduce` sums each copy's gradients
+    return strategy("expert.expert_parallel", "ExpertParallel")(p.params, p.ctx, cfg.optimizer, cfg.expert_parallel,
+                                                                p.grad_reduce, model=p.net)

@@ -54,6 +54,11 @@ def hybrid_grid(cfg, n):
     return {"dp": n // stages_of(cfg), "pp": stages_of(cfg)}
 
 
+def expert_grid(cfg, n):
+    N = cfg.expert_parallel or n
+    return {"dp": n // N, "ep": N}
+
+
 def tensor_grid(cfg, n):
     T = cfg.tensor_parallel or n
     return {"dp": n // T, "tp": T}
@@ -157,3 +162,13 @@ def check_tensor_pieces(Q, T, mode="tensor"):
         raise UsageError(f"--deterministic --mode {mode} cuts every split layer into {Q} pieces "
                          f"(--tensor-pieces): --tensor-parallel {T} does not divide them (use "
                          f"{' or '.join(map(str, fits))}, or give --tensor-pieces a multiple of {T})")
+
+
+def fits_expert(cfg, n):
+    """UsageError unless the expert-parallel groups divide the contexts and their size the experts."""
+    N = cfg.expert_parallel or n
+    if N < 1 or n % N:
+        raise UsageError(f"--expert-parallel {N} does not divide the {n} contexts into groups")
+    if cfg.experts % N:
+        raise UsageError(f"--expert-parallel {N} does not divide --experts {cfg.experts}: each context of a group "
+                         f"holds E/N experts")

@@ -99,3 +99,13 @@ def describe_mesh(cfg):
             f"split layer in {cfg.tensor_pieces} fixed pieces, {cfg.micro_batches} micro-batches of whole batch "
             f"pieces on {schedule_name(cfg)}'s schedule, each stage's gradients per piece added in the fixed tree: "
             f"the bits of every layout given --tensor-pieces {cfg.tensor_pieces}")
+
+
+def describe_expert(cfg):
+    E, N = cfg.experts, cfg.expert_parallel
+    per = ("one group of every context, E/n experts each, n the contexts" if not N else
+           "one expert a context, context j of a group holding expert j" if E == N else
+           f"{E // N} experts a context, context j of a group holding experts {E // N}j to {E // N}j + {E // N - 1}")
+    return (f"expert: the {E} experts of every MoE block sharded over {N or 'all'} context(s) per group ({per}), "
+            f"the rest replicated; each context routes its rows, an all-to-all sends every expert's slots to its "
+            f"context and one brings the outputs back; groups data parallel ({cfg.allreduce})")

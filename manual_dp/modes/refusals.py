@@ -41,3 +41,12 @@ def refuse_mesh(cfg):
             "in pipeline stages yet)" if cp_tp else "not --zero-stage (its shards are not cut in the fixed pieces yet)")
     if (cfg.sequence_pieces or 1) > 1 and cp == 1:
         return "--sequence-pieces in --mode mesh cuts the sequence of cp > 1: give --context-parallel too"
+
+
+def refuse_expert(cfg):
+    """Expert parallelism shards an MoE GPT's experts, in one process."""
+    if not cfg.experts:
+        return (f"--mode expert shards the experts of an MoE: give --model gpt --experts E (--model {cfg.model} "
+                f"has none)")
+    if cfg.backend != "local":
+        return f"--mode expert runs in one process: not --backend {cfg.backend} yet"

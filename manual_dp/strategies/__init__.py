@@ -11,6 +11,7 @@ the wrappers around any strategy. Read in this order:
     tensor/      Megatron's split layers, sequence parallelism, split layers in fixed pieces
     context/     the sequence cut over contexts: ring and Ulysses attention, cp x tp
     mesh/        data x pipeline x tensor (or context) at once
+    expert/      an MoE's experts sharded over a group, all-to-all to them and back (expert parallelism)
     wrappers/    around any strategy: gradient accumulation, fp16's loss scale, compression, digests
 
 Each folder's docstring lists its own files in reading order.
