@@ -85,6 +85,16 @@ def test_transfers_on_other_ports_overlap_and_on_one_port_queue():
     assert min(seconds([(0, 1), (2, 3)]) for _ in range(3)) < 0.09     # two links: ~50 ms
     assert seconds([(0, 1), (2, 1)]) >= 0.095                          # one receiving port: ~100 ms
 
+    def together(pairs):                     # ship_all: one step's transfers as one operator where it can
+        nd.waitall()
+        start = time.perf_counter()
+        outs = link.ship_all([(xs[a], mx.cpu(b)) for a, b in pairs])
+        assert all((o.asnumpy() == 1).all() for o in outs) and len(outs) == len(pairs)
+        return time.perf_counter() - start
+
+    assert 0.045 <= min(together([(0, 1), (1, 2), (2, 3), (3, 0)]) for _ in range(3)) < 0.09   # a ring's step
+    assert together([(0, 1), (0, 2)]) >= 0.095                          # one sending port: one after the other
+
 
 def test_the_presets_and_the_cost_model_agree():
     assert set(LINK_PRESETS) == {"pcie3", "pcie4", "nvlink", "eth1", "eth10", "eth100", "ib"}
@@ -98,8 +108,9 @@ def test_the_presets_and_the_cost_model_agree():
 def counting(monkeypatch):
     """A list that fills with the modelled seconds of every transfer shipped over a link from now on."""
     from manual_dp.fast import link
-    calls, real = [], link.delayed
+    calls, real, real_all = [], link.delayed, link.delayed_all
     monkeypatch.setattr(link, "delayed", lambda x, seconds, *a, **kw: calls.append(seconds) or real(x, seconds, *a, **kw))
+    monkeypatch.setattr(link, "delayed_all", lambda xs, seconds, ports: calls.extend(seconds) or real_all(xs, seconds, ports))
     return calls
 
 

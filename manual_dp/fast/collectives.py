@@ -72,6 +72,10 @@ class Direct:
         """src's values, ready to be carried to `ctx`: src itself."""
         return src
 
+    def ship_all(self, pairs):
+        """[(src, ctx)]: every src as it is."""
+        return [src for src, _ in pairs]
+
 
 DIRECT = Direct()
 
@@ -131,8 +135,8 @@ def send_all(pairs, wire):
     """Transfers (src, dst, phase) whose sources are disjoint from their destinations: every source
     shipped first, then every arrival (MXNet orders work per array, not per chunk: shipping chunk c of
     replica i after an arrival wrote another chunk of it would wait for that arrival)."""
-    shipped = [(wire.ship(src, dst.context), dst, phase) for src, dst, phase in pairs]
-    for src, dst, phase in shipped:
+    sent = wire.ship_all([(src, dst.context) for src, dst, _ in pairs])     # one step's transfers at once
+    for src, (_, dst, phase) in zip(sent, pairs):
         land(src, dst, phase)
 
 
