@@ -99,6 +99,10 @@ class AsyncDataParallel(RunningStats, Strategy):
             if refresh_due(k, self.t, self.staleness):
                 self.pull(k)
 
+    def grad_buffers(self, i):
+        """The arrays holding context i's gradients: its replica's, one per parameter."""
+        return [q.grad for q in self.replicas[i]]
+
     def pull(self, k):
         for p, q in zip(self.master, self.replicas[k]):
             p.copyto(q)
