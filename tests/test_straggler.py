@@ -8,6 +8,7 @@ import pytest
 from mxnet import nd
 
 from conftest import batch, run_main
+from manual_dp import checkpoint
 from manual_dp.lesson import init_lenet_params
 from manual_dp.strategies.base import innermost
 from manual_dp.strategies.data.async_dp import AsyncDataParallel
@@ -107,6 +108,18 @@ def test_a_straggler_changes_no_value(layout):
         slow.step(X, y, 0.01)
     for a, b in zip(params_and_replicas(plain), params_and_replicas(slow)):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("mode", [["--mode", "async", "--staleness", "1"], ["--mode", "local", "--sync-every", "2"]],
+                         ids=["async", "local"])
+def test_the_cli_straggles_async_and_local_and_changes_no_value(capsys, data_dir, tmp_path, mode):
+    states = {}
+    for name, extra in {"plain": [], "straggler": ["--straggler", "1:2"]}.items():
+        code, _, err = run_main(capsys, ["--cpus", "2", "--data-dir", str(data_dir), "--checkpoint-dir",
+                                         str(tmp_path / name), *TINY, *mode, *extra])
+        assert code == 0, err
+        states[name] = checkpoint.load(tmp_path / name)[0]
+    assert all(np.array_equal(a, b) for a, b in zip(states["plain"]["params"], states["straggler"]["params"]))
 
 
 @pytest.mark.parametrize("argv,message", [
