@@ -94,8 +94,8 @@ def check_links(cfg):
         parse_link(cfg.link)
         if kind != "cpu":
             raise UsageError(f"--link {cfg.link} emulates links between CPU contexts: GPUs have real ones")
-        if "allreduce" not in modes.of(cfg).flags or cfg.deterministic:
-            raise UsageError(f"--link {cfg.link} delays the all-reduces of --allreduce: not "
+        if ("allreduce" not in modes.of(cfg).flags and cfg.mode != "zero") or cfg.deterministic:
+            raise UsageError(f"--link {cfg.link} delays the all-reduces of --allreduce and ZeRO's: not "
                              f"{'--deterministic' if cfg.deterministic else '--mode ' + cfg.mode}")
         if cfg.allreduce == "kvstore":
             raise UsageError("--link: --allreduce kvstore moves its data inside MXNet, where no link can be emulated")
