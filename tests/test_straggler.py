@@ -138,3 +138,20 @@ def test_bad_stragglers_are_one_line_and_exit_2(capsys, data_dir, argv, message)
     code, out, err = run_main(capsys, ["--cpus", "2", "--data-dir", str(data_dir), *TINY, *argv])
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert out == ""
+
+
+def test_a_given_compute_time_is_not_measured():
+    X, y = batch(64, 0)
+    slow = Straggler(local(), 1, 3.0, compute_s=0.05)
+    start = time.perf_counter()
+    slow.step(X, y, 0.01)
+    assert ready(innermost(slow).grad_buffers(1), start) >= 0.85 * 0.1 and slow.compute_s == 0.05
+
+
+def test_the_benchmark_prints_every_layout_beside_sync(capsys):
+    from manual_dp.bench.straggler import main
+    main(["--devices", "2", "--straggler", "1:2", "--staleness", "1", "--sync-every", "2", "--steps", "2",
+          "--rounds", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["layout", "sync", "async", "local"]
+    assert lines[1].split()[4] == "1.00" and all(float(line.split()[-1]) > 0 for line in lines[1:])

@@ -44,11 +44,12 @@ def layouts(staleness, sync_every):
     return out
 
 
-def stepper(build, k, straggler=None):
+def stepper(build, k, straggler=None, compute_s=None):
     """A function taking `n` steps of the layout `build` on cpu(0..k-1) as the training loop does,
-    wrapped in a Straggler(straggler) if given; its first steps taken (and the straggler measured)."""
+    wrapped in a Straggler(*straggler, compute_s) if given; its first steps taken (and the straggler
+    measured, unless compute_s is given)."""
     model = build(init_lenet_params(0), [mx.cpu(i) for i in range(k)])
-    model = Straggler(model, *straggler) if straggler else model
+    model = Straggler(model, *straggler, compute_s=compute_s) if straggler else model
     rng = np.random.RandomState(0)
     X, y = rng.rand(BATCH, 1, 28, 28).astype(np.float32), rng.randint(0, 10, BATCH).astype(np.int32)
 
@@ -61,6 +62,7 @@ def stepper(build, k, straggler=None):
         nd.waitall()
 
     steps(MEASURED + 1)
+    steps.compute_s = model.compute_s if straggler else None
     steps.delay_s = model.delay_s if straggler else 0.0
     return steps
 
@@ -77,9 +79,11 @@ def best_images_per_s(steppers, steps, rounds):
 
 
 def measure(k, straggler, staleness, sync_every, steps, rounds):
-    """{layout: (plain images/s, images/s with the straggler, the straggler's delay a step in s)}."""
+    """{layout: (plain images/s, images/s with the straggler, the straggler's delay a step in s)}: the
+    delay sync's straggler measures, every layout given the same (each shard is the same work)."""
     builds = layouts(staleness, sync_every)
-    steppers = [stepper(b, k, s) for b in builds.values() for s in (None, straggler)]
+    compute_s = stepper(builds["sync"], k, straggler).compute_s
+    steppers = [stepper(b, k, s, compute_s if s else None) for b in builds.values() for s in (None, straggler)]
     rates = best_images_per_s(steppers, steps, rounds)
     return {name: (rates[2 * i], rates[2 * i + 1], steppers[2 * i + 1].delay_s) for i, name in enumerate(builds)}
 

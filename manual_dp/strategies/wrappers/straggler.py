@@ -22,15 +22,18 @@ MEASURED = 3          # backward passes timed (the first also compiles the graph
 
 
 class Straggler(Wrapper):
-    """Wraps a sync strategy `model`: context `index` slowed by `factor` (>= 1)."""
+    """Wraps a strategy `model` (sync, async, local SGD: one with grad_buffers(i)): context `index`
+    slowed by `factor` (>= 1); compute_s: its compute time a step, if known (default: measured)."""
 
-    def __init__(self, model, index, factor):
+    def __init__(self, model, index, factor, compute_s=None):
         if not (factor >= 1 and 0 <= index < len(model.ctx)):
             raise ValueError(f"a straggler needs a context of 0..{len(model.ctx) - 1} and a factor >= 1, "
                              f"got {index}:{factor}")
         super().__init__(model)
         self.index, self.factor = index, factor
         self.compute_s, self.timed, self.ports = float("inf"), 0, {}
+        if compute_s is not None:
+            self.compute_s, self.timed = compute_s, MEASURED
 
     @property
     def delay_s(self):
