@@ -225,3 +225,12 @@ def test_zero_under_a_link_ships_its_traffic_and_ends_with_plain_zeros_parameter
     updates, n, spec = 96 // 32, sum(p.size * 4 for p in init_lenet_params(0)), parse_link("eth10")
     shipped = (sum(calls) - len(calls) * spec.latency) * spec.bandwidth / (updates * (k - 1) * n)
     assert passes[0] - 1e-6 <= shipped <= passes[1] + 1e-6, shipped
+
+
+def test_the_header_names_the_link_and_the_straggler(capsys, data_dir):
+    code, out, err = run_main(capsys, ["--cpus", "2", "--data-dir", str(data_dir), *TINY, "--mode", "local",
+                                       "--link", "eth10", "--straggler", "1:2"])
+    header = [line for line in out.splitlines() + err if line.startswith("mode local:")]
+    assert code == 0 and len(header) == 1, (out, err)
+    assert header[0].split("; lr")[0].endswith("every transfer over an emulated 1.25 GB/s, 50 us link (eth10), "
+                              "context 1 2x as slow (--straggler)")
