@@ -155,3 +155,16 @@ def test_the_benchmark_prints_every_layout_beside_sync(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split()[0] for line in lines] == ["layout", "sync", "async", "local"]
     assert lines[1].split()[4] == "1.00" and all(float(line.split()[-1]) > 0 for line in lines[1:])
+
+
+def test_a_moving_straggler_slows_each_context_in_turn_and_changes_no_value():
+    X, y = batch(64, 0)
+    plain, slow = local(3), Straggler(local(3), 0, 3.0, compute_s=0.04, moving=True)
+    for step in range(3):
+        assert slow.slow_context() == step
+        start = time.perf_counter()
+        slow.step(X, y, 0.01)
+        plain.step(X, y, 0.01)
+        assert ready(innermost(slow).grad_buffers(step), start) >= 0.85 * 0.08
+    for a, b in zip(params_and_replicas(plain), params_and_replicas(slow)):
+        assert np.array_equal(a, b)

@@ -13,7 +13,9 @@ What a straggler can cost here: the math of every layout takes every context's s
 replica), so the slow context's own chain (its compute, then its delay, step after step) bounds every
 layout's throughput. Async lets the others run up to S updates ahead of it and local SGD up to H
 steps: they gain what the slow context's delay (a sleep, which holds no core) lets the others'
-compute fill, not the delay itself.
+compute fill, not the delay itself. With --moving the slow context moves on every update (each slow
+one step in k): sync still pays the delay every step, while a context of async or local SGD can
+catch up in the steps it is fast, as long as its lead allows (S updates, H steps).
 """
 import argparse
 import collections
@@ -44,12 +46,12 @@ def layouts(staleness, sync_every):
     return out
 
 
-def stepper(build, k, straggler=None, compute_s=None):
+def stepper(build, k, straggler=None, compute_s=None, moving=False):
     """A function taking `n` steps of the layout `build` on cpu(0..k-1) as the training loop does,
     wrapped in a Straggler(*straggler, compute_s) if given; its first steps taken (and the straggler
     measured, unless compute_s is given)."""
     model = build(init_lenet_params(0), [mx.cpu(i) for i in range(k)])
-    model = Straggler(model, *straggler, compute_s=compute_s) if straggler else model
+    model = Straggler(model, *straggler, compute_s=compute_s, moving=moving) if straggler else model
     rng = np.random.RandomState(0)
     X, y = rng.rand(BATCH, 1, 28, 28).astype(np.float32), rng.randint(0, 10, BATCH).astype(np.int32)
 
@@ -78,20 +80,21 @@ def best_images_per_s(steppers, steps, rounds):
     return best
 
 
-def measure(k, straggler, staleness, sync_every, steps, rounds):
+def measure(k, straggler, staleness, sync_every, steps, rounds, moving=False):
     """{layout: (plain images/s, images/s with the straggler, the straggler's delay a step in s)}: the
     delay sync's straggler measures, every layout given the same (each shard is the same work)."""
     builds = layouts(staleness, sync_every)
     compute_s = stepper(builds["sync"], k, straggler).compute_s
-    steppers = [stepper(b, k, s, compute_s if s else None) for b in builds.values() for s in (None, straggler)]
+    steppers = [stepper(b, k, s, compute_s if s else None, moving) for b in builds.values() for s in (None, straggler)]
     rates = best_images_per_s(steppers, steps, rounds)
     return {name: (rates[2 * i], rates[2 * i + 1], steppers[2 * i + 1].delay_s) for i, name in enumerate(builds)}
 
 
-def format_rates(rates, straggler):
+def format_rates(rates, straggler, moving=False):
     sync_plain, sync_slow, _ = rates["sync"]
     lines = [f"{'layout':10} {'plain img/s':>11} {'straggler img/s':>15} {'kept':>6} {'vs sync':>8} "
-             f"{'vs sync plain':>13} {'delay ms':>8}   (straggler {straggler.context}:{straggler.factor:g})"]
+             f"{'vs sync plain':>13} {'delay ms':>8}   (straggler {straggler.context}:{straggler.factor:g}"
+             f"{', moving' if moving else ''})"]
     for name, (plain, slow, delay) in rates.items():
         lines.append(f"{name:10} {plain:>11.0f} {slow:>15.0f} {slow / plain:>6.2f} {slow / sync_slow:>8.2f} "
                      f"{slow / sync_plain:>13.2f} {1e3 * delay:>8.1f}")
@@ -106,6 +109,8 @@ def main(argv=None):
     p.add_argument("--sync-every", default="4", help="local SGD's H values (default 4)")
     p.add_argument("--steps", type=int, default=12, help="steps a round, a multiple of every H (default 12)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, the best kept (default 3)")
+    p.add_argument("--moving", action="store_true", help="the slow context moves on by one every update "
+                                                         "(each is slow one step in DEVICES), the delay the same")
     a = p.parse_args(argv)
     try:
         straggler = parse_straggler(a.straggler, a.devices)
@@ -114,7 +119,8 @@ def main(argv=None):
         p.error(str(e))
     if any(a.steps % h for h in sync_every):
         p.error(f"--steps {a.steps} is not a multiple of every --sync-every ({a.sync_every})")
-    print(format_rates(measure(a.devices, straggler, staleness, sync_every, a.steps, a.rounds), straggler))
+    print(format_rates(measure(a.devices, straggler, staleness, sync_every, a.steps, a.rounds, a.moving),
+                       straggler, a.moving))
 
 
 if __name__ == "__main__":

@@ -23,14 +23,15 @@ MEASURED = 3          # backward passes timed (the first also compiles the graph
 
 class Straggler(Wrapper):
     """Wraps a strategy `model` (sync, async, local SGD: one with grad_buffers(i)): context `index`
-    slowed by `factor` (>= 1); compute_s: its compute time a step, if known (default: measured)."""
+    slowed by `factor` (>= 1); compute_s: its compute time a step, if known (default: measured);
+    moving: the slow context moves on by one every update (index + t mod k: each slow 1 step in k)."""
 
-    def __init__(self, model, index, factor, compute_s=None):
+    def __init__(self, model, index, factor, compute_s=None, moving=False):
         if not (factor >= 1 and 0 <= index < len(model.ctx)):
             raise ValueError(f"a straggler needs a context of 0..{len(model.ctx) - 1} and a factor >= 1, "
                              f"got {index}:{factor}")
         super().__init__(model)
-        self.index, self.factor = index, factor
+        self.index, self.factor, self.moving = index, factor, moving
         self.compute_s, self.timed, self.ports = float("inf"), 0, {}
         if compute_s is not None:
             self.compute_s, self.timed = compute_s, MEASURED
@@ -43,7 +44,7 @@ class Straggler(Wrapper):
     def backward(self, X, y):
         start = time.perf_counter()
         metrics = self.model.backward(X, y)
-        buffers = innermost(self.model).grad_buffers(self.index)
+        buffers = innermost(self.model).grad_buffers(self.slow_context())
         if self.timed < MEASURED:
             for g in buffers:
                 g.wait_to_read()
@@ -54,8 +55,12 @@ class Straggler(Wrapper):
                 delayed(g, self.delay_s, *self.ports_of(i, g.context), out=g)
         return metrics
 
+    def slow_context(self):
+        """The context slowed in this step's backward."""
+        return (self.index + self.t) % len(self.ctx) if self.moving else self.index
+
     def ports_of(self, i, ctx):
-        """Buffer i's own two ports (1-element arrays): the buffers are delayed at the same time."""
-        if i not in self.ports:
-            self.ports[i] = (nd.zeros((1,), ctx=ctx), nd.zeros((1,), ctx=ctx))
-        return self.ports[i]
+        """Buffer i's own two ports on ctx (1-element arrays): the buffers are delayed at the same time."""
+        if (i, str(ctx)) not in self.ports:
+            self.ports[i, str(ctx)] = (nd.zeros((1,), ctx=ctx), nd.zeros((1,), ctx=ctx))
+        return self.ports[i, str(ctx)]
