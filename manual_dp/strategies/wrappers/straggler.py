@@ -2,8 +2,9 @@
 
 After every backward, context I's gradient buffers (the strategy's grad_buffers(I): one flat buffer,
 one per bucket, or one per parameter) pass through manual_dp.fast.link's delay in place: whatever
-reads them (the all-reduce, then every replica's update) waits (FACTOR - 1) x that context's compute
-time more, on MXNet's engine, while the other contexts' work goes on. The compute time is measured
+reads them waits (FACTOR - 1) x that context's compute time more, on MXNet's engine, while the other
+contexts' work goes on: sync's all-reduce (and so every replica), async's push to the master (taken
+when the next backward or update begins), local SGD's own inner step (the others wait at the sync). The compute time is measured
 on the first MEASURED backward passes (issue to I's gradients ready, alongside the other contexts;
 the smallest kept), which wait for it; the later ones do not wait. The values are untouched: a
 straggler changes when, never what.
