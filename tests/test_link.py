@@ -234,3 +234,12 @@ def test_the_header_names_the_link_and_the_straggler(capsys, data_dir):
     assert code == 0 and len(header) == 1, (out, err)
     assert header[0].split("; lr")[0].endswith("every transfer over an emulated 1.25 GB/s, 50 us link (eth10), "
                               "context 1 2x as slow (--straggler)")
+
+
+def test_the_benchmark_prints_sync_beside_zero(capsys):
+    from manual_dp.bench.link import main
+    main(["--zero", "--devices", "2", "--links", "1,50000", "--steps", "1", "--rounds", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[2:] == ["sync", "linked", "zero1", "linked", "zero3", "linked"] and len(lines) == 2
+    times = [float(v) for v in lines[1].split()[-6:]]
+    assert all(linked > plain for plain, linked in zip(times[::2], times[1::2]))     # 50 ms a hop at least

@@ -137,16 +137,19 @@ def ring_reduce_scatter(arrays, shards=None, bounds=None, wire=DIRECT):
 def ring_all_gather(outs, shards=None, bounds=None, wire=DIRECT):
     """Afterwards every outs[j] holds every chunk, each passed on around the ring (see
     ring_all_gather_schedule). What a rank passes on it reads from its own out (one array per
-    rank, so a rank's receives and sends take turns)."""
+    rank, so a rank's receives and sends take turns). A step's sends are all issued before its
+    receives: a receive writes the array its rank's send of the step reads, and issued first it
+    would chain the step's sends one after another (over a link, k delays a step instead of one)."""
     flat, bounds = checked(outs, shards, bounds)
     k = len(flat)
     for i in range(k):
         if shards is not None and shards[i] is not None:
             shards[i].copyto(chunk(flat[i], bounds, i))
     for transfers in ring_all_gather_schedule(k):
-        for src, dst, c in transfers:
-            if bounds[c + 1] > bounds[c]:
-                wire.ship(chunk(flat[src], bounds, c), flat[dst].context).copyto(chunk(flat[dst], bounds, c))
+        sent = [(wire.ship(chunk(flat[src], bounds, c), flat[dst].context), dst, c)
+                for src, dst, c in transfers if bounds[c + 1] > bounds[c]]
+        for piece, dst, c in sent:
+            piece.copyto(chunk(flat[dst], bounds, c))
 
 
 REDUCE_SCATTER = {"naive": naive_reduce_scatter, "ring": ring_reduce_scatter}
