@@ -82,8 +82,8 @@ def best_images_per_s(steppers, steps, rounds):
 
 def measure(k, straggler, staleness, sync_every, steps, rounds, moving=False):
     """{layout: (plain images/s, images/s with the straggler, the straggler's delay a step in s)}: every
-    layout's straggler given the same compute time, sync's plain step (its first steps, which the
-    Straggler would time, run slow here: some 2-4x under this machine's load)."""
+    layout's straggler given the same compute time, sync's plain step timed warm (each Straggler
+    timing its own would give each layout a delay in proportion to its own step)."""
     builds = layouts(staleness, sync_every)
     compute_s = 1 / best_images_per_s([stepper(builds["sync"], k)], steps, 1)[0] * BATCH
     steppers = [stepper(b, k, s, compute_s if s else None, moving) for b in builds.values() for s in (None, straggler)]

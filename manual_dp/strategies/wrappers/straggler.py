@@ -4,10 +4,11 @@ After every backward, context I's gradient buffers (the strategy's grad_buffers(
 one per bucket, or one per parameter) pass through manual_dp.fast.link's delay in place: whatever
 reads them waits (FACTOR - 1) x that context's compute time more, on MXNet's engine, while the other
 contexts' work goes on: sync's all-reduce (and so every replica), async's push to the master (taken
-when the next backward or update begins), local SGD's own inner step (the others wait at the sync). The compute time is measured
-on the first MEASURED backward passes (issue to I's gradients ready, alongside the other contexts;
-the smallest kept), which wait for it; the later ones do not wait. The values are untouched: a
-straggler changes when, never what.
+when the next backward or update begins), local SGD's own inner step (the others wait at the sync).
+The compute time is measured on the first MEASURED backward passes (issue to I's gradients ready,
+alongside the other contexts; the smallest kept), which wait for it and are not delayed (a delay
+would hold up the next pass's start and be timed with it); the later ones are delayed and do not
+wait. The values are untouched: a straggler changes when, never what.
 
 The flight recorder (manual_dp.flight) records collectives of processes, not of contexts within
 one: it does not name the late context.
@@ -46,12 +47,12 @@ class Straggler(Wrapper):
         start = time.perf_counter()
         metrics = self.model.backward(X, y)
         buffers = innermost(self.model).grad_buffers(self.slow_context())
-        if self.timed < MEASURED:
+        if self.timed < MEASURED:             # undelayed: a delay would hold up the next step's start
             for g in buffers:
                 g.wait_to_read()
             self.compute_s = min(self.compute_s, time.perf_counter() - start)
             self.timed += 1
-        if self.delay_s > 0:
+        elif self.delay_s > 0:
             for i, g in enumerate(buffers):
                 delayed(g, self.delay_s, *self.ports_of(i, g.context), out=g)
         return metrics
