@@ -84,6 +84,9 @@ def check(cfg):
     datasets.check_flags(cfg)
 
 
+STRAGGLED = ("sync", "async", "local")     # the modes whose strategies give grad_buffers(i)
+
+
 def check_links(cfg):
     """UsageError for a --link or --straggler no run can use (manual_dp.links), or where it does not apply."""
     kind, n = device_request(cfg)
@@ -91,8 +94,8 @@ def check_links(cfg):
         parse_link(cfg.link)
         if kind != "cpu":
             raise UsageError(f"--link {cfg.link} emulates links between CPU contexts: GPUs have real ones")
-        if "allreduce" not in modes.of(cfg).flags or cfg.deterministic:
-            raise UsageError(f"--link {cfg.link} delays the all-reduces of --allreduce: not "
+        if ("allreduce" not in modes.of(cfg).flags and cfg.mode != "zero") or cfg.deterministic:
+            raise UsageError(f"--link {cfg.link} delays the all-reduces of --allreduce and ZeRO's: not "
                              f"{'--deterministic' if cfg.deterministic else '--mode ' + cfg.mode}")
         if cfg.allreduce == "kvstore":
             raise UsageError("--link: --allreduce kvstore moves its data inside MXNet, where no link can be emulated")
@@ -101,9 +104,9 @@ def check_links(cfg):
                              f"no link delays yet (powersgd's all-reduces are delayed)")
     if cfg.straggler is not None:
         parse_straggler(cfg.straggler, n)
-        if cfg.mode != "sync" or kind != "cpu" or cfg.deterministic:
-            raise UsageError(f"--straggler {cfg.straggler} slows one replica of --mode sync on CPU contexts, "
-                             f"without --deterministic")
+        if cfg.mode not in STRAGGLED or kind != "cpu" or cfg.deterministic:
+            raise UsageError(f"--straggler {cfg.straggler} slows one replica of --mode {', '.join(STRAGGLED)} "
+                             f"on CPU contexts, without --deterministic")
 
 
 def check_model(cfg):

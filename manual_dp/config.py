@@ -243,7 +243,7 @@ class RunConfig:
                                      "pcie3, pcie4, nvlink, eth1, eth10, eth100, ib or GBPS,LATENCY_US "
                                      "(manual_dp/links.py states each preset's source)", "parallelism",
                                metavar="NAME|GBPS,LATENCY_US")
-    straggler: Optional[str] = flag(None, "sync only: context I's forward and backward take FACTOR times as "
+    straggler: Optional[str] = flag(None, "sync, async, local: context I's forward and backward take FACTOR times as "
                                           "long (a delay on the engine after its backward, FACTOR - 1 times its "
                                           "compute as measured on the first steps; manual_dp/strategies/"
                                           "wrappers/straggler.py)", "parallelism", metavar="I:FACTOR")

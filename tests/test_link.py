@@ -190,3 +190,67 @@ def test_the_mesh_collectives_pay_their_hops_and_keep_their_values(name):
     modelled = SLOW.seconds(x_bytes) if total is None else SLOW.allreduce_seconds("ring", k, total) / 2
     assert seconds >= 0.85 * modelled, (seconds, modelled)
     assert all(np.array_equal(a.asnumpy(), b.asnumpy()) for a, b in zip(plain, linked))
+
+
+@pytest.mark.parametrize("collective", ["ring", "naive"])
+@pytest.mark.parametrize("name", ["reduce_scatter", "all_gather"])
+def test_the_sharded_collectives_pay_their_hops_and_keep_their_values(name, collective):
+    """ZeRO's halves of an all-reduce (fast/sharded.py) over a link: at least the cost model's half of
+    the ring or of reduce_bcast (everything through the first context), the values DIRECT's."""
+    from manual_dp.fast import sharded
+    k, n = 4, 1 << 20                                   # 4 MB on each of 4 contexts
+    run = (sharded.REDUCE_SCATTER if name == "reduce_scatter" else sharded.ALL_GATHER)[collective]
+    host = [np.random.RandomState(i).randint(-9, 9, n).astype(np.float32) for i in range(k)]
+    plain, linked = ([nd.array(h, ctx=mx.cpu(i)) for i, h in enumerate(host)] for _ in range(2))
+    run(plain)
+    nd.waitall()
+    start = time.perf_counter()
+    run(linked, wire=EmulatedLink(SLOW))
+    nd.waitall()
+    seconds = time.perf_counter() - start
+    modelled = SLOW.allreduce_seconds("ring" if collective == "ring" else "reduce_bcast", k, 4 * n) / 2
+    assert seconds >= 0.85 * modelled, (seconds, modelled)
+    bounds = sharded.chunk_bounds(n, k)
+    mine = [(a.asnumpy(), b.asnumpy()) for a, b in zip(plain, linked)]
+    if name == "reduce_scatter":                        # in place: only chunk i of array i is defined
+        mine = [(a[bounds[i]:bounds[i + 1]], b[bounds[i]:bounds[i + 1]]) for i, (a, b) in enumerate(mine)]
+    assert all(np.array_equal(a, b) for a, b in mine)
+
+
+@pytest.mark.parametrize("stage,passes", [("1", (2, 2)), ("3", (2.9, 3 + 1 / 3))])
+def test_zero_under_a_link_ships_its_traffic_and_ends_with_plain_zeros_parameters(capsys, data_dir, tmp_path,
+                                                                                  monkeypatch, stage, passes):
+    """The gradient's bytes x (k-1) that cross links an update: stage 1 sync's 2 (a reduce-scatter and
+    an all-gather), stage 3 about 3 (the parameters gathered in forward and again in backward, but
+    the last layer's, the gradients reduce-scattered; evaluation's one gather adds a third over 3
+    updates); the parameters are plain ZeRO's, bit for bit."""
+    states, k = {}, 2
+    for name, extra in {"plain": [], "link": ["--link", "eth10"]}.items():
+        calls = counting(monkeypatch) if name == "link" else []
+        code, _, err = run_main(capsys, ["--cpus", str(k), "--data-dir", str(data_dir), "--checkpoint-dir",
+                                         str(tmp_path / name), *TINY, "--mode", "zero", "--zero-stage", stage, *extra])
+        assert code == 0, err
+        states[name] = checkpoint.load(tmp_path / name)[0]
+        monkeypatch.undo()
+    assert all(np.array_equal(a, b) for a, b in zip(states["plain"]["params"], states["link"]["params"]))
+    updates, n, spec = 96 // 32, sum(p.size * 4 for p in init_lenet_params(0)), parse_link("eth10")
+    shipped = (sum(calls) - len(calls) * spec.latency) * spec.bandwidth / (updates * (k - 1) * n)
+    assert passes[0] - 1e-6 <= shipped <= passes[1] + 1e-6, shipped
+
+
+def test_the_header_names_the_link_and_the_straggler(capsys, data_dir):
+    code, out, err = run_main(capsys, ["--cpus", "2", "--data-dir", str(data_dir), *TINY, "--mode", "local",
+                                       "--link", "eth10", "--straggler", "1:2"])
+    header = [line for line in out.splitlines() + err if line.startswith("mode local:")]
+    assert code == 0 and len(header) == 1, (out, err)
+    assert header[0].split("; lr")[0].endswith("every transfer over an emulated 1.25 GB/s, 50 us link (eth10), "
+                              "context 1 2x as slow (--straggler)")
+
+
+def test_the_benchmark_prints_sync_beside_zero(capsys):
+    from manual_dp.bench.link import main
+    main(["--zero", "--devices", "2", "--links", "1,50000", "--steps", "1", "--rounds", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[2:] == ["sync", "linked", "zero1", "linked", "zero3", "linked"] and len(lines) == 2
+    times = [float(v) for v in lines[1].split()[-6:]]
+    assert all(linked > plain for plain, linked in zip(times[::2], times[1::2]))     # 50 ms a hop at least

@@ -5,6 +5,7 @@ files marked * run on their own too: `python -m manual_dp.bench.NAME`.
     worker.py *           one measurement in a fresh process (`python -m manual_dp.bench.worker SPEC_JSON`)
     comm.py               all-reduce timings, the copy bound and the memory floor
     link.py *             LeNet's step under emulated links (--link), measured beside the cost model's prediction
+    straggler.py *        LeNet's images/s under --straggler: sync beside async and local SGD, the slow context fixed or moving
     train.py              training throughput of manual_dp, the lesson's code and gluon's Trainer
     peer_torch.py         the same LeNet, transformer and GPT in PyTorch, one process or DDP (extra `bench`)
     overlap.py            do two CPU contexts compute at the same time? (MXNet's profiler)

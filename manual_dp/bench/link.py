@@ -8,7 +8,8 @@ link, fused; `buckets` the same with --bucket-mb's buckets, whose all-reduces ov
 Times in ms, the best of `rounds` rounds of `steps` steps, the three taking turns (a shared machine
 is only ever slower). Each emulated transfer costs some 0.3-0.7 ms of its own (the operator's Python
 call on MXNet's thread; measured on 2026-11-28), so a link whose hop takes less (pcie3 and faster,
-for LeNet's 0.5 MB) is not resolved: its rows measure that floor, not the link.
+for LeNet's 0.5 MB) is not resolved: its rows measure that floor, not the link. --zero: sync (ring,
+fused) beside ZeRO stages 1 and 3 (their ring reduce-scatters and all-gathers), plain and linked.
 """
 import argparse
 import itertools
@@ -24,14 +25,17 @@ from ..fast.link import EmulatedLink
 from ..lesson import init_lenet_params
 from ..links import parse_link
 from ..strategies.data.data_parallel import DataParallel
+from ..strategies.zero.zero import ZeroRedundancy
 
 BATCH, BUCKET_MB = 256, 0.1          # conv_pad=1 below: the convolutions unpadded (no autotune)
 
 
-def stepper(k, allreduce, wire=None, bucket_mb=None):
-    """One step of LeNet's fast step on cpu(0..k-1), batch BATCH, as a function; 3 steps taken."""
-    model = DataParallel(init_lenet_params(0), [mx.cpu(i) for i in range(k)], "sgd",
-                         make_allreduce(allreduce, wire), conv_pad=1, bucket_mb=bucket_mb)
+def stepper(k, allreduce, wire=None, bucket_mb=None, zero_stage=None):
+    """One step of LeNet's fast step on cpu(0..k-1), batch BATCH, as a function; 3 steps taken.
+    zero_stage: ZeRO of that stage instead, its ring collectives over `wire`."""
+    ctx = [mx.cpu(i) for i in range(k)]
+    model = ZeroRedundancy(init_lenet_params(0), ctx, "sgd", zero_stage, wire=wire) if zero_stage else \
+        DataParallel(init_lenet_params(0), ctx, "sgd", make_allreduce(allreduce, wire), conv_pad=1, bucket_mb=bucket_mb)
     rng = np.random.RandomState(0)
     X, y = rng.rand(BATCH, 1, 28, 28).astype(np.float32), rng.randint(0, 10, BATCH).astype(np.int32)
     for _ in range(3):                                  # the graph built, the first steps' costs paid
@@ -67,6 +71,18 @@ def rows(devices, links, algorithms, steps, rounds):
     return out
 
 
+def zero_rows(devices, links, steps, rounds):
+    """Per (devices, link): ms per step of sync (ring, fused) and ZeRO stages 1 and 3, plain and linked."""
+    out = []
+    for k, name in itertools.product(devices, links):
+        wire = EmulatedLink(parse_link(name))
+        plain = best_ms([stepper(k, "ring", zero_stage=z) for z in (None, 1, 3)], steps, rounds)
+        linked = best_ms([stepper(k, "ring", wire, zero_stage=z) for z in (None, 1, 3)], steps, rounds)
+        out.append(f"{k:>7} {parse_link(name).name:18} " + " ".join(f"{a:>7.1f} {b:>7.1f}" for a, b in zip(plain, linked)))
+    return "\n".join([f"{'devices':>7} {'link':18} {'sync':>7} {'linked':>7} {'zero1':>7} {'linked':>7} "
+                      f"{'zero3':>7} {'linked':>7}"] + out)
+
+
 def format_rows(records):
     lines = [f"{'devices':>7} {'link':18} {'algorithm':13} {'plain':>7} {'predicted':>9} {'linked':>7} "
              f"{'linked/pred':>11} {'buckets':>8}"]
@@ -84,14 +100,17 @@ def main(argv=None):
     p.add_argument("--algorithms", default="reduce_bcast,ring", help="all-reduces (default reduce_bcast,ring)")
     p.add_argument("--steps", type=int, default=10, help="steps a round (default 10)")
     p.add_argument("--rounds", type=int, default=5, help="rounds, the best kept (default 5)")
+    p.add_argument("--zero", action="store_true", help="sync (ring) beside ZeRO stages 1 and 3, plain and "
+                                                       "linked, instead (ms per step)")
     a = p.parse_args(argv)
     try:
         for name in a.links:
             parse_link(name)
     except UsageError as e:
         p.error(str(e))
-    print(format_rows(rows([int(k) for k in a.devices.split(",")], a.links, a.algorithms.split(","),
-                           a.steps, a.rounds)))
+    devices = [int(k) for k in a.devices.split(",")]
+    print(zero_rows(devices, a.links, a.steps, a.rounds) if a.zero else
+          format_rows(rows(devices, a.links, a.algorithms.split(","), a.steps, a.rounds)))
 
 
 if __name__ == "__main__":

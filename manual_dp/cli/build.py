@@ -142,7 +142,7 @@ def build_model(cfg, params, ctx, world, policy=None):
     grad_reduce = policy.rounding(grad_reduce) if world.size > 1 else grad_reduce
     parts = modes.Parts(params, ctx, net, reduce, grad_reduce, make_allreduce(name, wire), name, policy, world,
                         modes.fixed_sums(cfg, world), padding(cfg, world),
-                        make_reducer(cfg.compress, reduce, [w.shape for w in params], world))
+                        make_reducer(cfg.compress, reduce, [w.shape for w in params], world), wire)
     mode = modes.of(cfg)
     try:
         model = mode.build(cfg, parts)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .. import modes
 from ..errors import Terminated, UsageError
+from ..links import LINK_PRESETS, parse_link
 from ..fast.runtime import environment_problem
 
 # What --zero-stage shards over a mesh's data dimension (strategies/zero/dp_zero.py); stage 3's parameters are
@@ -71,7 +72,17 @@ def describe(cfg):
     line += ", BatchNorm statistics over every context" if cfg.sync_batchnorm else ""
     line += f", gradients clipped to a global norm of {cfg.clip_norm:g}" if cfg.clip_norm else ""
     return line + (f", {cfg.grad_accum} batches per update" if cfg.grad_accum > 1 else "") + (
-        f", {'LeNet' if cfg.model == 'lenet' else cfg.model} x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg) + compression(cfg)
+        f", {'LeNet' if cfg.model == 'lenet' else cfg.model} x{cfg.width} wide" if cfg.width > 1 else "") + pipeline_settings(cfg) \
+        + compression(cfg) + emulated(cfg)
+
+
+def emulated(cfg):
+    """What --link and --straggler emulate, if given (checks.check_links has parsed them)."""
+    link = parse_link(cfg.link) if cfg.link else None
+    context, factor = cfg.straggler.split(":") if cfg.straggler else (None, None)
+    return ((f", every transfer over an emulated {link.bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us link"
+             f"{f' ({link.name})' if link.name in LINK_PRESETS else ''}" if link else "")
+            + (f", context {context} {float(factor):g}x as slow (--straggler)" if cfg.straggler else ""))
 
 
 def pipeline_settings(cfg):

@@ -12,6 +12,9 @@ some empty when n < k).
     all_gather(outs, shards)         afterwards every outs[j] holds shards[i] in its chunk i, for every i
     all_gather(outs)                 in place: chunk i of outs[i] is the source of chunk i
 
+Each takes a `wire` (default collectives.DIRECT: nothing added): every transfer between contexts goes
+through wire.ship(src, ctx), so that an EmulatedLink (manual_dp.fast.link, `--link`) delays each one.
+
 A shard is a 1-D array of its own (None for an empty chunk): MXNet tracks dependencies per array,
 so shards written on different contexts proceed independently, while chunks that are views of one
 array wait for each other. Two algorithms each:
@@ -23,7 +26,7 @@ array wait for each other. Two algorithms each:
 """
 from mxnet import nd
 
-from .collectives import chunk_bounds, fetch
+from .collectives import DIRECT, chunk_bounds, fetch
 
 
 def flat_views(arrays):
@@ -68,21 +71,21 @@ def chunk(flat, bounds, i):
     return flat[a:b] if b > a else None
 
 
-def naive_reduce_scatter(arrays, shards=None, bounds=None):
+def naive_reduce_scatter(arrays, shards=None, bounds=None, wire=DIRECT):
     """Afterwards shards[i] (or chunk i of arrays[i]) holds chunk i of the sum: every array added
     up in one add_n on the first context, then each chunk copied to its owner."""
     flat, bounds = checked(arrays, shards, bounds)
     if not flat or bounds[-1] == 0 or (shards is None and len(flat) == 1):
         return
     home = flat[0].context
-    total = nd.add_n(*[flat[0]] + [fetch(f, home) for f in flat[1:]]) if len(flat) > 1 else flat[0]
+    total = nd.add_n(*[flat[0]] + [fetch(wire.ship(f, home), home) for f in flat[1:]]) if len(flat) > 1 else flat[0]
     for i in range(len(flat)):
         dest = shards[i] if shards is not None else chunk(flat[i], bounds, i)
         if dest is not None:
-            chunk(total, bounds, i).copyto(dest)
+            wire.ship(chunk(total, bounds, i), dest.context).copyto(dest)
 
 
-def naive_all_gather(outs, shards=None, bounds=None):
+def naive_all_gather(outs, shards=None, bounds=None, wire=DIRECT):
     """Afterwards every outs[j] holds every chunk: each assembled in outs[0], then outs[0] copied
     whole to the others."""
     flat, bounds = checked(outs, shards, bounds)
@@ -90,11 +93,11 @@ def naive_all_gather(outs, shards=None, bounds=None):
         return
     for i in range(len(flat)):
         if shards is not None and shards[i] is not None:
-            shards[i].copyto(chunk(flat[0], bounds, i))
+            wire.ship(shards[i], flat[0].context).copyto(chunk(flat[0], bounds, i))
         elif shards is None and i > 0 and bounds[i + 1] > bounds[i]:
-            chunk(flat[i], bounds, i).copyto(chunk(flat[0], bounds, i))
+            wire.ship(chunk(flat[i], bounds, i), flat[0].context).copyto(chunk(flat[0], bounds, i))
     for f in flat[1:]:
-        flat[0].copyto(f)
+        wire.ship(flat[0], f.context).copyto(f)
 
 
 def ring_reduce_scatter_schedule(k):
@@ -109,7 +112,7 @@ def ring_all_gather_schedule(k):
     return [[(i, (i + 1) % k, (i - s) % k) for i in range(k)] for s in range(k - 1)]
 
 
-def ring_reduce_scatter(arrays, shards=None, bounds=None):
+def ring_reduce_scatter(arrays, shards=None, bounds=None, wire=DIRECT):
     """Afterwards shards[i] (or chunk i of arrays[i]) holds chunk i of the sum, the partial sums
     passed around the ring (see ring_reduce_scatter_schedule). Each partial sum is a new array on
     the receiving context, so the ring's links work independently; the inputs are only read."""
@@ -124,26 +127,29 @@ def ring_reduce_scatter(arrays, shards=None, bounds=None):
             own = chunk(flat[dst], bounds, c)
             if step == k - 2:                      # the last addition: into its destination
                 out = shards[dst] if shards is not None else own
-                nd.elemwise_add(own, fetch(sent, own.context), out=out)
+                nd.elemwise_add(own, fetch(wire.ship(sent, own.context), own.context), out=out)
             else:
-                partial[(dst, c)] = nd.elemwise_add(own, fetch(sent, own.context))
+                partial[(dst, c)] = nd.elemwise_add(own, fetch(wire.ship(sent, own.context), own.context))
     if k == 1 and shards is not None and shards[0] is not None:
         flat[0].copyto(shards[0])
 
 
-def ring_all_gather(outs, shards=None, bounds=None):
+def ring_all_gather(outs, shards=None, bounds=None, wire=DIRECT):
     """Afterwards every outs[j] holds every chunk, each passed on around the ring (see
     ring_all_gather_schedule). What a rank passes on it reads from its own out (one array per
-    rank, so a rank's receives and sends take turns)."""
+    rank, so a rank's receives and sends take turns). A step's sends are all issued before its
+    receives: a receive writes the array its rank's send of the step reads, and issued first it
+    would chain the step's sends one after another (over a link, k delays a step instead of one)."""
     flat, bounds = checked(outs, shards, bounds)
     k = len(flat)
     for i in range(k):
         if shards is not None and shards[i] is not None:
             shards[i].copyto(chunk(flat[i], bounds, i))
     for transfers in ring_all_gather_schedule(k):
-        for src, dst, c in transfers:
-            if bounds[c + 1] > bounds[c]:
-                chunk(flat[src], bounds, c).copyto(chunk(flat[dst], bounds, c))
+        sent = [(wire.ship(chunk(flat[src], bounds, c), flat[dst].context), dst, c)
+                for src, dst, c in transfers if bounds[c + 1] > bounds[c]]
+        for piece, dst, c in sent:
+            piece.copyto(chunk(flat[dst], bounds, c))
 
 
 REDUCE_SCATTER = {"naive": naive_reduce_scatter, "ring": ring_reduce_scatter}

@@ -24,6 +24,7 @@ class Parts(NamedTuple):
     sums: object
     pad: int = 1
     compressed: object = None
+    wire: object = None          # --link's EmulatedLink, for collectives not given as an all-reduce (ZeRO's)
 
 
 def strategy(module, name):
@@ -60,10 +61,10 @@ def build_zero(cfg, p):
     if p.policy.precision == "fp32" or p.sums:      # sums: the fixed tree (across processes a table per shard)
         return strategy("zero.zero", "ZeroRedundancy")(
             p.params, p.ctx, cfg.optimizer, cfg.zero_stage, cross_sum=cross_sum, model=p.net,
-            sync_batchnorm=cfg.sync_batchnorm, stats_reduce=p.reduce, sums=p.sums)
+            sync_batchnorm=cfg.sync_batchnorm, stats_reduce=p.reduce, sums=p.sums, wire=p.wire)
     return strategy("zero.zero_mixed", "MixedZero")(p.params, p.ctx, cfg.optimizer, cfg.zero_stage,
                                                     cross_sum=cross_sum, model=p.net, precision=p.policy.precision,
-                                                    native=p.policy.native)   # 16-bit parameters and gradients
+                                                    native=p.policy.native, wire=p.wire)   # 16-bit parameters, gradients
 
 
 def build_pipeline(cfg, p):

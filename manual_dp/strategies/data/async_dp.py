@@ -67,13 +67,15 @@ class AsyncDataParallel(RunningStats, Strategy):
         self.master_states = init_states(self.master, optimizer)
         self.replicas = [get_params(params, c) for c in self.ctx]
         self.versions = [0] * len(self.ctx)                    # master version each replica holds
-        self.t, self.seen = 0, []
+        self.t, self.seen, self.unpushed = 0, [], False
         for p in self.master:
             p.grad[:] = 0
 
     def backward(self, X, y):
-        """Every device computes its shard's gradient on its replica and pushes it to the master
-        (with a model with BatchNorm, its shard's batch statistics too)."""
+        """Every device computes its shard's gradient on its replica, to push to the master when the
+        next backward or update begins (with a model with BatchNorm, its shard's batch statistics
+        too): whatever delays a device's gradient after its backward (a straggler) delays its push."""
+        self.push()
         X_shards, y_shards = split_and_load(X, self.ctx), split_and_load(y, self.ctx)
         if self.running:
             metrics, moments = self.unfolded_forward_backward(X_shards, y_shards, self.replicas)
@@ -81,15 +83,22 @@ class AsyncDataParallel(RunningStats, Strategy):
         else:
             metrics = forward_backward(X_shards, y_shards, self.replicas, self.net.forward, example_loss,
                                            count_correct)
-        for W, version in zip(self.replicas, self.versions):
-            for p, q in zip(self.master, W):
-                p.grad[:] += q.grad.copyto(p.context)
-            self.seen.append(self.t - version)
+        self.seen.extend(self.t - version for version in self.versions)
+        self.unpushed = True
         return metrics
+
+    def push(self):
+        """Afterwards the master's gradients hold every replica's of the last backward, added once."""
+        if self.unpushed:
+            for W in self.replicas:
+                for p, q in zip(self.master, W):
+                    p.grad[:] += q.grad.copyto(p.context)
+        self.unpushed = False
 
     def update(self, lr, n_examples):
         """The master applies the pushed gradients and folds each pushed batch's statistics into the
         running ones; the devices whose turn it is pull the result."""
+        self.push()
         self.t += 1
         apply_update_and_clear(self.master, self.master_states, self.optimizer, lr, self.t, n_examples)
         pushed, self.pushed = self.pushed, []
@@ -98,6 +107,10 @@ class AsyncDataParallel(RunningStats, Strategy):
         for k, W in enumerate(self.replicas):
             if refresh_due(k, self.t, self.staleness):
                 self.pull(k)
+
+    def grad_buffers(self, i):
+        """The arrays holding context i's gradients: its replica's, one per parameter."""
+        return [q.grad for q in self.replicas[i]]
 
     def pull(self, k):
         for p, q in zip(self.master, self.replicas[k]):

@@ -93,6 +93,10 @@ class LocalSGD(RunningStats, Strategy):
         if self.steps == self.sync_every:
             self.sync()
 
+    def grad_buffers(self, i):
+        """The array holding replica i's gradients: its one flat buffer."""
+        return [self.flat[i].grad]
+
     def sync(self):
         """One communication round: afterwards G has taken the outer step and every W_k == G."""
         shares = [f.flat * (c / self.examples) for f, c in zip(self.flat, self.counts)]   # (N,) each

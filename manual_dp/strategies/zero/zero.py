@@ -22,6 +22,7 @@ with running statistics (BatchNorm) keeps them whole on every context (strategie
 does: stage 1 runs every context's forward at once, stages 2 and 3 each layer on every context at once.
 Given --deterministic's FixedSums, every sum over the batch is taken in its fixed tree (zero_sums.py).
 """
+import functools
 from collections import namedtuple
 
 import numpy as np
@@ -29,7 +30,7 @@ from mxnet import autograd, nd
 
 from ...config import FAST_STEP, RunConfig
 from ...errors import CheckpointError
-from ...fast.collectives import chunk_bounds, make_allreduce
+from ...fast.collectives import DIRECT, chunk_bounds, make_allreduce
 from ...fast.flat import FlatReplica, offsets, views
 from ...fast.prefetch import host
 from ...fast.sharded import ALL_GATHER, REDUCE_SCATTER, empty_shards
@@ -70,10 +71,12 @@ class ZeroRedundancy(RunningStats, FixedZero, Strategy):
     --deterministic's FixedSums (strategies/sums/fixed_sums.py): every sum over the batch in its
     one tree, each shard's part of it on its context, across processes by the policy's exchange
     (cross_sum not read): the bits of DataParallel given it (zero_sums.py); graph: whether its
-    leaves run the cached graph (unpadded) rather than imperatively."""
+    leaves run the cached graph (unpadded) rather than imperatively; wire: what carries every transfer
+    of the sharded collectives (an EmulatedLink under --link; None: nothing added)."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, collective="ring",
-                 cross_sum=None, model=None, sync_batchnorm=False, stats_reduce=None, graph=True, sums=None):
+                 cross_sum=None, model=None, sync_batchnorm=False, stats_reduce=None, graph=True, sums=None,
+                 wire=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO has stages 1, 2 and 3, not {stage}")
         self.ctx, self.optimizer, self.stage, self.cross_sum, self.t = list(ctx), optimizer, stage, cross_sum, 0
@@ -84,7 +87,8 @@ class ZeroRedundancy(RunningStats, FixedZero, Strategy):
         if not 0 < len(self.ctx) <= self.offsets[-1]:
             raise ValueError(f"{len(self.ctx)} contexts cannot each own a shard of {self.offsets[-1]} parameters")
         self.bounds = chunk_bounds(int(self.offsets[-1]), len(self.ctx))
-        self.reduce_scatter, self.all_gather = REDUCE_SCATTER[collective], ALL_GATHER[collective]
+        self.reduce_scatter = functools.partial(REDUCE_SCATTER[collective], wire=wire or DIRECT)
+        self.all_gather = functools.partial(ALL_GATHER[collective], wire=wire or DIRECT)
         self.keep(params, np.concatenate([p.asnumpy().reshape(-1) for p in params]))    # (N,)
         self.peak, self.sums = Peak(), sums
         if sums:

@@ -48,13 +48,13 @@ class MixedZero(ZeroRedundancy):
     whose layers all take their gradient from autograd); native: this CPU adds bf16 (sums in 16 bits)."""
 
     def __init__(self, params, ctx, optimizer=RunConfig.optimizer, stage=1, collective="ring",
-                 cross_sum=None, model=None, precision="bf16", native=False):
+                 cross_sum=None, model=None, precision="bf16", native=False, wire=None):
         if precision not in STORED:
             raise ValueError(f"16-bit ZeRO keeps bf16 or fp16, not {precision}")
         if model is None or any(hand_made(layer, True) for layer in model.layers):
             raise ValueError("16-bit ZeRO needs the model in its precision (models.precise.Precise)")
         self.precision, self.pending, self.adds16 = precision, False, precision == "fp16" or native
-        super().__init__(params, ctx, optimizer, stage, collective, cross_sum, reading_stored(model))
+        super().__init__(params, ctx, optimizer, stage, collective, cross_sum, reading_stored(model), wire=wire)
 
     def keep(self, params, flat):
         """Make the module's table: 16-bit replicas (stage 1, their gradients written by backward),
