@@ -19,7 +19,7 @@ def test_ep_is_timed_beside_replicated_experts_with_its_all_to_all(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "cores, commit" in done.stdout.splitlines()[0] and "1.00x replicated" in done.stdout
     runs = json.loads((tmp_path / "experts.json").read_text())["runs"]
-    assert set(runs) == {"2", "4"} and "k=4 MoE, expert ep=2 x dp=2" in runs["4"]
+    assert set(runs) == {"2", "4"} and "k=4 MoE, expert ep=2 x dp=2" in runs["4"] and len(runs["4"]) == 5
     assert all(r["tokens_per_s"] > 0 for rows in runs.values() for r in rows.values())
     ep = runs["2"]["k=2 MoE, expert ep=2"]
     assert 0 < ep["share"] <= 1 and 0 < ep["forward_all_to_all_s"] < ep["step_s"]

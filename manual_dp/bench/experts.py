@@ -4,7 +4,8 @@ The MoE GPT (--experts E, top-1, capacity factor 1) on each count of CPU context
 run from the same parameters on one random batch of byte windows: --mode sync (every context holds
 every expert: replicated) beside --mode expert with one group of all the contexts (E/N experts a
 context) and, on 4 or more, groups of 2 (ep=2 x dp=k/2); the dense GPT of the same blocks (one MLP)
-under sync for reference. The runs take turns for --rounds rounds of --steps steps after one that
+under sync for reference, and sync with the lesson's step (no cached graph, one operator at a time,
+as expert parallelism runs its step). The runs take turns for --rounds rounds of --steps steps after one that
 warms up (graphs, kernels); each keeps its median.
 
 The all-to-all's share of an EP step: one more pass of each EP run with its groups' exchanges timed
@@ -77,6 +78,8 @@ def runs(args, k):
     ctx, dense, moe = [mx.cpu(i) for i in range(k)], gpt(args, 0), gpt(args, args.experts)
     out = {f"k={k} dense GPT, sync": DataParallel(dense.init_params(0), ctx, "momentum", model=dense),
            f"k={k} MoE, sync (experts replicated)": DataParallel(moe.init_params(0), ctx, "momentum", model=moe),
+           f"k={k} MoE, sync, the lesson's step": DataParallel(moe.init_params(0), ctx, "momentum", lesson=True,
+                                                              model=moe),
            f"k={k} MoE, expert ep={k}": ExpertParallel(moe.init_params(0), ctx, "momentum", k, model=moe)}
     if k >= 4 and k % 2 == 0 and args.experts % 2 == 0:
         out[f"k={k} MoE, expert ep=2 x dp={k // 2}"] = ExpertParallel(moe.init_params(0), ctx, "momentum", 2, model=moe)
