@@ -94,7 +94,8 @@ def expert_layout(model):
     lists = getattr(model, "replicas", None) or getattr(model, "params", None)     # sync's, or expert's
     experts = getattr(getattr(net, "experts", None), "experts", None)
     shapes = [shape for _, shape in net.shapes()] if experts else ()
-    if not experts or not lists or len(lists) != len(model.ctx) or any(not cut_by_experts(P, shapes, net) for P in lists):
+    if not experts or not lists or len(lists) != len(model.ctx) or \
+            any(not cut_by_experts(P, shapes, net) for P in lists):
         return {}
     which = net.expert_params()
     whole = sum(int(np.prod(shapes[i])) for i in which) * FLOAT_BYTES

@@ -24,7 +24,6 @@ import numpy as np
 from ..cli.options import OneLineParser
 from ..cli.output import ends_on_signals, parsed_or_exit
 from ..config import CORPUS_SEQ_LEN
-from ..errors import UsageError
 from ..fast.runtime import configure, machine
 from ..strategies.expert.exchange import ExpertGroup
 
