@@ -74,12 +74,34 @@ def stage_activation_elems(image=(1, 28, 28), shapes=None, model=None):
 
 def held_bytes(model):
     """{context name: {"param_bytes", "grad_bytes", "state_bytes"}}: the arrays the strategy keeps
-    (gradients listed under "state" by an older strategy count as state)."""
+    (gradients listed under "state" by an older strategy count as state); and, for an MoE's
+    experts, "experts" {"held", "of", "bytes", "whole_bytes"} (expert_layout)."""
     report = {str(c): {f"{k}_bytes": 0 for k in KINDS} for c in model.ctx}
     for kind, arrays in model.arrays().items():
         for a in arrays:
             report[str(a.context)][f"{kind}_bytes"] += a.size * np.dtype(a.dtype).itemsize
+    for c, layout in expert_layout(model).items():
+        report[c]["experts"] = layout
     return report
+
+
+def expert_layout(model):
+    """{context name: {"held": experts of each MoE block the context holds, "of": E, "bytes": the
+    bytes of expert parameters it holds, "whole_bytes": those of all E (what a replica holds)}}
+    for a strategy keeping one parameter list a context (`replicas` or `params`) of a model with experts; {}
+    for any other. Under --mode expert a context holds E/N; under sync, all E."""
+    net = getattr(model, "net", None)
+    lists = getattr(model, "replicas", None) or getattr(model, "params", None)     # sync's, or expert's
+    experts = getattr(getattr(net, "experts", None), "experts", None)
+    shapes = [shape for _, shape in net.shapes()] if experts else ()
+    if not experts or not lists or len(lists) != len(model.ctx) or \
+            any(not cut_by_experts(P, shapes, net) for P in lists):
+        return {}
+    which = net.expert_params()
+    whole = sum(int(np.prod(shapes[i])) for i in which) * FLOAT_BYTES
+    return {str(P[which[0]].context): {"held": P[which[0]].shape[0], "of": experts, "whole_bytes": whole,
+                                       "bytes": sum(P[i].size * np.dtype(P[i].dtype).itemsize for i in which)}
+            for P in lists}
 
 
 def scratch_buffers(ctx_name):
@@ -103,7 +125,7 @@ def per_context(model, batch_size, shapes=None):
     layers of the strategy's model (Strategy.net; or LeNet of `shapes`)."""
     net = as_model(getattr(model, "net", None), shapes)
     report, elems = held_bytes(model), stage_activation_elems(model=net)
-    peaks = {c: sum(r.values()) for c, r in report.items()}
+    peaks = {c: sum(r[f"{k}_bytes"] for k in KINDS) for c, r in report.items()}
     for c, s, n in model.layout(batch_size):
         per_example = elems[s] if isinstance(s, int) else part_activation_elems(s, model=net)
         peaks[str(c)] += n * per_example * FLOAT_BYTES
@@ -170,4 +192,18 @@ def format_report(report):
     return "; ".join(f"{c}: peak {format_bytes(r['peak_bytes'])} = {format_bytes(r['param_bytes'])} params + "
                      f"{format_bytes(r['grad_bytes'])} grads + {format_bytes(r['state_bytes'])} optimiser state "
                      f"+ {format_bytes(r['activation_bytes'])} activations/temporaries"
-                     for c, r in report.items()) + f" ({counted(next(iter(report.values())))})"
+                     + experts_held(r) for c, r in report.items()) + f" ({counted(next(iter(report.values())))})"
+
+
+def cut_by_experts(P, shapes, net):
+    """Whether the parameter list P holds the model's parameters, whole or its expert ones cut
+    along the experts alone (not flattened shards, as ZeRO stage 3's)."""
+    return len(P) == len(shapes) and all(tuple(P[i].shape[1:]) == tuple(shapes[i][1:]) for i in net.expert_params())
+
+
+def experts_held(r):
+    """", experts 2 of 4 (1.0 MiB of expert parameters; all 4: 2.0 MiB)" for a context's report
+    that counts an MoE's experts; "" for any other."""
+    e = r.get("experts")
+    return (f", experts {e['held']} of {e['of']} ({format_bytes(e['bytes'])} of expert parameters; all "
+            f"{e['of']}: {format_bytes(e['whole_bytes'])})") if e else ""

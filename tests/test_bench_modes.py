@@ -47,7 +47,8 @@ def test_two_contexts_time_the_modes_that_fit_two(tmp_path):
     result = json.loads((tmp_path / "modes.json").read_text())
     rates = result["images_per_sec"]
     assert result["cpus"] == 2 and set(rates) | set(result["left_out"]) == set(strategies([0, 1]))
-    assert "deterministic" in rates and set(result["left_out"]) == {"context cp=2 ring"}   # LeNet: no sequence
+    assert "deterministic" in rates and set(result["left_out"]) == {"context cp=2 ring", "expert ep=2"}   # LeNet:
+    # no sequence, no experts
     assert "tensor T=2" in rates and "model S=2" in rates and not any(n.startswith("hybrid") for n in rates)
     bad = subprocess.run([sys.executable, "-m", "manual_dp.bench.modes", "--cpus", "1"],
                          capture_output=True, text=True, timeout=120)

@@ -151,6 +151,8 @@ def test_the_command_line_trains_with_the_experts_sharded(capsys, tmp_path):
     assert "mode expert: the 4 experts of every MoE block sharded over 2 context(s) per group (2 experts a context" \
         in out
     assert "memory per context: cpu(0)" in out and "done: test acc" in out
+    memory_line = next(line for line in out.splitlines() if line.startswith("memory per context"))
+    assert memory_line.count(", experts 2 of 4 (") == 4                   # every context, from the probe
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -20,6 +20,7 @@ files marked * run on their own too: `python -m manual_dp.bench.NAME`.
     zero_memory.py *      bytes per context: sync against ZeRO stages 1, 2, 3, in fp32 and 16 bits
     tensor.py *           what tensor parallelism saves and costs, beside sync on the same contexts
     modes.py *            every mode's images/s side by side, for any model
+    experts.py *          the MoE GPT's tokens/s: expert parallelism against replicated experts, the all-to-all's share
     precision.py *        fp32, bf16 (native and emulated) and fp16 side by side, with the bytes all-reduced
     transformer.py *      the transformer, or the GPT (--model gpt), beside PyTorch and the lesson's step
     transformer_models.py the models transformer.py measures (a table) and one measurement of either
