@@ -254,3 +254,15 @@ def test_the_benchmark_prints_sync_beside_zero(capsys):
     assert lines[0].split()[2:] == ["sync", "linked", "zero1", "linked", "zero3", "linked"] and len(lines) == 2
     times = [float(v) for v in lines[1].split()[-6:]]
     assert all(linked > plain for plain, linked in zip(times[::2], times[1::2]))     # 50 ms a hop at least
+
+
+def test_a_tensor_parallel_run_over_a_link_exits(tmp_path):
+    """The link's delays recorded into tensor parallelism's backward: still queued at exit, they left
+    MXNet's shutdown waiting forever (cli/run.py's settle drains them first)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "manual_dp.train", "--model", "transformer", "--layers", "1",
+                           "--d-model", "16", "--heads", "2", "--epochs", "1", "--train-size", "64", "--test-size", "32",
+                           "--batch-size", "32", "--no-progress", "--cpus", "2", "--mode", "tensor",
+                           "--tensor-parallel", "2", "--link", "0.05,100"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "done: test acc" in done.stdout, done.stderr

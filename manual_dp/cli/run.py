@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import mxnet as mx
 import numpy as np
 
 from .. import checkpoint, checks, config, datasets, memory, modes, perturb
@@ -263,7 +264,19 @@ def give_up(message):
 def run(cfg):
     """Train as `cfg` says, printing one line per epoch; returns the history. Errors are raised."""
     with connect(cfg.backend, cfg.timeout, give_up, cfg.flight_record) as world:
-        return run_in(cfg, world)
+        try:
+            return run_in(cfg, world)
+        finally:
+            settle()
+
+
+def settle():
+    """Wait until MXNet has run every operation it holds. A custom operator still queued when Python
+    exits (an emulated link's delay, fast/link.py, recorded into a tensor-parallel backward) leaves
+    MXNet's shutdown waiting for it forever; drained here, the process ends as any other. A failed
+    operation's error has been raised already, or is the run's to raise: not again here."""
+    with contextlib.suppress(Exception):
+        mx.nd.waitall()
 
 
 def run_or_exit(cfg):
