@@ -45,7 +45,7 @@ def test_checks_every_n_updates_only():
 
 def test_the_cli_stops_and_keeps_the_last_good_checkpoint(capsys, monkeypatch, data_dir, tmp_path):
     from manual_dp.cli import build as cli_build
-    monkeypatch.setattr(cli_build, "make_allreduce", lambda name: faulty(bad_call=6))   # epoch 2 of 4 updates
+    monkeypatch.setattr(cli_build, "make_allreduce", lambda name, wire=None: faulty(bad_call=6))   # epoch 2 of 4 updates
     ck = tmp_path / "ck"
     code, lines = run(capsys, ["--data-dir", str(data_dir), *TINY, "--cpus", "2", "--epochs", "3",
                                "--check-replicas", "1", "--checkpoint-dir", str(ck), "--log-json", str(tmp_path / "log")])
