@@ -26,6 +26,7 @@ from ..cli.output import ends_on_signals, parsed_or_exit
 from ..config import CORPUS_SEQ_LEN
 from ..fast.runtime import configure, machine
 from ..strategies.expert.exchange import ExpertGroup
+from .modes import step_seconds
 
 PROG = "python -m manual_dp.bench.experts"
 
@@ -85,22 +86,6 @@ def runs(args, k):
     return out
 
 
-def take_turns(models, X, y, steps, rounds):
-    """{name: median seconds a step} of each model's `steps` steps on (X, y), the models taking
-    turns for `rounds` rounds after one that warms up."""
-    import mxnet as mx
-    times = {name: [] for name in models}
-    for r in range(rounds + 1):
-        for name, model in models.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                model.step(X, y, 0.01)
-            mx.nd.waitall()
-            if r:
-                times[name].append((time.perf_counter() - start) / steps)
-    return {name: float(np.median(t)) for name, t in times.items()}
-
-
 def exchange_share(model, X, y, steps):
     """{"step_s", "forward_all_to_all_s", "share", "bytes_per_step"} of `steps` steps of the
     ExpertParallel `model` with its groups' exchanges timed (the backward's taken as the forward's)."""
@@ -122,7 +107,7 @@ def measure(args, k):
     from ..memory import random_batch
     models = runs(args, k)
     X, y = random_batch(args.batch, spec=next(iter(models.values())).net.spec)
-    secs = take_turns(models, X, y, args.steps, args.rounds)
+    secs = step_seconds(models, X, y, args.steps, args.rounds)
     out = {name: {"tokens_per_s": args.batch * CORPUS_SEQ_LEN / s, "step_s": s} for name, s in secs.items()}
     for name, model in models.items():
         if "expert ep=" in name:

@@ -77,9 +77,15 @@ def speed(net, batch, steps, rounds, cpus=4):
 def take_turns(models, batch, steps, rounds):
     """{name: median images/s} of each model's `steps` steps on one random batch of `batch`, the
     models taking turns for `rounds` rounds after one that warms up (graphs, kernels)."""
-    import mxnet as mx
     rng = np.random.RandomState(0)
     X, y = rng.rand(batch, 1, 28, 28).astype(np.float32), rng.randint(0, 10, batch).astype(np.int32)
+    return {name: batch / s for name, s in step_seconds(models, X, y, steps, rounds).items()}
+
+
+def step_seconds(models, X, y, steps, rounds):
+    """{name: median seconds a step} of each model's `steps` steps on (X, y), the models taking
+    turns for `rounds` rounds after one that warms up."""
+    import mxnet as mx
     times = {name: [] for name in models}
     for r in range(rounds + 1):
         for name, model in models.items():
@@ -88,8 +94,8 @@ def take_turns(models, batch, steps, rounds):
                 model.step(X, y, 0.01)
             mx.nd.waitall()
             if r:
-                times[name].append(time.perf_counter() - start)
-    return {name: steps * batch / float(np.median(t)) for name, t in times.items()}
+                times[name].append((time.perf_counter() - start) / steps)
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def parse(argv):
